@@ -1,0 +1,1 @@
+"""seq2seq: machine translation with an encoder-decoder Transformer."""

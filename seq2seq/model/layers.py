@@ -1,0 +1,147 @@
+"""Norms, feed-forward variants, residual placements, and the encoder and decoder layers.
+
+Residual placement around each sub-layer f (attention or feed-forward), with dropout `drop`:
+    post      x = norm(x + drop(f(x)))                   the paper; no final norm
+    pre       x = x + drop(f(norm(x)))                   + a final norm after the stack
+    sandwich  x = x + drop(norm_out(f(norm_in(x))))      CogView; + a final norm after the stack
+    deepnorm  x = norm(alpha * x + drop(f(x)))           DeepNet (Wang et al. 2022); alpha per stack,
+                                                         plus a beta init scaling (see transformer.py)
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from seq2seq.model.attention import MultiHeadAttention
+from seq2seq.model.config import TransformerConfig
+from seq2seq.model.positions import Rotary
+
+GATED = {"glu": F.sigmoid, "swiglu": F.silu, "geglu": F.gelu}
+PLAIN = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
+
+
+def make_norm(config: TransformerConfig) -> nn.Module:
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+    return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: w_out(act(w_in x)), or for the GLU family w_out(act(x W) * (x V)).
+
+    The gated variants fuse W and V into one `w_in` of width 2*d_ff (one matmul instead of two).
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.gated = config.activation in GATED
+        self.act = GATED[config.activation] if self.gated else PLAIN[config.activation]
+        self.w_in = nn.Linear(config.d_model, 2 * config.d_ff if self.gated else config.d_ff)
+        self.w_out = nn.Linear(config.d_ff, config.d_model)
+        self.dropout = nn.Dropout(config.activation_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.w_in(x)  # (B, T, d_ff) or (B, T, 2*d_ff)
+        if self.gated:
+            gate, linear = hidden.chunk(2, dim=-1)
+            hidden = self.act(gate) * linear
+        else:
+            hidden = self.act(hidden)
+        return self.w_out(self.dropout(hidden))  # (B, T, D)
+
+
+class Residual(nn.Module):
+    """One sub-layer's norm(s), dropout and skip connection, in the chosen placement."""
+
+    def __init__(self, config: TransformerConfig, *, alpha: float):
+        super().__init__()
+        self.placement = config.norm_placement
+        self.alpha = alpha  # DeepNorm's residual scale; 1 for the other placements
+        self.norm = make_norm(config)
+        self.norm_out = make_norm(config) if self.placement == "sandwich" else None
+        self.dropout = nn.Dropout(config.dropout)
+
+    def before(self, x: Tensor) -> Tensor:
+        """The sub-layer's input."""
+        return self.norm(x) if self.placement in ("pre", "sandwich") else x
+
+    def after(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
+        """Combine the residual stream `x` with the sub-layer's output."""
+        if self.norm_out is not None:
+            sublayer_out = self.norm_out(sublayer_out)
+        sublayer_out = self.dropout(sublayer_out)
+        if self.placement in ("pre", "sandwich"):
+            return x + sublayer_out
+        return self.norm(self.alpha * x + sublayer_out)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: TransformerConfig, *, alpha: float):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(
+            d_model=config.d_model, num_heads=config.num_heads, attention_dropout=config.attention_dropout
+        )
+        self.self_attn_residual = Residual(config, alpha=alpha)
+        self.ffn = FeedForward(config)
+        self.ffn_residual = Residual(config, alpha=alpha)
+
+    def forward(
+        self, x: Tensor, *, mask: Tensor, position_bias: Tensor | None = None, rotary: Rotary | None = None
+    ) -> Tensor:
+        # x: (B, S, D); mask: (B, 1, 1, S)
+        h = self.self_attn_residual.before(x)
+        keys, values = self.self_attn.keys_values(h, rotary=rotary)
+        h = self.self_attn(h, keys=keys, values=values, mask=mask, position_bias=position_bias, rotary=rotary)
+        x = self.self_attn_residual.after(x, h)
+        return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TransformerConfig, *, alpha: float):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(
+            d_model=config.d_model, num_heads=config.num_heads, attention_dropout=config.attention_dropout
+        )
+        self.self_attn_residual = Residual(config, alpha=alpha)
+        self.cross_attn = MultiHeadAttention(
+            d_model=config.d_model, num_heads=config.num_heads, attention_dropout=config.attention_dropout
+        )
+        self.cross_attn_residual = Residual(config, alpha=alpha)
+        self.ffn = FeedForward(config)
+        self.ffn_residual = Residual(config, alpha=alpha)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        self_kv: tuple[Tensor, Tensor] | None,
+        cross_kv: tuple[Tensor, Tensor],
+        self_mask: Tensor | None,
+        cross_mask: Tensor,
+        position_bias: Tensor | None = None,
+        rotary: Rotary | None = None,
+        offset: int = 0,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """One layer over the new target positions offset..offset+T-1.
+
+        x: (B, T, D); self_kv: the cached keys/values of positions 0..offset-1, (B, H, offset, Dh) each,
+        or None; cross_kv: the projected source, (B, H, S, Dh) each. Returns the output and the
+        self-attention keys/values of positions 0..offset+T-1, for the cache.
+        """
+        h = self.self_attn_residual.before(x)
+        keys, values = self.self_attn.keys_values(h, rotary=rotary, offset=offset)  # (B, H, T, Dh)
+        if self_kv is not None:
+            # Appending costs O(t) per step, as a decoding step must; nothing before `offset` is recomputed.
+            keys = torch.cat((self_kv[0], keys), dim=2)  # (B, H, offset+T, Dh)
+            values = torch.cat((self_kv[1], values), dim=2)
+        h = self.self_attn(
+            h, keys=keys, values=values, mask=self_mask, position_bias=position_bias, rotary=rotary, offset=offset
+        )
+        x = self.self_attn_residual.after(x, h)
+
+        h = self.cross_attn_residual.before(x)
+        h = self.cross_attn(h, keys=cross_kv[0], values=cross_kv[1], mask=cross_mask)
+        x = self.cross_attn_residual.after(x, h)
+
+        x = self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
+        return x, (keys, values)

@@ -1,0 +1,225 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need", with the common variants.
+
+    src (B, S) ──embed·√d + pos──► Encoder ──► memory (B, S, D)
+                                                  │ cross-attention keys/values
+    tgt_in (B, T) ──embed·√d + pos──► Decoder ◄───┘ ──► output projection ──► logits (B, T, V)
+
+Initialisation (as fairseq's transformer, with the paper's embedding scale in mind):
+- every linear projection: Xavier-uniform weights, zero biases; an untied output projection
+  N(0, d_model^-1/2), like the embedding it would otherwise share;
+- token embeddings: N(0, d_model^-1/2), so that after the √d_model scale they have unit variance;
+  the padding row is zero;
+- DeepNorm (Wang et al. 2022, encoder-decoder case, N encoder / M decoder layers): residuals scaled
+  by alpha = 0.81 (N^4 M)^(1/16) in the encoder and (3M)^(1/4) in the decoder, and the value, output
+  and feed-forward projections initialised Xavier-normal with gain beta = 0.87 (N^4 M)^(-1/16)
+  (encoder) or (12M)^(-1/4) (decoder); queries and keys keep gain 1.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from seq2seq.model.attention import DecoderState, MultiHeadAttention, causal_mask, padding_mask
+from seq2seq.model.config import TransformerConfig
+from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
+from seq2seq.model.positions import LearnedPositions, RelativePositionBias, Rotary, SinusoidalPositions
+
+
+def deepnorm_constants(config: TransformerConfig) -> tuple[float, float, float, float]:
+    """(encoder alpha, encoder beta, decoder alpha, decoder beta); all 1 for the other placements."""
+    if config.norm_placement != "deepnorm":
+        return 1.0, 1.0, 1.0, 1.0
+    n, m = config.num_encoder_layers, config.num_decoder_layers
+    return (
+        0.81 * (n**4 * m) ** (1 / 16),
+        0.87 * (n**4 * m) ** (-1 / 16),
+        (3 * m) ** (1 / 4),
+        (12 * m) ** (-1 / 4),
+    )
+
+
+class Embedder(nn.Module):
+    """Token embeddings scaled by √d_model, plus absolute positions when the config uses them."""
+
+    def __init__(self, config: TransformerConfig, tokens: nn.Embedding):
+        super().__init__()
+        self.tokens = tokens
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
+        self.positions: nn.Module | None = None
+        if config.positions == "sinusoidal":
+            self.positions = SinusoidalPositions(max_positions=config.max_positions, d_model=config.d_model)
+        elif config.positions == "learned":
+            self.positions = LearnedPositions(max_positions=config.max_positions, d_model=config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.max_positions = config.max_positions
+
+    def forward(self, tokens: Tensor, *, offset: int = 0) -> Tensor:
+        # tokens: (B, T) -> (B, T, D)
+        if offset + tokens.size(1) > self.max_positions:
+            raise ValueError(
+                f"sequence of {offset + tokens.size(1)} tokens exceeds max_positions={self.max_positions}; "
+                "truncate the input or train a model with larger max_positions"
+            )
+        x = self.tokens(tokens) * self.scale
+        if self.positions is not None:
+            x = x + self.positions(tokens.size(1), offset=offset)
+        return self.dropout(x)
+
+
+def relative_positions(config: TransformerConfig, *, bidirectional: bool) -> tuple[nn.Module | None, Rotary | None]:
+    """The (relative bias, rotary) modules one stack needs; at most one of them is not None."""
+    if config.positions == "relative":
+        bias = RelativePositionBias(
+            num_heads=config.num_heads,
+            bidirectional=bidirectional,
+            num_buckets=config.relative_buckets,
+            max_distance=config.relative_max_distance,
+        )
+        return bias, None
+    if config.positions == "rotary":
+        rotary = Rotary(
+            head_dim=config.d_model // config.num_heads, max_positions=config.max_positions, base=config.rotary_base
+        )
+        return None, rotary
+    return None, None
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: TransformerConfig, tokens: nn.Embedding):
+        super().__init__()
+        alpha = deepnorm_constants(config)[0]
+        self.embed = Embedder(config, tokens)
+        self.relative_bias, self.rotary = relative_positions(config, bidirectional=True)
+        self.layers = nn.ModuleList(EncoderLayer(config, alpha=alpha) for _ in range(config.num_encoder_layers))
+        self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
+
+    def forward(self, src: Tensor, *, src_mask: Tensor) -> Tensor:
+        # src: (B, S); src_mask: (B, 1, 1, S)
+        x = self.embed(src)  # (B, S, D)
+        bias = self.relative_bias(src.size(1), src.size(1)) if self.relative_bias is not None else None
+        for layer in self.layers:
+            x = layer(x, mask=src_mask, position_bias=bias, rotary=self.rotary)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: TransformerConfig, tokens: nn.Embedding):
+        super().__init__()
+        alpha = deepnorm_constants(config)[2]
+        self.pad_id = config.pad_id
+        self.embed = Embedder(config, tokens)
+        self.relative_bias, self.rotary = relative_positions(config, bidirectional=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, alpha=alpha) for _ in range(config.num_decoder_layers))
+        self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
+
+    def forward(self, tgt_in: Tensor, *, memory: Tensor, src_mask: Tensor, state: DecoderState | None) -> Tensor:
+        # tgt_in: (B, T) new target tokens; memory: (B, S, D); src_mask: (B, 1, 1, S)
+        offset = state.length if state is not None else 0
+        length = tgt_in.size(1)
+        x = self.embed(tgt_in, offset=offset)  # (B, T, D)
+        # One new token attends to every cached position: no mask needed, and SDPA's fast path applies.
+        self_mask = None if (offset and length == 1) else causal_mask(tgt_in, pad_id=self.pad_id, offset=offset)
+        bias = None
+        if self.relative_bias is not None:
+            bias = self.relative_bias(length, offset + length, offset=offset)  # (1, H, T, offset+T)
+        first_call = state is None or not state.cross_keys
+        for i, layer in enumerate(self.layers):
+            if first_call:
+                cross_kv = layer.cross_attn.keys_values(memory)
+                if state is not None:
+                    state.cross_keys.append(cross_kv[0])
+                    state.cross_values.append(cross_kv[1])
+            else:
+                cross_kv = (state.cross_keys[i], state.cross_values[i])
+            self_kv = (state.self_keys[i], state.self_values[i]) if state is not None and offset else None
+            x, (keys, values) = layer(
+                x,
+                self_kv=self_kv,
+                cross_kv=cross_kv,
+                self_mask=self_mask,
+                cross_mask=src_mask,
+                position_bias=bias,
+                rotary=self.rotary,
+                offset=offset,
+            )
+            if state is not None:
+                if offset:
+                    state.self_keys[i], state.self_values[i] = keys, values
+                else:
+                    state.self_keys.append(keys)
+                    state.self_values.append(values)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer. Masks are built here from `pad_id`; callers pass token ids."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        d_model, vocab = config.d_model, config.vocab_size
+        tgt_tokens = nn.Embedding(vocab, d_model, padding_idx=config.pad_id)
+        src_tokens = tgt_tokens if config.tie_embeddings == "all" else nn.Embedding(vocab, d_model, padding_idx=config.pad_id)
+        self.encoder = Encoder(config, src_tokens)
+        self.decoder = Decoder(config, tgt_tokens)
+        self.output_projection = nn.Linear(d_model, vocab, bias=False)
+        self.reset_parameters()
+        if config.tie_embeddings != "none":
+            self.output_projection.weight = tgt_tokens.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        config = self.config
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                nn.init.normal_(module.weight, mean=0.0, std=config.d_model**-0.5)
+                module.weight[module.padding_idx].zero_()
+        if config.tie_embeddings == "none":
+            # Same scale as a tied projection: unit-variance hidden states give unit-variance logits.
+            nn.init.normal_(self.output_projection.weight, mean=0.0, std=config.d_model**-0.5)
+        if config.norm_placement == "deepnorm":
+            _, encoder_beta, _, decoder_beta = deepnorm_constants(config)
+            for stack, beta in ((self.encoder, encoder_beta), (self.decoder, decoder_beta)):
+                for module in stack.modules():
+                    if isinstance(module, MultiHeadAttention):
+                        d_model = module.out_proj.weight.size(0)
+                        nn.init.xavier_normal_(module.q_proj.weight)
+                        nn.init.xavier_normal_(module.kv_proj.weight[:d_model])  # keys
+                        nn.init.xavier_normal_(module.kv_proj.weight[d_model:], gain=beta)  # values
+                        nn.init.xavier_normal_(module.out_proj.weight, gain=beta)
+                    elif isinstance(module, FeedForward):
+                        nn.init.xavier_normal_(module.w_in.weight, gain=beta)
+                        nn.init.xavier_normal_(module.w_out.weight, gain=beta)
+
+    def src_mask(self, src: Tensor) -> Tensor:
+        """(B, S) source ids -> (B, S) bool, True at real tokens."""
+        return src != self.config.pad_id
+
+    def encode(self, src: Tensor) -> Tensor:
+        """src: (B, S) ids, right-padded with pad_id -> memory (B, S, D)."""
+        return self.encoder(src, src_mask=padding_mask(src, pad_id=self.config.pad_id))
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: DecoderState | None = None) -> Tensor:
+        """Logits (B, T, V) for the target tokens `tgt_in` (B, T).
+
+        src_mask: (B, S) bool, True at real source tokens (`src_mask(src)`).
+        Without `state`, `tgt_in` is the whole (right-padded) target prefix. With a state (start from
+        `new_state()`), `tgt_in` holds only the tokens after the `state.length` already cached ones; the
+        state grows by T positions and holds the cross-attention keys/values after its first call.
+        """
+        hidden = self.decoder(tgt_in, memory=memory, src_mask=src_mask[:, None, None, :], state=state)
+        return self.output_projection(hidden)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced logits (B, T, V) for `tgt_in` (BOS + target) given `src`."""
+        memory = self.encode(src)
+        return self.decode(tgt_in, memory, self.src_mask(src))
+
+    @staticmethod
+    def new_state() -> DecoderState:
+        return DecoderState()

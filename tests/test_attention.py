@@ -1,0 +1,154 @@
+"""Attention, masks and position encodings against naive float64 references."""
+
+import math
+
+import pytest
+import torch
+
+from seq2seq.model import MultiHeadAttention, causal_mask, padding_mask
+from seq2seq.model.positions import RelativePositionBias, Rotary, relative_position_bucket, sinusoidal_table
+
+
+def naive_attention(attention: MultiHeadAttention, x, memory, mask, bias=None, rotary=None):
+    """softmax(Q K^T / sqrt(d) + bias + mask) V, in float64, heads and positions spelled out as einsums."""
+    w = {name: p.detach().double() for name, p in attention.named_parameters()}
+    d_model = x.size(-1)
+    heads, head_dim = attention.num_heads, attention.head_dim
+    x, memory = x.double(), memory.double()
+    q = x @ w["q_proj.weight"].T + w["q_proj.bias"]
+    kv = memory @ w["kv_proj.weight"].T + w["kv_proj.bias"]
+    k, v = kv[..., :d_model], kv[..., d_model:]
+
+    def heads_of(t):
+        return t.reshape(t.size(0), t.size(1), heads, head_dim).permute(0, 2, 1, 3)
+
+    q, k, v = heads_of(q), heads_of(k), heads_of(v)
+    if rotary is not None:
+        q, k = naive_rotate(q), naive_rotate(k)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(head_dim)
+    if bias is not None:
+        scores = scores + bias.double()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)
+    out = out.permute(0, 2, 1, 3).reshape(x.size(0), x.size(1), d_model)
+    return out @ w["out_proj.weight"].T + w["out_proj.bias"]
+
+
+def naive_rotate(x, base=10000.0):
+    """RoPE written as a rotation of each (x_i, x_{i+d/2}) pair by angle p * base^(-2i/d), in float64."""
+    head_dim = x.size(-1)
+    half = head_dim // 2
+    out = torch.empty_like(x)
+    for p in range(x.size(2)):
+        for i in range(half):
+            angle = p * base ** (-2 * i / head_dim)
+            c, s = math.cos(angle), math.sin(angle)
+            a, b = x[..., p, i], x[..., p, i + half]
+            out[..., p, i] = a * c - b * s
+            out[..., p, i + half] = a * s + b * c
+    return out
+
+
+def random_attention(seed=0, d_model=24, num_heads=3):
+    torch.manual_seed(seed)
+    attention = MultiHeadAttention(d_model=d_model, num_heads=num_heads, attention_dropout=0.0)
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.normal_(0, 0.3)
+    return attention
+
+
+@pytest.mark.parametrize("kind", ["self-padding", "self-causal", "cross", "bias", "rotary"])
+def test_attention_matches_float64_reference(kind):
+    attention = random_attention()
+    torch.manual_seed(1)
+    x = torch.randn(3, 7, 24)
+    memory = x if kind != "cross" else torch.randn(3, 5, 24)
+    tokens = torch.randint(4, 20, (3, memory.size(1)))
+    tokens[1, 4:] = 0
+    tokens[2, 2:] = 0
+    mask = padding_mask(tokens, pad_id=0)
+    if kind == "self-causal":
+        mask = causal_mask(tokens, pad_id=0)
+    bias, rotary = None, None
+    if kind == "bias":
+        bias = torch.randn(1, 3, 7, 7)
+    if kind == "rotary":
+        rotary = Rotary(head_dim=8, max_positions=16, base=10000.0)
+    keys, values = attention.keys_values(memory, rotary=rotary)
+    out = attention(x, keys=keys, values=values, mask=mask, position_bias=bias, rotary=rotary)
+    expected = naive_attention(attention, x, memory, mask, bias=bias, rotary=rotary)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_convention():
+    tokens = torch.tensor([[5, 6, 0], [7, 0, 0]])
+    assert padding_mask(tokens, pad_id=0)[:, 0, 0].tolist() == [[True, True, False], [True, False, False]]
+    mask = causal_mask(tokens, pad_id=0)[:, 0]  # (B, T, T), True = may attend
+    assert mask[0].tolist() == [[True, False, False], [True, True, False], [True, True, False]]
+    assert mask[1].tolist() == [[True, False, False], [True, False, False], [True, False, False]]
+    # Two new tokens after three cached ones: query i sees keys 0..3+i.
+    offset_mask = causal_mask(torch.tensor([[5, 6]]), pad_id=0, offset=3)[0, 0]
+    assert offset_mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+
+
+def test_rotary_scores_depend_only_on_offset():
+    rotary = Rotary(head_dim=16, max_positions=64, base=10000.0)
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16).double(), torch.randn(1, 1, 1, 16).double()
+    rotary = rotary.double()
+
+    def score(query_pos, key_pos):
+        return (rotary(q, offset=query_pos) * rotary(k, offset=key_pos)).sum().item()
+
+    for shift in (1, 7, 30):
+        for query_pos, key_pos in ((5, 2), (3, 9), (0, 0)):
+            assert score(query_pos + shift, key_pos + shift) == pytest.approx(score(query_pos, key_pos), abs=1e-5)
+    assert score(5, 2) != pytest.approx(score(5, 3), abs=1e-3)  # but it does depend on the offset
+    # Rotation keeps norms.
+    assert rotary(q, offset=11).norm().item() == pytest.approx(q.norm().item())
+
+
+def test_rotary_matches_naive_rotation():
+    rotary = Rotary(head_dim=8, max_positions=16, base=10000.0).double()
+    x = torch.randn(2, 3, 6, 8).double()
+    torch.testing.assert_close(rotary(x), naive_rotate(x))
+
+
+def test_t5_buckets_match_hand_computed_values():
+    def bucket(rel, bidirectional=True):
+        return relative_position_bucket(
+            torch.tensor([rel]), bidirectional=bidirectional, num_buckets=32, max_distance=128
+        ).item()
+
+    # Bidirectional: 16 buckets a side, 8 exact offsets, then log-spaced up to 128.
+    assert bucket(0) == 0
+    assert bucket(-3) == 3  # 3 to the left
+    assert bucket(3) == 19  # 16 + 3: keys to the right use the upper half
+    assert bucket(-7) == 7
+    assert bucket(-8) == 8  # first log bucket: 8 + floor(log(8/8)/log(16) * 8)
+    assert bucket(-20) == 10  # 8 + floor(log(2.5)/log(16) * 8) = 8 + floor(2.64)
+    assert bucket(-127) == 15  # 8 + floor(log(15.875)/log(16) * 8) = 8 + floor(7.98)
+    assert bucket(-200) == 15  # beyond max_distance: the last bucket
+    assert bucket(200) == 31
+    # Unidirectional (decoder): 32 buckets, all for the past, 16 exact; the future maps to 0.
+    assert bucket(-15, bidirectional=False) == 15
+    assert bucket(-16, bidirectional=False) == 16
+    assert bucket(-40, bidirectional=False) == 23  # 16 + floor(log(2.5)/log(8) * 16) = 16 + floor(7.05)
+    assert bucket(5, bidirectional=False) == 0
+
+
+def test_relative_bias_offsets_while_decoding():
+    bias = RelativePositionBias(num_heads=2, bidirectional=False, num_buckets=8, max_distance=16)
+    full = bias(6, 6)  # (1, H, 6, 6)
+    step = bias(1, 6, offset=5)  # the last query alone, as in incremental decoding
+    torch.testing.assert_close(step, full[:, :, 5:6])
+
+
+def test_sinusoidal_table_is_the_papers():
+    table = sinusoidal_table(max_positions=50, d_model=8)
+    for pos in (0, 3, 49):
+        for i in range(4):
+            angle = pos / 10000 ** (2 * i / 8)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)

@@ -1,0 +1,327 @@
+"""The Transformer's contracts, checked for every variant combination on small random models."""
+
+import itertools
+import math
+import time
+import typing
+
+import pytest
+import torch
+
+from seq2seq.model import Transformer, TransformerConfig, transformer_base, transformer_big
+from seq2seq.model.config import transformer_small
+from seq2seq.model.transformer import deepnorm_constants
+
+PAD = 0
+PLACEMENTS = typing.get_args(TransformerConfig.__annotations__["norm_placement"])
+POSITIONS = typing.get_args(TransformerConfig.__annotations__["positions"])
+ACTIVATIONS = typing.get_args(TransformerConfig.__annotations__["activation"])
+NORMS = typing.get_args(TransformerConfig.__annotations__["norm"])
+ALL_COMBINATIONS = list(itertools.product(PLACEMENTS, POSITIONS, ACTIVATIONS, NORMS))
+# Masks and caches do not depend on the activation: the mask tests sweep the rest fully.
+MASK_COMBINATIONS = list(itertools.product(PLACEMENTS, POSITIONS, NORMS))
+
+
+def tiny_model(*, seed: int = 0, **variant) -> Transformer:
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        vocab_size=23,
+        d_model=16,
+        num_heads=2,
+        d_ff=24,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dropout=0.0,
+        max_positions=64,
+        pad_id=PAD,
+        relative_buckets=8,
+        relative_max_distance=16,
+        **variant,
+    )
+    model = Transformer(config).eval()
+    # Random (not zero) biases and norm weights, so that no term can hide behind its initial value.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def random_tokens(batch: int, length: int, *, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(4, 23, (batch, length), generator=generator)
+
+
+def pad_rows(tokens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    tokens = tokens.clone()
+    for row, length in enumerate(lengths):
+        tokens[row, length:] = PAD
+    return tokens
+
+
+def assert_relative_close(actual: torch.Tensor, expected: torch.Tensor, *, tol: float = 1e-5) -> None:
+    error = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert error <= tol * scale, f"max error {error:.3g} exceeds {tol:g} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("placement,positions,norm", MASK_COMBINATIONS)
+def test_causality(placement, positions, norm):
+    model = tiny_model(norm_placement=placement, positions=positions, norm=norm, activation="swiglu")
+    gen = torch.Generator().manual_seed(1)
+    src = random_tokens(3, 9, generator=gen)
+    tgt = random_tokens(3, 11, generator=gen)
+    t = 5
+    changed = tgt.clone()
+    changed[:, t + 1 :] = random_tokens(3, 11 - t - 1, generator=gen)
+    with torch.no_grad():
+        before, after = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1], rtol=0, atol=1e-5)
+    assert not torch.allclose(after[:, t + 1 :], before[:, t + 1 :], atol=1e-3), "later positions must see the change"
+
+
+@pytest.mark.parametrize("placement,positions,norm", MASK_COMBINATIONS)
+def test_padding_does_not_change_real_positions(placement, positions, norm):
+    model = tiny_model(norm_placement=placement, positions=positions, norm=norm, activation="gelu")
+    gen = torch.Generator().manual_seed(2)
+    src = pad_rows(random_tokens(3, 8, generator=gen), [8, 5, 3])
+    tgt = pad_rows(random_tokens(3, 7, generator=gen), [7, 4, 6])
+    src_padded = torch.cat((src, torch.full((3, 6), PAD)), dim=1)
+    tgt_padded = torch.cat((tgt, torch.full((3, 4), PAD)), dim=1)
+    with torch.no_grad():
+        reference = model(src, tgt)
+        memory, memory_padded = model.encode(src), model.encode(src_padded)
+        padded = model(src_padded, tgt_padded)
+    is_real_src = src != PAD
+    assert_relative_close(memory_padded[:, :8][is_real_src], memory[is_real_src])
+    is_real_tgt = tgt != PAD
+    assert_relative_close(padded[:, :7][is_real_tgt], reference[is_real_tgt])
+    # A row's outputs do not depend on how long the other rows of its batch are.
+    with torch.no_grad():
+        alone = model(src[1:2, :5], tgt[1:2, :4])
+    assert_relative_close(alone[0], reference[1, :4])
+
+
+def decode_step_by_step(model, src, tgt_in, *, reorder_at=None, indices=None):
+    """Logits of every position, fed one token at a time through the cache; optionally reordered."""
+    memory = model.encode(src)
+    src_mask = model.src_mask(src)
+    state = model.new_state()
+    outputs = []
+    for t in range(tgt_in.size(1)):
+        if t == reorder_at:
+            state = state.reorder(indices)
+            memory, src_mask, tgt_in = memory[indices], src_mask[indices], tgt_in[indices]
+            outputs = [out[indices] for out in outputs]
+        outputs.append(model.decode(tgt_in[:, t : t + 1], memory, src_mask, state=state))
+        assert state.length == t + 1
+    return torch.cat(outputs, dim=1)
+
+
+@pytest.mark.parametrize("placement,positions,norm", MASK_COMBINATIONS)
+def test_incremental_decoding_equals_full_pass(placement, positions, norm):
+    model = tiny_model(norm_placement=placement, positions=positions, norm=norm, activation="geglu")
+    gen = torch.Generator().manual_seed(3)
+    src = pad_rows(random_tokens(3, 9, generator=gen), [9, 6, 2])
+    tgt_in = random_tokens(3, 12, generator=gen)
+    with torch.no_grad():
+        full = model(src, tgt_in)
+        stepwise = decode_step_by_step(model, src, tgt_in)
+        assert_relative_close(stepwise, full)
+
+        # Beam search shuffles, duplicates and drops rows mid-sentence.
+        indices = torch.tensor([2, 0, 0, 1, 2])
+        reordered = decode_step_by_step(model, src, tgt_in, reorder_at=5, indices=indices)
+        assert_relative_close(reordered, model(src[indices], tgt_in[indices]))
+
+        # Several new tokens in one call (a forced prefix) after a cached prefix.
+        state = model.new_state()
+        memory, src_mask = model.encode(src), model.src_mask(src)
+        first = model.decode(tgt_in[:, :4], memory, src_mask, state=state)
+        rest = model.decode(tgt_in[:, 4:], memory, src_mask, state=state)
+        assert_relative_close(torch.cat((first, rest), dim=1), full)
+
+
+def test_cross_attention_is_computed_once_per_source():
+    model = tiny_model()
+    calls = []
+    model.decoder.layers[0].cross_attn.kv_proj.register_forward_hook(lambda *args: calls.append(1))
+    src = torch.randint(4, 23, (2, 5))
+    memory, src_mask, state = model.encode(src), model.src_mask(src), model.new_state()
+    with torch.no_grad():
+        for _ in range(6):
+            model.decode(torch.full((2, 1), 2), memory, src_mask, state=state)
+    assert len(calls) == 1
+    assert state.self_keys[0].shape == (2, 2, 6, 8)  # grown one position per step
+
+
+def test_decoding_step_cost_grows_linearly():
+    """A step at position t does O(t) work: the decoder projects one new query per step and attends
+    over the t cached keys, instead of re-running the whole prefix (which would make a step O(t^2))."""
+    model = tiny_model()
+    seen = []
+    attn = model.decoder.layers[1].self_attn
+    attn.q_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape[1]))
+    src = torch.randint(4, 23, (1, 5))
+    memory, src_mask, state = model.encode(src), model.src_mask(src), model.new_state()
+    with torch.no_grad():
+        for _ in range(10):
+            model.decode(torch.full((1, 1), 2), memory, src_mask, state=state)
+    assert seen == [1] * 10  # one query per step, never the whole prefix again
+
+
+@pytest.mark.parametrize("placement,positions,activation,norm", ALL_COMBINATIONS)
+def test_every_combination_trains(placement, positions, activation, norm):
+    model = tiny_model(norm_placement=placement, positions=positions, activation=activation, norm=norm).train()
+    gen = torch.Generator().manual_seed(4)
+    src = pad_rows(random_tokens(2, 6, generator=gen), [6, 3])
+    tgt_in = pad_rows(random_tokens(2, 5, generator=gen), [5, 2])
+    logits = model(src, tgt_in)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.randint(4, 23, (10,), generator=gen))
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"{name} got no gradient"
+        assert torch.isfinite(param.grad).all(), f"{name} has a non-finite gradient"
+    # Cross-attention's key/value projection is reached only through the encoder output.
+    assert model.decoder.layers[0].cross_attn.kv_proj.weight.grad.abs().sum() > 0
+    assert model.encoder.layers[0].ffn.w_in.weight.grad.abs().sum() > 0
+
+
+def closed_form_parameter_count(*, vocab: int, d: int, d_ff: int, enc: int, dec: int, gated: bool, tie: str) -> int:
+    attention = 4 * (d * d + d)
+    ffn = d * d_ff * (2 if gated else 1) + d_ff * (2 if gated else 1) + d_ff * d + d
+    layer_norm = 2 * d
+    encoder_layer = attention + ffn + 2 * layer_norm
+    decoder_layer = 2 * attention + ffn + 3 * layer_norm
+    embeddings = {"all": 1, "decoder": 2, "none": 3}[tie] * vocab * d
+    return embeddings + enc * encoder_layer + dec * decoder_layer
+
+
+@pytest.mark.parametrize("tie", ["all", "decoder", "none"])
+def test_transformer_base_parameter_count(tie):
+    config = transformer_base(vocab_size=32000)
+    model = Transformer(TransformerConfig(**{**config.to_dict(), "tie_embeddings": tie}))
+    expected = closed_form_parameter_count(vocab=32000, d=512, d_ff=2048, enc=6, dec=6, gated=False, tie=tie)
+    assert sum(p.numel() for p in model.parameters()) == expected
+    if tie == "all":
+        assert expected == 60_522_496
+        assert model.encoder.embed.tokens.weight is model.output_projection.weight
+    if tie == "decoder":
+        assert model.decoder.embed.tokens.weight is model.output_projection.weight
+        assert model.encoder.embed.tokens.weight is not model.output_projection.weight
+
+
+def test_presets():
+    big = transformer_big(vocab_size=32000)
+    assert (big.d_model, big.num_heads, big.d_ff, big.num_encoder_layers) == (1024, 16, 4096, 6)
+    gated = Transformer(TransformerConfig(**{**transformer_small(vocab_size=1000).to_dict(), "activation": "swiglu"}))
+    expected = closed_form_parameter_count(vocab=1000, d=256, d_ff=1024, enc=3, dec=3, gated=True, tie="all")
+    assert sum(p.numel() for p in gated.parameters()) == expected
+
+
+def test_initialisation():
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(vocab_size=4000, d_model=256, num_heads=4, d_ff=1024))
+    embedding = model.encoder.embed.tokens.weight
+    assert embedding[PAD].abs().sum() == 0
+    assert embedding[1:].std().item() == pytest.approx(256**-0.5, rel=0.02)
+    linear = model.encoder.layers[0].ffn.w_in
+    bound = math.sqrt(6 / (256 + 1024))  # Xavier-uniform
+    assert linear.weight.abs().max().item() <= bound and linear.weight.abs().max().item() > 0.95 * bound
+    assert linear.bias.abs().sum() == 0
+
+
+def test_deepnorm_scaling():
+    config = TransformerConfig(vocab_size=100, d_model=64, num_heads=4, d_ff=128, norm_placement="deepnorm",
+                               num_encoder_layers=6, num_decoder_layers=6)
+    enc_alpha, enc_beta, dec_alpha, dec_beta = deepnorm_constants(config)
+    # Wang et al. 2022, Table 1 (encoder-decoder): values for N = M = 6 worked out by hand.
+    assert enc_alpha == pytest.approx(0.81 * 7776 ** (1 / 16)) and enc_alpha == pytest.approx(1.4179, abs=1e-4)
+    assert enc_beta == pytest.approx(0.87 * 7776 ** (-1 / 16)) and enc_beta == pytest.approx(0.4970, abs=1e-4)
+    assert dec_alpha == pytest.approx(18 ** 0.25) and dec_beta == pytest.approx(72 ** -0.25)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    layer = model.encoder.layers[0]
+    assert layer.self_attn_residual.alpha == enc_alpha and model.decoder.layers[0].ffn_residual.alpha == dec_alpha
+    xavier_normal_std = math.sqrt(2 / (64 + 64))
+    values = layer.self_attn.kv_proj.weight[64:]
+    keys = layer.self_attn.kv_proj.weight[:64]
+    assert values.std().item() == pytest.approx(enc_beta * xavier_normal_std, rel=0.05)
+    assert keys.std().item() == pytest.approx(xavier_normal_std, rel=0.05)
+
+
+def test_too_long_input_is_a_clear_error():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="max_positions=64"):
+        model.encode(torch.randint(4, 23, (1, 65)))
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        TransformerConfig(vocab_size=10, d_model=10, num_heads=3)
+
+
+def test_learns_copy_and_reverse():
+    """Gradients flow through cross-attention: the decoder can only solve this by reading the source."""
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        vocab_size=16, d_model=64, num_heads=4, d_ff=128, num_encoder_layers=2, num_decoder_layers=2,
+        dropout=0.0, max_positions=32, norm_placement="pre",
+    )
+    model = Transformer(config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3, betas=(0.9, 0.98))
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(size):
+        lengths = torch.randint(3, 9, (size,), generator=gen)
+        src = torch.randint(4, 16, (size, 8), generator=gen)
+        src[torch.arange(8)[None] >= lengths[:, None]] = PAD
+        reversed_src = torch.stack([torch.cat((row[:n].flip(0), row[n:])) for row, n in zip(src, lengths, strict=True)])
+        tgt_in = torch.cat((torch.full((size, 1), 2), reversed_src), dim=1)  # BOS + y
+        tgt_out = torch.cat((reversed_src, torch.zeros(size, 1, dtype=torch.long)), dim=1)
+        tgt_out[torch.arange(size), lengths] = 3  # y + EOS
+        return src, tgt_in, tgt_out
+
+    start = time.monotonic()
+    for _ in range(400):
+        src, tgt_in, tgt_out = batch(64)
+        logits = model(src, tgt_in)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    src, tgt_in, tgt_out = batch(500)
+    with torch.no_grad():
+        predicted = model(src, tgt_in).argmax(-1)
+    real = tgt_out != PAD
+    accuracy = (predicted[real] == tgt_out[real]).float().mean().item()
+    assert accuracy >= 0.99, f"token accuracy {accuracy:.3f} after {time.monotonic() - start:.0f}s"
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_residual_placement_formulas(placement):
+    """Each placement combines the residual stream x and the sub-layer f exactly as layers.py documents."""
+    from seq2seq.model.layers import Residual
+
+    config = TransformerConfig(vocab_size=10, d_model=8, num_heads=2, dropout=0.0, norm_placement=placement)
+    residual = Residual(config, alpha=1.7 if placement == "deepnorm" else 1.0)
+    with torch.no_grad():
+        for param in residual.parameters():
+            param.normal_()
+    x = torch.randn(2, 3, 8)
+
+    def f(h):
+        return h.tanh() * 3
+
+    def norm(module, h):
+        return torch.nn.functional.layer_norm(h, (8,), module.weight, module.bias, 1e-5)
+
+    out = residual.after(x, f(residual.before(x)))
+    expected = {
+        "post": lambda: norm(residual.norm, x + f(x)),
+        "pre": lambda: x + f(norm(residual.norm, x)),
+        "sandwich": lambda: x + norm(residual.norm_out, f(norm(residual.norm, x))),
+        "deepnorm": lambda: norm(residual.norm, 1.7 * x + f(x)),
+    }[placement]()
+    torch.testing.assert_close(out, expected)
