@@ -1,0 +1,527 @@
+"""Parallel text → tokenised, filtered, token-budget batches, for Lightning.
+
+Sources, per split (files win over the Hub when both are given):
+  * `*_files`: [source.txt, target.txt] (plain or .gz, line-parallel), one two-column .tsv, or
+    Hub-layout .parquet/.json/.jsonl files;
+  * `hf_name` (+ `hf_config` / `hf_data_dir`): `datasets.load_dataset` by Hub name or local folder.
+  Hub-layout rows have a `translation` column of {lang: text} (wmt/wmt14) or a column per
+  language (bentrevett/multi30k).
+
+Batches are dicts, padded with PAD_ID:
+  src      (B, S) long   source ids, no BOS/EOS (as `Tokenizer.encode` gives them to a Translator)
+  tgt_in   (B, T) long   BOS + y
+  tgt_out  (B, T) long   y + EOS
+  and for validation/test also src_text, ref_text (raw text) and index (B,) long: the row in the
+  split, to put decoded text back in order and drop the repeats of distributed padding.
+
+Token budget: a pair costs max(len(src), len(tgt) + 1) positions, a batch B times its largest
+pair, and that is ≤ max_tokens; so src, tgt_in and tgt_out each hold at most max_tokens positions.
+
+Distributed: the batch sampler deals batches to ranks itself, so fit.py builds the Trainer with
+`use_distributed_sampler=False` (without it Lightning stops under DDP with a TypeError saying so).
+Every rank gets the same number of batches: the batch list is padded to a multiple of the world
+size by repeating batches from its start.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from functools import partial
+from itertools import zip_longest
+from pathlib import Path
+
+import datasets
+import lightning as L
+import numpy as np
+import torch
+from filelock import FileLock
+from lightning.pytorch.utilities import rank_zero_only
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader
+
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """Bad input data or data options; the message names the file or option and the fix."""
+
+
+@rank_zero_only
+def _info(message: str) -> None:
+    log.info(message)
+
+
+# ---- reading local files ------------------------------------------------------------------------
+
+
+def _lines(path: str) -> Iterator[str]:
+    """The lines of a text file (plain or .gz), without line ends; rejects non-UTF-8 bytes."""
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}, line {number}: not UTF-8 ({e.reason} at byte {e.start} of the line); "
+                    "convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`"
+                ) from None
+
+
+def _pairs_from_text(src_path: str, tgt_path: str, stamp: str) -> Iterator[dict[str, str]]:
+    # `stamp` (sizes, mtimes) goes unused: it is an argument so that from_generator's cache,
+    # keyed on the arguments, is rebuilt when a file changes.
+    for src, tgt in zip_longest(_lines(src_path), _lines(tgt_path)):
+        if src is None or tgt is None:
+            n_src, n_tgt = (sum(1 for _ in _lines(p)) for p in (src_path, tgt_path))
+            raise DataError(
+                f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}: source and target files "
+                "must be parallel, one sentence pair per line number"
+            )
+        yield {"src": src, "tgt": tgt}
+
+
+def _pairs_from_tsv(path: str, stamp: str) -> Iterator[dict[str, str]]:
+    for number, line in enumerate(_lines(path), start=1):
+        columns = line.split("\t")
+        if len(columns) != 2:
+            raise DataError(
+                f"{path}, line {number}: expected 2 tab-separated columns (source, target), found "
+                f"{len(columns)}; remove tabs inside sentences or use a source file and a target file"
+            )
+        yield {"src": columns[0], "tgt": columns[1]}
+
+
+_PAIR = datasets.Features({"src": datasets.Value("string"), "tgt": datasets.Value("string")})
+
+
+def _load_files(files: list[str], *, option: str, cache_dir: str | None) -> datasets.Dataset:
+    """A split from local files: `src`/`tgt` columns, or Hub-layout columns for parquet/json."""
+    for path in files:
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"{option}: {path} does not exist (relative to {os.getcwd()}); fix the path"
+            )
+    if all(p.endswith(".parquet") for p in files):
+        return datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=cache_dir)
+    if all(p.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")) for p in files):
+        return datasets.load_dataset("json", data_files=files, split="train", cache_dir=cache_dir)
+    stamp = ";".join(f"{p}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}" for p in files)
+    if len(files) == 1 and files[0].endswith((".tsv", ".tsv.gz")):
+        generator, kwargs = _pairs_from_tsv, {"path": files[0], "stamp": stamp}
+    elif len(files) == 2:
+        generator, kwargs = _pairs_from_text, {"src_path": files[0], "tgt_path": files[1], "stamp": stamp}
+    else:
+        raise DataError(
+            f"{option}={files}: give [source_file, target_file] (one sentence per line, plain or "
+            ".gz), one two-column .tsv, or Hub-layout .parquet/.json/.jsonl files"
+        )
+    try:
+        return datasets.Dataset.from_generator(
+            generator, features=_PAIR, gen_kwargs=kwargs, cache_dir=cache_dir
+        )
+    except datasets.exceptions.DatasetGenerationError as e:
+        if isinstance(e.__cause__, DataError):  # ours names the file and line; the wrapper does not
+            raise e.__cause__ from None
+        raise
+
+
+def _select_pair(ds: datasets.Dataset, *, src_lang: str, tgt_lang: str, where: str) -> datasets.Dataset:
+    """`src`/`tgt` text columns, from either Hub layout or from our own file readers."""
+    if ds.features == _PAIR:
+        return ds
+    if "translation" in ds.column_names:
+        feature = ds.features["translation"]
+        languages = list(feature.languages if isinstance(feature, datasets.Translation) else feature)
+        found, ds, prefix = f"its `translation` column has {languages}", ds.flatten(), "translation."
+    else:
+        languages = ds.column_names
+        found, prefix = f"it has no `translation` column and its columns are {languages}", ""
+    missing = [lang for lang in (src_lang, tgt_lang) if lang not in languages]
+    if missing:
+        raise DataError(f"{where} has no {missing} text: {found}; set src_lang/tgt_lang to languages it has")
+    ds = ds.select_columns([prefix + src_lang, prefix + tgt_lang])
+    return ds.rename_columns({prefix + src_lang: "src", prefix + tgt_lang: "tgt"})
+
+
+# ---- tokenising and filtering -------------------------------------------------------------------
+
+# What becomes of a pair; stored per row by the tokenising map, counted, then filtered on.
+KEEP, EMPTY, TOO_LONG, BAD_RATIO, TRUNCATED = 0, 1, 2, 3, 4
+_KEPT = (KEEP, TRUNCATED)  # TRUNCATED: evaluation only, kept but cut to max_tokens_per_sentence
+
+
+def _status(src: int, tgt: int, *, max_len: int, max_ratio: float, evaluation: bool) -> int:
+    """The fate of a pair of `src` and `tgt` tokens."""
+    if evaluation:  # scores must cover every reference: cut, don't drop; but an empty source has no keys
+        return EMPTY if src == 0 else TRUNCATED if max(src, tgt) > max_len else KEEP
+    if src == 0 or tgt == 0:
+        return EMPTY
+    if max(src, tgt) > max_len:
+        return TOO_LONG
+    return BAD_RATIO if max(src, tgt) > max_ratio * min(src, tgt) else KEEP
+
+
+def _tokenize(
+    batch: dict, indices: list[int], *, tokenizer: Tokenizer, max_len: int, max_ratio: float, evaluation: bool
+) -> dict:
+    src_ids = tokenizer.encode([text or "" for text in batch["src"]])
+    tgt_ids = tokenizer.encode([text or "" for text in batch["tgt"]])
+    status = [
+        _status(len(s), len(t), max_len=max_len, max_ratio=max_ratio, evaluation=evaluation)
+        for s, t in zip(src_ids, tgt_ids, strict=True)
+    ]
+    # Dropped pairs are filtered out next, so store no ids for them; kept ones are cut to max_len.
+    src_ids = [s[:max_len] if code in _KEPT else [] for s, code in zip(src_ids, status, strict=True)]
+    tgt_ids = [t[:max_len] if code in _KEPT else [] for t, code in zip(tgt_ids, status, strict=True)]
+    sizes = [max(len(s), len(t) + 1) for s, t in zip(src_ids, tgt_ids, strict=True)]
+    return {"src_ids": src_ids, "tgt_ids": tgt_ids, "size": sizes, "status": status, "index": indices}
+
+
+def _kept(status: list[int]) -> list[bool]:
+    return [s in _KEPT for s in status]
+
+
+_IDS = datasets.List(datasets.Value("int32"))
+_TOKENIZED = {"src_ids": _IDS, "tgt_ids": _IDS, "size": datasets.Value("int32"),
+              "status": datasets.Value("int8"), "index": datasets.Value("int64")}  # fmt: skip
+
+
+# ---- batching -----------------------------------------------------------------------------------
+
+
+class TokenBatchSampler:
+    """Lists of row indices whose padded size fits `max_tokens` (see the module docstring).
+
+    Training: a permutation drawn from (seed, epoch) is cut into windows of `shuffle_window` pairs;
+    each window is sorted by size and cut greedily into batches, and the batches are shuffled.
+    Evaluation: the whole split sorted by size, the same batches in the same order every time.
+    Each rank then takes every world_size-th batch of the list, padded to a multiple of world_size
+    by repeating its first batches. The batch count may differ slightly between epochs (windows
+    pack differently); Lightning reads `len` once, at the first epoch.
+    """
+
+    def __init__(
+        self,
+        sizes: np.ndarray,  # (N,) padded positions of each pair, max(len(src), len(tgt) + 1)
+        *,
+        max_tokens: int,
+        shuffle: bool,
+        shuffle_window: int = 100_000,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if len(sizes) and int(sizes.max()) > max_tokens:
+            raise DataError(f"a pair needs {int(sizes.max())} positions but max_tokens is {max_tokens}")
+        self.sizes, self.max_tokens, self.shuffle = np.asarray(sizes), max_tokens, shuffle
+        self.shuffle_window, self.seed, self.rank, self.world_size = shuffle_window, seed, rank, world_size
+        self.epoch = 0
+        self._cached: tuple[int, list[list[int]]] | None = None  # (epoch, this rank's batches)
+
+    @property
+    def sampler(self) -> TokenBatchSampler:
+        # Lightning calls `set_epoch` on `dataloader.sampler` and `dataloader.batch_sampler.sampler`,
+        # never on the batch sampler itself (lightning.fabric.utilities.data._set_sampler_epoch).
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self._batches()  # a generator: batches are made at the first `next`
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+    def _batches(self) -> list[list[int]]:
+        if self._cached is None or self._cached[0] != self.epoch:
+            batches = self._all_batches()
+            if self.world_size > 1:
+                total = math.ceil(len(batches) / self.world_size) * self.world_size
+                batches = [batches[i % len(batches)] for i in range(total)][self.rank :: self.world_size]
+            self._cached = (self.epoch, batches)
+        return self._cached[1]
+
+    def _all_batches(self) -> list[list[int]]:
+        if not self.shuffle:
+            return _pack(np.argsort(self.sizes, kind="stable"), self.sizes, self.max_tokens)
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(len(self.sizes))
+        batches = []
+        for start in range(0, len(order), self.shuffle_window):
+            window = order[start : start + self.shuffle_window]
+            batches += _pack(
+                window[np.argsort(self.sizes[window], kind="stable")], self.sizes, self.max_tokens
+            )
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def _pack(order: np.ndarray, sizes: np.ndarray, max_tokens: int) -> list[list[int]]:
+    """Cut `order` (ascending size) greedily into batches of B pairs with B * largest ≤ max_tokens."""
+    batches, batch, largest = [], [], 0
+    for i, size in zip(order.tolist(), sizes[order].tolist(), strict=True):
+        if batch and (len(batch) + 1) * max(largest, size) > max_tokens:
+            batches.append(batch)
+            batch, largest = [], 0
+        batch.append(i)
+        largest = max(largest, size)
+    return [*batches, batch] if batch else batches
+
+
+def collate(rows: list[dict], *, with_text: bool) -> dict:
+    """Rows of a tokenised split → a padded batch (keys in the module docstring)."""
+
+    def pad(seqs: list[list[int]]) -> torch.Tensor:
+        tensors = [torch.tensor(s, dtype=torch.long) for s in seqs]
+        return pad_sequence(tensors, batch_first=True, padding_value=PAD_ID)
+
+    batch = {
+        "src": pad([r["src_ids"] for r in rows]),  # (B, S)
+        "tgt_in": pad([[BOS_ID, *r["tgt_ids"]] for r in rows]),  # (B, T)
+        "tgt_out": pad([[*r["tgt_ids"], EOS_ID] for r in rows]),  # (B, T)
+    }
+    if with_text:
+        batch["src_text"] = [r["src"] for r in rows]
+        batch["ref_text"] = [r["tgt"] for r in rows]
+        batch["index"] = torch.tensor([r["index"] for r in rows], dtype=torch.long)  # (B,)
+    return batch
+
+
+# ---- the data module ----------------------------------------------------------------------------
+
+
+class TranslationDataModule(L.LightningDataModule):
+    """Parallel data for one direction, `src_lang` → `tgt_lang` (sources: module docstring).
+
+    If `tokenizer_path` does not exist, a tokenizer is trained on the training split and saved
+    there; one process trains, under a file lock, while the others wait, then all load it.
+    """
+
+    def __init__(
+        self,
+        *,
+        src_lang: str,
+        tgt_lang: str,
+        tokenizer_path: str,
+        vocab_size: int = 8000,
+        tokenizer_model_type: str = "bpe",
+        character_coverage: float = 1.0,
+        tokenizer_max_sentences: int = 2_000_000,
+        hf_name: str | None = None,
+        hf_config: str | None = None,
+        hf_data_dir: str | None = None,
+        train_split: str = "train",
+        valid_split: str | None = "validation",
+        test_split: str | None = "test",
+        train_files: list[str] | None = None,
+        valid_files: list[str] | None = None,
+        test_files: list[str] | None = None,
+        max_tokens_per_sentence: int = 256,
+        max_length_ratio: float = 3.0,
+        max_tokens: int = 4096,
+        shuffle_window: int = 100_000,
+        seed: int = 0,
+        num_workers: int = 0,
+        num_proc: int = 1,
+        cache_dir: str | None = None,
+    ) -> None:
+        """
+        Args:
+            src_lang: source language code as the data names it (`de`).
+            tgt_lang: target language code (`en`).
+            tokenizer_path: the sentencepiece .model file; trained and written if missing.
+            vocab_size: pieces of a tokenizer trained here.
+            tokenizer_model_type: `bpe` or `unigram`, for a tokenizer trained here.
+            character_coverage: sentencepiece's share of characters given their own piece.
+            tokenizer_max_sentences: lines (source and target together) sampled to train it.
+            hf_name: a Hub dataset name, or a local folder laid out like one.
+            hf_config: its configuration, e.g. `de-en`.
+            hf_data_dir: the sub-folder holding the files, for a folder whose README names no configs.
+            train_split: split name in the hf_name dataset.
+            valid_split: split name in the hf_name dataset; None for no validation.
+            test_split: split name in the hf_name dataset; None for none.
+            train_files: local files in place of hf_name: [source, target] (plain or .gz), [one.tsv],
+                or Hub-layout .parquet/.json/.jsonl files.
+            valid_files: the same, for validation.
+            test_files: the same, for test.
+            max_tokens_per_sentence: training pairs with a longer side are dropped, evaluation
+                pairs cut to it.
+            max_length_ratio: training pairs whose longer side has more times the tokens of the
+                shorter are dropped.
+            max_tokens: a batch's budget of padded positions, B * max(len(src), len(tgt) + 1).
+            shuffle_window: pairs sorted by length together; larger packs tighter, smaller mixes more.
+            seed: epoch e's training order comes from (seed, e).
+            num_workers: DataLoader worker processes.
+            num_proc: processes for tokenising (datasets.map).
+            cache_dir: where datasets keeps its Arrow files (default: ~/.cache/huggingface/datasets).
+        """
+        super().__init__()
+        if src_lang == tgt_lang:
+            raise DataError(f"src_lang and tgt_lang are both {src_lang!r}; choose two languages")
+        if max_tokens < max_tokens_per_sentence + 1:
+            raise DataError(
+                f"max_tokens={max_tokens} cannot hold one pair of max_tokens_per_sentence="
+                f"{max_tokens_per_sentence} tokens (+1 for BOS/EOS); raise max_tokens or lower the other"
+            )
+        self.save_hyperparameters()
+        self.src_lang, self.tgt_lang, self.tokenizer_path = src_lang, tgt_lang, tokenizer_path
+        self.tokenizer_vocab_size, self.tokenizer_model_type = vocab_size, tokenizer_model_type
+        self.character_coverage, self.tokenizer_max_sentences = character_coverage, tokenizer_max_sentences
+        self.hf_name, self.hf_config, self.hf_data_dir = hf_name, hf_config, hf_data_dir
+        self.splits = {"train": train_split, "valid": valid_split, "test": test_split}
+        self.files = {"train": train_files, "valid": valid_files, "test": test_files}
+        self.max_tokens_per_sentence, self.max_length_ratio = max_tokens_per_sentence, max_length_ratio
+        self.max_tokens, self.shuffle_window, self.seed = max_tokens, shuffle_window, seed
+        self.num_workers, self.num_proc, self.cache_dir = num_workers, num_proc, cache_dir
+        self._tokenizer: Tokenizer | None = None
+        self.datasets: dict[str, datasets.Dataset] = {}  # "train"/"valid"/"test": tokenised, filtered
+        self.sizes: dict[str, np.ndarray] = {}  # (N,) padded positions of each pair in `datasets`
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            path = Path(self.tokenizer_path)
+            if not path.is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with FileLock(f"{path}.lock"):
+                    if not path.is_file():  # unless another process trained it while we waited
+                        self._train_tokenizer(path)
+            self._tokenizer = Tokenizer.from_file(path)
+        return self._tokenizer
+
+    def _train_tokenizer(self, path: Path) -> None:
+        start, raw = time.perf_counter(), self._load_raw("train")
+        tokenizer = Tokenizer.train(
+            (text for batch in raw.iter(batch_size=10_000) for text in batch["src"] + batch["tgt"]),
+            vocab_size=self.tokenizer_vocab_size,
+            model_type=self.tokenizer_model_type,
+            character_coverage=self.character_coverage,
+            max_sentences=self.tokenizer_max_sentences,
+            seed=self.seed,
+        )
+        partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        tokenizer.save(partial_path)
+        os.replace(partial_path, path)  # atomic: nobody reads a half-written model
+        _info(f"trained {path} on {raw.num_rows} pairs in {time.perf_counter() - start:.1f}s")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    # ---- splits ---------------------------------------------------------------------------------
+
+    def _has(self, split: str) -> bool:
+        return self.files[split] is not None or (self.hf_name is not None and self.splits[split] is not None)
+
+    def _load_raw(self, split: str) -> datasets.Dataset:
+        """The split as `src`/`tgt` text columns, as read."""
+        option = f"{split}_files"
+        if self.files[split] is not None:
+            ds, where = _load_files(self.files[split], option=option, cache_dir=self.cache_dir), option
+        elif self.hf_name is not None and self.splits[split] is not None:
+            where = f"hf_name={self.hf_name!r} (hf_config={self.hf_config!r}, split {self.splits[split]!r})"
+            try:
+                ds = datasets.load_dataset(
+                    self.hf_name, self.hf_config, data_dir=self.hf_data_dir, split=self.splits[split],
+                    cache_dir=self.cache_dir,
+                )  # fmt: skip
+            except (ValueError, FileNotFoundError, ConnectionError) as e:
+                raise DataError(f"cannot load {where}: {e}") from e
+        else:
+            raise DataError(f"no {split} data: set {option}, or hf_name (with {split}_split)")
+        return _select_pair(ds, src_lang=self.src_lang, tgt_lang=self.tgt_lang, where=where)
+
+    def _build(self, split: str) -> tuple[datasets.Dataset, np.ndarray]:
+        """Tokenise and filter a split (datasets caches both as Arrow); log what was dropped."""
+        raw, evaluation, tokenizer = self._load_raw(split), split != "train", self.tokenizer
+        limits = {
+            "max_len": self.max_tokens_per_sentence,
+            "max_ratio": self.max_length_ratio,
+            "evaluation": evaluation,
+        }
+        tokenized = raw.map(
+            _tokenize,
+            batched=True,
+            with_indices=True,
+            fn_kwargs={"tokenizer": tokenizer, **limits},
+            remove_columns=[] if evaluation else ["src", "tgt"],  # training needs no text
+            features=datasets.Features({**(raw.features if evaluation else {}), **_TOKENIZED}),
+            num_proc=self.num_proc if self.num_proc > 1 else None,
+            # The sentencepiece processor does not hash stably, so name the result ourselves.
+            new_fingerprint=datasets.fingerprint.Hasher.hash(
+                [raw._fingerprint, hashlib.sha256(tokenizer.to_bytes()).hexdigest(), limits, "v1"]
+            ),
+            desc=f"tokenising {split}",
+        )
+        status = tokenized.data.column("status").to_numpy()
+        counts, kept = np.bincount(status, minlength=5), np.isin(status, _KEPT)
+        reasons = {EMPTY: "with an empty source" if evaluation else "with an empty side"}
+        if not evaluation:
+            reasons[TOO_LONG] = f"with a side over max_tokens_per_sentence={self.max_tokens_per_sentence}"
+            reasons[BAD_RATIO] = f"with a length ratio over max_length_ratio={self.max_length_ratio}"
+        report = f"{split}: {len(status)} pairs read; " + ", ".join(
+            f"dropped {counts[code]} {reason}" for code, reason in reasons.items()
+        )
+        report += f"; cut {counts[TRUNCATED]} to max_tokens_per_sentence" if evaluation else ""
+        report += f"; kept {int(kept.sum())}"
+        if not kept.any():
+            raise DataError(f"no {split} data left after filtering: {report}")
+        _info(report)
+        filtered = tokenized.filter(_kept, input_columns="status", batched=True, desc=f"filtering {split}")
+        return filtered, tokenized.data.column("size").to_numpy()[kept]
+
+    def prepare_data(self) -> None:
+        # One process per node tokenises everything once; `setup` on every rank then reads caches.
+        for split in ("train", "valid", "test"):
+            if self._has(split):
+                self._build(split)
+
+    def setup(self, stage: str) -> None:
+        # Validation is optional while fitting; a split asked for by name must exist.
+        fit = ["train", "valid"] if self._has("valid") else ["train"]
+        for split in {"fit": fit, "validate": ["valid"], "test": ["test"]}.get(stage, []):
+            if split not in self.datasets:
+                self.datasets[split], self.sizes[split] = self._build(split)
+
+    # ---- loaders --------------------------------------------------------------------------------
+
+    def _loader(self, split: str) -> DataLoader:
+        if self.trainer is not None:
+            rank, world_size = self.trainer.global_rank, self.trainer.world_size
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        else:
+            rank, world_size = 0, 1
+        sampler = TokenBatchSampler(
+            self.sizes[split],
+            max_tokens=self.max_tokens,
+            shuffle=split == "train",
+            shuffle_window=self.shuffle_window,
+            seed=self.seed,
+            rank=rank,
+            world_size=world_size,
+        )
+        return DataLoader(
+            self.datasets[split],
+            batch_sampler=sampler,
+            collate_fn=partial(collate, with_text=split != "train"),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._loader("valid") if "valid" in self.datasets else []  # []: no validation
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")

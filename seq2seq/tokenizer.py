@@ -1,0 +1,187 @@
+"""A joint sentencepiece tokenizer with fixed special ids.
+
+One model covers both languages (shared vocabulary, so the embedding matrices can be tied).
+The special ids are fixed here, not read from a model file, so every part of the project
+(masks, collate, search) can rely on them:
+
+    PAD_ID = 0   padding; never predicted, masked out of attention and loss
+    UNK_ID = 1   only for models trained without byte fallback (ours always have it)
+    BOS_ID = 2   starts every decoder input
+    EOS_ID = 3   ends every decoder output
+
+`Tokenizer.to_bytes()` is the serialized sentencepiece model proto, so a checkpoint can carry
+the tokenizer and inference needs no side file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+from collections.abc import Iterable
+from pathlib import Path
+
+import sentencepiece as spm
+
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+
+
+class Tokenizer:
+    """A sentencepiece model: batched encode/decode without special tokens added."""
+
+    def __init__(self, processor: spm.SentencePieceProcessor) -> None:
+        specials = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
+        if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise ValueError(
+                f"this sentencepiece model has special ids pad/unk/bos/eos = {specials}, but seq2seq needs "
+                f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; train it with Tokenizer.train (or pass "
+                "--pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 to spm_train)"
+            )
+        self._sp = processor
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        *,
+        vocab_size: int,
+        model_type: str = "bpe",
+        character_coverage: float = 1.0,
+        max_sentences: int = 2_000_000,
+        seed: int = 0,
+    ) -> Tokenizer:
+        """Train a joint model on at most `max_sentences` lines drawn uniformly from `texts`.
+
+        `texts` is read once, as a stream (reservoir sampling), so a WMT-size corpus is never held
+        in memory beyond the sample. The same texts and seed give the same model, byte for byte.
+        """
+        sample = _reservoir_sample(texts, k=max_sentences, seed=seed)
+        if not any(line.strip() for line in sample):
+            raise ValueError("cannot train a tokenizer: the training text is empty (no non-blank line)")
+        spm.set_random_generator_seed(seed)  # unigram's seeding; bpe on a fixed sample is deterministic
+        model = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sample),
+                model_writer=model,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                pad_id=PAD_ID,
+                unk_id=UNK_ID,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                # "identity" keeps characters as they are: nmt_nfkc rewrites e.g. a no-break space or
+                # "½" (45 lines of Multi30k), so decode(encode(x)) != x. Runs of spaces and leading or
+                # trailing spaces are still collapsed (remove_extra_whitespaces' default), which is the
+                # only change a round trip makes; all de/en lines of Multi30k with normal spacing
+                # round-trip exactly (tests/test_tokenizer.py).
+                normalization_rule_name="identity",
+                # Characters outside the sample (a capped sample misses rare ones) become UTF-8 byte
+                # pieces instead of <unk>, so nothing in a test set decodes to "⁇".
+                byte_fallback=True,
+                # We did the sampling; sentencepiece should take all of it.
+                input_sentence_size=0,
+                minloglevel=2,
+            )
+        except (RuntimeError, ValueError) as e:  # in sentencepiece's words, e.g. "Vocabulary size too high"
+            raise ValueError(
+                f"training a {model_type} tokenizer of vocab_size={vocab_size} on {len(sample)} lines failed: {e}"
+            ) from e
+        return cls.from_bytes(model.getvalue())
+
+    @classmethod
+    def from_bytes(cls, b: bytes) -> Tokenizer:
+        """Load from a serialized model proto (what `to_bytes` returns; a `.model` file's content)."""
+        processor = spm.SentencePieceProcessor()
+        processor.LoadFromSerializedProto(b)
+        return cls(processor)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer model {path} does not exist")
+        return cls.from_bytes(path.read_bytes())
+
+    def to_bytes(self) -> bytes:
+        return self._sp.serialized_model_proto()
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self.to_bytes())
+
+    # Workers (DataLoader, datasets.map with num_proc) receive the tokenizer by pickling; the
+    # SWIG processor itself cannot be pickled, its proto can.
+    def __getstate__(self) -> bytes:
+        return self.to_bytes()
+
+    def __setstate__(self, state: bytes) -> None:
+        processor = spm.SentencePieceProcessor()
+        processor.LoadFromSerializedProto(state)
+        self._sp = processor
+
+    # ---- use ----------------------------------------------------------------------------
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text; no BOS/EOS added."""
+        return self._sp.encode(list(texts), out_type=int)
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        """Text of each id sequence; stops at the first EOS, drops PAD and BOS.
+
+        Accepts what a search returns (lists of ints, with or without BOS, padded after EOS).
+        """
+        texts = []
+        for row in ids:
+            kept = []
+            for i in row:
+                i = int(i)
+                if i == EOS_ID:
+                    break
+                if i not in (PAD_ID, BOS_ID):
+                    kept.append(i)
+            texts.append(self._sp.decode(kept))
+        return texts
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def pad_id(self) -> int:
+        return PAD_ID
+
+    @property
+    def unk_id(self) -> int:
+        return UNK_ID
+
+    @property
+    def bos_id(self) -> int:
+        return BOS_ID
+
+    @property
+    def eos_id(self) -> int:
+        return EOS_ID
+
+
+def _reservoir_sample(texts: Iterable[str], *, k: int, seed: int) -> list[str]:
+    """A uniform sample of at most `k` items of a stream, in one pass (Vitter's algorithm R)."""
+    if k < 1:
+        raise ValueError(f"max_sentences must be at least 1, got {k}")
+    rng = random.Random(seed)
+    sample: list[str] = []
+    for n, text in enumerate(texts):
+        if n < k:
+            sample.append(text)
+        else:
+            j = int(rng.random() * (n + 1))  # keep this item with probability k / (n + 1)
+            if j < k:
+                sample[j] = text
+    return sample

@@ -1,0 +1,97 @@
+import pickle
+
+import pytest
+import sentencepiece as spm
+
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, _reservoir_sample
+
+
+def test_special_ids_are_fixed(tokenizer: Tokenizer) -> None:
+    assert (PAD_ID, UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2, 3)
+    assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 1, 2, 3)
+    assert tokenizer.vocab_size == 2000
+
+
+def test_round_trips_multi30k(tokenizer: Tokenizer, multi30k_lines) -> None:
+    texts = [
+        line
+        for stem in ("train", "val", "test_2016_flickr")
+        for lang in ("de", "en")
+        for line in multi30k_lines(stem, lang)
+    ]
+    decoded = tokenizer.decode(tokenizer.encode(texts))
+    # The one normalisation: runs of spaces collapse and the ends are trimmed (85 of the 62,028 lines).
+    spaced_normally = [t == t.strip() and "  " not in t for t in texts]
+    assert sum(spaced_normally) > 0.99 * len(texts)
+    for text, out, normal in zip(texts, decoded, spaced_normally, strict=True):
+        assert out == (text if normal else " ".join(w for w in text.split(" ") if w))
+
+
+def test_characters_outside_the_training_text_round_trip(tokenizer: Tokenizer) -> None:
+    texts = ["Crème brûlée ½ ﬁ „Zitat“ — 東京 🙂", "Nummer\u00a028"]  # byte fallback, no "⁇"
+    ids = tokenizer.encode(texts)
+    assert UNK_ID not in {i for row in ids for i in row}
+    assert tokenizer.decode(ids) == texts
+
+
+def test_encode_adds_no_specials_and_decode_stops_at_eos(tokenizer: Tokenizer) -> None:
+    [ids] = tokenizer.encode(["Ein Hund läuft."])
+    assert not {PAD_ID, BOS_ID, EOS_ID} & set(ids)
+    [other] = tokenizer.encode(["Zwei Katzen."])
+    rows = [[BOS_ID, *ids, EOS_ID, *other, PAD_ID], [*ids, PAD_ID, PAD_ID], [BOS_ID, EOS_ID], []]
+    assert tokenizer.decode(rows) == ["Ein Hund läuft.", "Ein Hund läuft.", "", ""]
+
+
+def test_bytes_file_and_pickle_trips(tokenizer: Tokenizer, tmp_path, multi30k_lines) -> None:
+    texts = multi30k_lines("val", "en", 50)
+    expected = tokenizer.encode(texts)
+    copies = [Tokenizer.from_bytes(tokenizer.to_bytes()), pickle.loads(pickle.dumps(tokenizer))]
+    tokenizer.save(tmp_path / "sub" / "m.model")
+    copies.append(Tokenizer.from_file(tmp_path / "sub" / "m.model"))
+    for copy in copies:
+        assert copy.to_bytes() == tokenizer.to_bytes()
+        assert copy.encode(texts) == expected
+        assert copy.decode(expected) == tokenizer.decode(expected)
+
+
+def test_training_is_seeded_and_capped(multi30k_lines) -> None:
+    texts = multi30k_lines("train", "en", 3000)
+    a = Tokenizer.train(iter(texts), vocab_size=500, max_sentences=1000, seed=1)
+    b = Tokenizer.train(iter(texts), vocab_size=500, max_sentences=1000, seed=1)
+    c = Tokenizer.train(iter(texts), vocab_size=500, max_sentences=1000, seed=2)
+    assert a.to_bytes() == b.to_bytes()
+    assert a.to_bytes() != c.to_bytes()  # another sample of 1000 lines
+
+
+def test_unigram_model(multi30k_lines) -> None:
+    texts = multi30k_lines("train", "de", 2000)
+    tok = Tokenizer.train(texts, vocab_size=600, model_type="unigram")
+    assert tok.vocab_size == 600
+    assert tok.decode(tok.encode(texts[:100])) == texts[:100]
+
+
+def test_reservoir_sample_is_uniform_and_streams() -> None:
+    stream = (str(i) for i in range(10_000))  # a generator: read once, no len()
+    sample = _reservoir_sample(stream, k=1000, seed=0)
+    assert len(sample) == len(set(sample)) == 1000
+    assert 3500 < sum(int(x) for x in sample) / len(sample) < 6500  # not the first 1000
+    assert _reservoir_sample(map(str, range(10_000)), k=1000, seed=0) == sample
+    assert _reservoir_sample(["a", "b"], k=5, seed=0) == ["a", "b"]
+
+
+def test_bad_training_input() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        Tokenizer.train(["", "  "], vocab_size=100)
+    with pytest.raises(ValueError, match="max_sentences"):
+        Tokenizer.train(["a"], vocab_size=100, max_sentences=0)
+    with pytest.raises(ValueError, match="vocab_size=300 on 100 lines failed: .*Vocabulary size too high"):
+        Tokenizer.train(["Ein Hund.", "A dog."] * 50, vocab_size=300)
+
+
+def test_rejects_a_model_with_other_special_ids(tmp_path, multi30k_lines) -> None:
+    prefix = tmp_path / "default_ids"
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(multi30k_lines("train", "en", 500)) + "\n", encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(prefix), vocab_size=300, minloglevel=2)
+    with pytest.raises(ValueError, match="pad/unk/bos/eos"):
+        Tokenizer.from_file(f"{prefix}.model")
