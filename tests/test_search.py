@@ -1,0 +1,482 @@
+"""Tests for seq2seq.search: fake models with written-out probabilities, a random fake with a real
+incremental state, and the real Transformer decoded with and without its cache."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from seq2seq.search import (
+    Hypothesis,
+    beam_search,
+    beam_step,
+    greedy,
+    length_normalize,
+    max_lengths,
+    repeated_ngram_mask,
+    sample,
+    top_k_filter,
+    top_p_filter,
+)
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+A, B, C, D = 4, 5, 6, 7
+IDS = {"bos": BOS, "eos": EOS, "pad": PAD}
+INF = float("inf")
+
+
+def log(*probs: float) -> float:
+    return sum(math.log(p) for p in probs)
+
+
+def gnmt(log_prob: float, num_tokens_with_eos: int, alpha: float) -> float:
+    return log_prob / ((5 + num_tokens_with_eos) / 6) ** alpha
+
+
+def assert_hyps(hyps: list[Hypothesis], expected: list[tuple[list[int], float, float]]) -> None:
+    """expected: (tokens, log_prob, score) per hypothesis, best first."""
+    assert [h.tokens for h in hyps] == [tokens for tokens, _, _ in expected]
+    assert [h.log_prob for h in hyps] == pytest.approx([lp for _, lp, _ in expected], abs=1e-5)
+    assert [h.score for h in hyps] == pytest.approx([score for _, _, score in expected], abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# A fake model whose next-token probabilities are a written-out table.
+
+
+class PrefixState:
+    """Fake decoder state: the ids fed so far (BOS first). Like the real one, grown in place."""
+
+    def __init__(self, fed: torch.Tensor | None = None):
+        self.fed = fed
+
+    @property
+    def length(self) -> int:
+        return 0 if self.fed is None else self.fed.size(1)
+
+    def reorder(self, indices: torch.Tensor) -> "PrefixState":
+        return PrefixState(self.fed.index_select(0, indices))
+
+    def grow(self, tgt_in: torch.Tensor) -> None:
+        self.fed = tgt_in if self.fed is None else torch.cat((self.fed, tgt_in), dim=1)
+
+
+class TableModel:
+    """P(next | source, prefix) = tables[src[0]][prefix] (a dict token -> prob; absent = 0), else `default`.
+
+    The memory carries the source ids and is read at every step, so a row whose memory went out of
+    step with its state shows up as a wrong distribution.
+    """
+
+    def __init__(self, tables: dict, *, default: dict, vocab_size: int = 8, max_positions: int = 64):
+        self.tables, self.default, self.vocab_size = tables, default, vocab_size
+        self.config = SimpleNamespace(max_positions=max_positions, pad_id=PAD)
+        self.encode_calls = 0
+        self.rows_per_step: list[int] = []
+
+    def encode(self, src: torch.Tensor) -> torch.Tensor:
+        self.encode_calls += 1
+        return src.float()[:, :, None]  # (B, S, 1)
+
+    def new_state(self) -> PrefixState:
+        return PrefixState()
+
+    def decode(self, tgt_in, memory, src_mask, state=None):
+        assert state is not None and tgt_in.size(1) == 1
+        assert memory.size(0) == src_mask.size(0) == tgt_in.size(0)
+        state.grow(tgt_in)
+        self.rows_per_step.append(tgt_in.size(0))
+        probs = torch.zeros(tgt_in.size(0), self.vocab_size)
+        for row, (key, fed) in enumerate(zip(memory[:, 0, 0].long().tolist(), state.fed.tolist(), strict=True)):
+            assert fed[0] == BOS
+            for token, p in self.tables.get(key, {}).get(tuple(fed[1:]), self.default).items():
+                probs[row, token] = p
+        return probs.log()[:, None, :]  # (R, 1, V) logits; log(0) = -inf
+
+
+ONLY_EOS = {EOS: 1.0}
+# Three source sentences, told apart by their first token. Beam size 2 is traced in the comments:
+# candidates are the 2K = 4 best extensions; EOS in the top 2 finishes, the first 2 non-EOS go on.
+TABLES = {
+    # step 1: EOS|A .35 (finishes) > BA .315 > AA .10 > BB .09; step 2: EOS|BA .315 (finishes: K done)
+    A: {(): {A: 0.5, B: 0.45, EOS: 0.05}, (A,): {EOS: 0.7, A: 0.2, B: 0.1}, (B,): {A: 0.7, B: 0.2, EOS: 0.1},
+        (B, A): ONLY_EOS, (A, A): {EOS: 0.6, B: 0.4}},
+    # step 1: EOS|B .54 and EOS|A .32 both finish: done after two decoder calls.
+    B: {(): {B: 0.6, A: 0.4}, (B,): {EOS: 0.9, A: 0.1}, (A,): {EOS: 0.8, B: 0.2}},
+    # step 1: AA .72, AB .135 go on (EOS|B .1 is third: dropped); step 2: AAA .504 goes on, EOS|AA .216
+    # finishes, EOS|AB .135 is third (dropped), the second beam is dead (-inf); step 3: EOS|AAA .504.
+    C: {(): {A: 0.9, B: 0.1}, (A,): {A: 0.8, B: 0.15, EOS: 0.05}, (A, A): {A: 0.7, EOS: 0.3},
+        (A, A, A): ONLY_EOS},
+}  # fmt: skip
+SOURCES = torch.tensor([[A, D, D, PAD], [B, D, PAD, PAD], [C, D, D, D]])  # 3, 2 and 4 real tokens
+LONG = {"max_len_a": 0.0, "max_len_b": 10}
+
+
+def table_model(**kwargs) -> TableModel:
+    return TableModel(TABLES, default=ONLY_EOS, **kwargs)
+
+
+def test_beam_search_table_exact_tokens_and_scores_in_a_shrinking_batch():
+    model = table_model()
+    hyps = beam_search(model, SOURCES, beam_size=2, nbest=2, length_penalty=0.0, **LONG, **IDS)
+    assert_hyps(hyps[0], [([A], log(0.5, 0.7), log(0.5, 0.7)), ([B, A], log(0.45, 0.7), log(0.45, 0.7))])
+    assert_hyps(hyps[1], [([B], log(0.6, 0.9), log(0.6, 0.9)), ([A], log(0.4, 0.8), log(0.4, 0.8))])
+    # fairseq's stopping rule: done at K = 2 finished, so [A, A] (.216) ranks below the [A, A, A] (.504)
+    # that finished a step later.
+    assert_hyps(hyps[2], [([A, A, A], log(0.9, 0.8, 0.7), log(0.9, 0.8, 0.7)), ([A, A], log(0.9, 0.8, 0.3), log(0.9, 0.8, 0.3))])
+    assert model.encode_calls == 1
+    # 3 sentences, then 3 x 2 beams; sentence 1 leaves after step 2, sentence 0 after step 3.
+    assert model.rows_per_step == [3, 6, 4, 2]
+
+
+def test_beam_search_batch_equals_each_sentence_alone():
+    batched = beam_search(table_model(), SOURCES, beam_size=2, nbest=2, **LONG, **IDS)
+    for i in range(len(SOURCES)):
+        alone = beam_search(table_model(), SOURCES[i : i + 1], beam_size=2, nbest=2, **LONG, **IDS)
+        assert alone[0] == batched[i]
+
+
+def test_beam_search_length_penalty_reranks():
+    # alpha = 1: [B, A] (3 tokens with EOS) beats [A] (2 tokens): -1.155 / (8/6) > -1.050 / (7/6).
+    hyps = beam_search(table_model(), SOURCES[:1], beam_size=2, nbest=2, length_penalty=1.0, **LONG, **IDS)[0]
+    assert_hyps(hyps, [([B, A], log(0.45, 0.7), gnmt(log(0.45, 0.7), 3, 1.0)), ([A], log(0.5, 0.7), gnmt(log(0.5, 0.7), 2, 1.0))])
+    # nbest=1 keeps the best one only.
+    best = beam_search(table_model(), SOURCES[:1], beam_size=2, nbest=1, length_penalty=1.0, **LONG, **IDS)[0]
+    assert [h.tokens for h in best] == [[B, A]]
+
+
+def test_beam_search_min_len_forbids_early_eos():
+    hyps = beam_search(table_model(), SOURCES[:1], beam_size=2, nbest=2, length_penalty=0.0, min_len=2, **LONG, **IDS)
+    assert_hyps(hyps[0], [([B, A], log(0.45, 0.7), log(0.45, 0.7)), ([A, A], log(0.5, 0.2, 0.6), log(0.5, 0.2, 0.6))])
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"max_len_a": 0.0, "max_len_b": 1},
+        {"max_len_a": 0.5, "max_len_b": 0},  # floor(0.5 * 3 real source tokens) = 1; the pad does not count
+        {"max_len_a": 0.0, "max_len_b": 100, "max_positions": 2},  # BOS + 1 token fill the positions
+    ],
+)
+def test_beam_search_max_len_forces_eos(limits):
+    limits = dict(limits)
+    model = table_model(max_positions=limits.pop("max_positions", 64))
+    hyps = beam_search(model, SOURCES[:1], beam_size=2, nbest=2, length_penalty=0.0, **limits, **IDS)
+    # At length 1 only EOS may follow: both beams finish, even the unlikely EOS after B.
+    assert_hyps(hyps[0], [([A], log(0.5, 0.7), log(0.5, 0.7)), ([B], log(0.45, 0.1), log(0.45, 0.1))])
+
+
+def test_beam_search_forced_prefix():
+    hyps = beam_search(table_model(), SOURCES[:1], beam_size=2, nbest=2, length_penalty=0.0, prefix=[[B]], **LONG, **IDS)
+    # The forced B's own probability counts; then BA .315 and BB .09 go on, EOS|B .045 is third.
+    assert_hyps(hyps[0], [([B, A], log(0.45, 0.7), log(0.45, 0.7)), ([B, B], log(0.45, 0.2), log(0.45, 0.2))])
+
+
+def test_greedy_table_exact():
+    model = table_model()
+    hyps = greedy(model, SOURCES, **LONG, **IDS)
+    expected = [([A], log(0.5, 0.7)), ([B], log(0.6, 0.9)), ([A, A, A], log(0.9, 0.8, 0.7))]
+    for hyp, (tokens, log_prob) in zip(hyps, expected, strict=True):
+        assert_hyps([hyp], [(tokens, log_prob, log_prob)])  # greedy: score = log_prob
+    assert model.rows_per_step == [3, 3, 1, 1]
+
+
+# The same distribution at every step: A .4 > B .3 > C .2 > D .06 > EOS .04.
+CONSTANT = {A: 0.4, B: 0.3, C: 0.2, D: 0.06, EOS: 0.04}
+SIX = {"max_len_a": 0.0, "max_len_b": 6}
+
+
+def constant_model() -> TableModel:
+    return TableModel({}, default=CONSTANT)
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (0, [A, A, A, A, A, A]),
+        (1, [A, B, C, D, EOS]),  # every token once; then EOS, its only choice left (UNK has p = 0)
+        (2, [A, A, B, A, C, A]),  # after "A A", A would repeat the bigram (A, A): B; after "A A B A", C
+        (3, [A, A, A, B, A, A]),
+    ],
+)
+def test_greedy_no_repeat_ngram(n, expected):
+    hyps = greedy(constant_model(), SOURCES[:1], no_repeat_ngram_size=n, **SIX, **IDS)
+    tokens = expected[: expected.index(EOS)] if EOS in expected else expected
+    assert hyps[0].tokens == tokens
+    assert hyps[0].log_prob == pytest.approx(log(*(CONSTANT[t] for t in tokens), CONSTANT[EOS]), abs=1e-5)
+
+
+def test_greedy_forced_prefix_and_min_len():
+    src = SOURCES[:3]
+    prefix = [[C, B], [B] * 8, []]  # the second is longer than max_len 6: it is kept whole
+    hyps = greedy(constant_model(), src, prefix=prefix, **SIX, **IDS)
+    assert [h.tokens for h in hyps] == [[C, B, A, A, A, A], [B] * 8, [A] * 6]
+    assert hyps[0].log_prob == pytest.approx(log(0.2, 0.3, 0.4, 0.4, 0.4, 0.4, 0.04), abs=1e-5)
+    # The prefix wins over no-repeat: the second A is forced although it repeats the unigram A.
+    forced = greedy(constant_model(), src[:1], prefix=[[A, A]], no_repeat_ngram_size=1, **SIX, **IDS)[0]
+    assert forced.tokens == [A, A, B, C, D]
+    assert forced.log_prob == pytest.approx(log(0.4, 0.4, 0.3, 0.2, 0.06, 0.04), abs=1e-5)
+    eos_first = TableModel({}, default={EOS: 0.5, A: 0.3, B: 0.2})
+    assert greedy(eos_first, src[:1], min_len=3, **SIX, **IDS)[0].tokens == [A, A, A]
+    assert greedy(eos_first, src[:1], **SIX, **IDS)[0].tokens == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions, on written-out inputs.
+
+
+def test_beam_step_candidates():
+    scores = torch.tensor([[-1.0, -1.5]])
+    log_probs = torch.tensor([[[-3.0, -0.2, -4.0, -0.1, -5.0], [-0.3, -6.0, -0.4, -0.05, -7.0]]])
+    # totals: beam 0: -4, -1.2, -5, -1.1 (EOS), -6; beam 1: -1.8, -7.5, -1.9, -1.55 (EOS), -8.5
+    step = beam_step(scores, log_probs, beam_size=2, eos=EOS)
+    assert step.cand_scores[0].tolist() == pytest.approx([-1.1, -1.2, -1.55, -1.8])
+    assert step.cand_tokens.tolist() == [[EOS, 1, EOS, 0]]
+    assert step.cand_beams.tolist() == [[0, 0, 1, 1]]
+    assert step.finished.tolist() == [[True, False, False, False]]  # the second EOS ranks 3rd: dropped
+    assert step.next_beams.tolist() == [[0, 1]]
+    assert step.next_tokens.tolist() == [[1, 0]]
+    assert step.next_scores[0].tolist() == pytest.approx([-1.2, -1.8])
+    # The first step opens the beam from one row; a dead row (-inf) never finishes.
+    first = beam_step(torch.zeros(2, 1), torch.tensor([[[-2.0, -0.5, -1.0, -3.0, -4.0]], [[-INF] * 5]]),
+                      beam_size=2, eos=EOS)
+    assert first.next_beams.tolist() == [[0, 0], [0, 0]]
+    assert first.next_tokens[0].tolist() == [1, 2]
+    assert not first.finished.any()
+    with pytest.raises(ValueError, match="vocabulary"):
+        beam_step(torch.zeros(1, 1), torch.zeros(1, 1, 5), beam_size=3, eos=EOS)
+
+
+def test_repeated_ngram_mask():
+    def banned(tokens, n):
+        mask = repeated_ngram_mask(torch.tensor([[tokens]]), n=n, vocab_size=8)[0, 0]
+        return mask.nonzero()[:, 0].tolist()
+
+    assert banned([A, B, A], 1) == [A, B]
+    assert banned([A, B, A], 2) == [B]  # "A B" seen: B may not follow A again
+    assert banned([A, B, A], 3) == []  # "B A" never seen before
+    assert banned([A, B, A, B], 3) == [A]
+    assert banned([A, B, C, A, B, D, A, B], 3) == [C, D]
+    assert banned([A], 2) == [] and banned([], 1) == []
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05]])  # sorted: .4 .25 .2 .1 .05
+    for p, kept in [(0.3, [1]), (0.6, [1, 3]), (0.66, [1, 2, 3]), (0.9, [0, 1, 2, 3]), (0.99, [0, 1, 2, 3, 4])]:
+        out = top_p_filter(probs.log(), p)
+        assert out.isfinite()[0].nonzero()[:, 0].tolist() == kept, p
+        assert torch.equal(out[0, kept], probs.log()[0, kept])  # kept values untouched
+    assert torch.equal(top_p_filter(probs.log(), 1.0), probs.log())
+    # On the boundary (binary fractions, so exact): .5 + .25 reaches .75, the .125s are not needed.
+    exact = torch.tensor([[0.25, 0.5, 0.125, 0.125]]).log()
+    assert top_p_filter(exact, 0.75).isfinite()[0].nonzero()[:, 0].tolist() == [0, 1]
+    # Measured after renormalising what top-k left: .4/.65 = .615 >= .6.
+    assert top_p_filter(top_k_filter(probs.log(), 2), 0.6).isfinite()[0].nonzero()[:, 0].tolist() == [1]
+
+
+def test_top_k_filter():
+    log_probs = torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05]]).log()
+    assert top_k_filter(log_probs, 2).isfinite()[0].nonzero()[:, 0].tolist() == [1, 3]
+    assert torch.equal(top_k_filter(log_probs, 0), log_probs)
+
+
+def test_length_normalize_and_max_lengths():
+    assert length_normalize(-2.0, 3, alpha=0.0) == -2.0
+    assert length_normalize(-2.0, 3, alpha=1.0) == pytest.approx(-2.0 / (8 / 6))
+    assert length_normalize(-2.0, 3, alpha=0.6) == pytest.approx(-2.0 / (8 / 6) ** 0.6)
+    src_mask = torch.arange(10)[None, :] < torch.tensor([[3], [10], [0]])
+    no_prefix = torch.zeros(3, dtype=torch.long)
+    got = max_lengths(src_mask, max_len_a=1.2, max_len_b=2, max_positions=100, prefix_len=no_prefix)
+    assert got.tolist() == [5, 14, 2]  # floor(1.2 * len + 2)
+    got = max_lengths(src_mask, max_len_a=1.2, max_len_b=2, max_positions=12, prefix_len=torch.tensor([7, 0, 0]))
+    assert got.tolist() == [7, 11, 2]  # raised to the prefix, capped at max_positions - 1
+    with pytest.raises(ValueError, match="prefix"):
+        max_lengths(src_mask, max_len_a=1.0, max_len_b=0, max_positions=12, prefix_len=torch.tensor([12, 0, 0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# A random fake model with a real incremental state.
+
+
+class SumState:
+    def __init__(self, total=None, context=None, length=0):
+        self.total, self.context, self.length = total, context, length
+
+    def reorder(self, indices):
+        return SumState(self.total.index_select(0, indices), self.context.index_select(0, indices), self.length)
+
+
+class RunningSumModel:
+    """Logits from a decayed running sum of the prefix's embeddings (order matters) plus a source
+    context computed on the first call and then read from the state, as cross-attention keys are.
+    EOS grows likelier with length, so hypotheses end at varied lengths."""
+
+    def __init__(self, *, vocab_size: int = 12, dim: int = 16, seed: int = 0, max_positions: int = 64):
+        g = torch.Generator().manual_seed(seed)
+        self.src_embed = torch.randn(vocab_size, dim, generator=g)
+        self.tgt_embed = torch.randn(vocab_size, dim, generator=g)
+        self.out = torch.randn(dim, vocab_size, generator=g)
+        self.config = SimpleNamespace(max_positions=max_positions, pad_id=PAD)
+
+    def encode(self, src):
+        return self.src_embed[src]  # (B, S, D)
+
+    def new_state(self):
+        return SumState()
+
+    def decode(self, tgt_in, memory, src_mask, state=None):
+        own = state if state is not None else SumState()  # state=None: a full pass over tgt_in
+        assert memory.size(0) == src_mask.size(0) == tgt_in.size(0)
+        if own.context is None:
+            weights = src_mask[..., None].float()
+            own.context = (memory * weights).sum(1) / weights.sum(1)  # (R, D)
+        logits = []
+        for token in tgt_in.unbind(1):
+            embedded = self.tgt_embed[token]
+            own.total = embedded if own.total is None else 0.7 * own.total + embedded
+            own.length += 1
+            step = 2.5 * torch.tanh(own.total + own.context) @ self.out  # (R, V)
+            step[:, EOS] += 0.5 * own.length - 1.5
+            logits.append(step)
+        return torch.stack(logits, dim=1)  # (R, T, V)
+
+
+RANDOM_SOURCES = torch.tensor([[5, 6, 7, 8, 9], [9, 4, 0, 0, 0], [4, 4, 10, 11, 0], [7, 0, 0, 0, 0]])
+MEDIUM = {"max_len_a": 1.0, "max_len_b": 4}
+
+
+def rescore(model, src, tokens: list[int]) -> float:
+    """Sum of log-probs of tokens + EOS by one full teacher-forced pass (no incremental state)."""
+    tgt = torch.tensor([[BOS, *tokens, EOS]])
+    memory = model.encode(src[None])
+    logits = model.decode(tgt[:, :-1], memory, src[None] != PAD, state=None)
+    return torch.log_softmax(logits.float(), dim=-1)[0].gather(1, tgt[0, 1:, None]).sum().item()
+
+
+def test_beam_size_1_equals_greedy():
+    model = RunningSumModel()
+    beam = beam_search(model, RANDOM_SOURCES, beam_size=1, length_penalty=0.0, **MEDIUM, **IDS)
+    best = greedy(model, RANDOM_SOURCES, **MEDIUM, **IDS)
+    assert [b[0].tokens for b in beam] == [h.tokens for h in best]
+    assert [b[0].log_prob for b in beam] == pytest.approx([h.log_prob for h in best], abs=1e-5)
+    assert len({len(h.tokens) for h in best}) > 1  # the batch did shrink
+
+
+def test_sampling_top_k_1_equals_greedy():
+    model = RunningSumModel(seed=1)
+    best = greedy(model, RANDOM_SOURCES, **MEDIUM, **IDS)
+    drawn = sample(model, RANDOM_SOURCES, top_k=1, temperature=1.7, generator=torch.Generator().manual_seed(0),
+                   **MEDIUM, **IDS)
+    assert [h.tokens for h in drawn] == [h.tokens for h in best]
+    assert [h.log_prob for h in drawn] == pytest.approx([h.log_prob for h in best], abs=1e-5)
+
+
+def test_beam_search_random_model_batch_equals_alone_with_prefix_and_no_repeat():
+    model = RunningSumModel(seed=2)
+    prefix = [[6, 7], [], [8], [5, 5, 9]]
+    options = {"beam_size": 3, "nbest": 3, "length_penalty": 0.6, "no_repeat_ngram_size": 2, **MEDIUM, **IDS}
+    batched = beam_search(model, RANDOM_SOURCES, prefix=prefix, **options)
+    for i, src in enumerate(RANDOM_SOURCES):
+        alone = beam_search(model, src[None], prefix=prefix[i : i + 1], **options)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in batched[i]]
+        assert [h.score for h in alone] == pytest.approx([h.score for h in batched[i]], abs=1e-5)
+        for hyp in batched[i]:
+            assert hyp.tokens[: len(prefix[i])] == prefix[i]
+            assert PAD not in hyp.tokens and BOS not in hyp.tokens  # never generated
+            bigrams = list(zip(hyp.tokens[len(prefix[i]) :], hyp.tokens[len(prefix[i]) + 1 :], strict=False))
+            assert len(bigrams) == len(set(bigrams))
+            assert hyp.log_prob == pytest.approx(rescore(model, src, hyp.tokens), abs=1e-4)
+            assert hyp.score == pytest.approx(gnmt(hyp.log_prob, len(hyp.tokens) + 1, 0.6), abs=1e-6)
+        assert [h.score for h in batched[i]] == sorted((h.score for h in batched[i]), reverse=True)
+
+
+def test_sampling_near_zero_temperature_is_greedy():
+    model = RunningSumModel(seed=4)
+    best = greedy(model, RANDOM_SOURCES, **MEDIUM, **IDS)
+    cold = sample(model, RANDOM_SOURCES, temperature=1e-3, generator=torch.Generator().manual_seed(0), **MEDIUM,
+                  **IDS)
+    hot = sample(model, RANDOM_SOURCES, temperature=1.0, generator=torch.Generator().manual_seed(0), **MEDIUM,
+                 **IDS)
+    assert [h.tokens for h in cold] == [h.tokens for h in best]
+    assert [h.tokens for h in hot] != [h.tokens for h in best]
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    model = RunningSumModel(seed=3)
+
+    def draw(seed: int) -> list[list[int]]:
+        hyps = sample(model, RANDOM_SOURCES, temperature=1.5, generator=torch.Generator().manual_seed(seed),
+                      **MEDIUM, **IDS)
+        for hyp, src in zip(hyps, RANDOM_SOURCES, strict=True):  # the model's own log_prob, not the tempered one
+            assert hyp.log_prob == pytest.approx(rescore(model, src, hyp.tokens), abs=1e-4)
+        return [h.tokens for h in hyps]
+
+    assert draw(0) == draw(0)
+    assert draw(0) != draw(1)
+
+
+@pytest.mark.parametrize(("options", "support"), [({"top_k": 2}, {A, B}), ({"top_p": 0.6}, {A, B}),
+                                                  ({"top_p": 0.75}, {A, B, C}), ({}, {A, B, C, D})])
+def test_sampling_filters_restrict_the_support(options, support):
+    src = SOURCES[:1].expand(40, -1)
+    hyps = sample(constant_model(), src, generator=torch.Generator().manual_seed(0), min_len=6, **options, **SIX,
+                  **IDS)
+    assert {t for h in hyps for t in h.tokens} == support
+    for hyp in hyps:
+        assert len(hyp.tokens) == 6
+        assert hyp.log_prob == pytest.approx(log(*(CONSTANT[t] for t in hyp.tokens), CONSTANT[EOS]), abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real Transformer: its cache must give what recomputing the whole prefix gives.
+
+
+class RecomputeState:
+    def __init__(self, fed=None):
+        self.fed = fed
+
+    @property
+    def length(self) -> int:
+        return 0 if self.fed is None else self.fed.size(1)
+
+    def reorder(self, indices):
+        return RecomputeState(self.fed.index_select(0, indices))
+
+
+class Recompute:
+    """The same model without its cache: every step decodes the whole prefix from scratch."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def new_state(self):
+        return RecomputeState()
+
+    def decode(self, tgt_in, memory, src_mask, state=None):
+        state.fed = tgt_in if state.fed is None else torch.cat((state.fed, tgt_in), dim=1)
+        return self.model.decode(state.fed, memory, src_mask, state=None)[:, -1:]
+
+
+def test_cached_decoding_matches_recomputing_the_prefix():
+    from seq2seq.model import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=24, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
+                               num_decoder_layers=2, dropout=0.0, max_positions=32, pad_id=PAD)
+    # float64 so that the two paths' rounding differences cannot flip a near-tie between candidates
+    model = Transformer(config).double().eval()
+    src = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 4, 0, 0, 0, 0], [12, 13, 14, 0, 0, 0]])
+    options = {"max_len_a": 1.0, "max_len_b": 2, "min_len": 1, **IDS}
+    cached = beam_search(model, src, beam_size=3, nbest=3, prefix=[[], [7], []], **options)
+    recomputed = beam_search(Recompute(model), src, beam_size=3, nbest=3, prefix=[[], [7], []], **options)
+    for got, want in zip(cached, recomputed, strict=True):
+        assert [h.tokens for h in got] == [h.tokens for h in want]
+        assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=1e-5)
+    greedy_cached = greedy(model, src, **options)
+    greedy_recomputed = greedy(Recompute(model), src, **options)
+    assert [h.tokens for h in greedy_cached] == [h.tokens for h in greedy_recomputed]
+    assert [h.log_prob for h in greedy_cached] == pytest.approx([h.log_prob for h in greedy_recomputed], abs=1e-5)
