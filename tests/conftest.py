@@ -51,3 +51,71 @@ def tokenizer_path(tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactor
     path = tmp_path_factory.mktemp("tokenizer") / "spm.model"
     tokenizer.save(path)
     return str(path)
+
+
+TINY_CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: {max_steps}
+  val_check_interval: {max_steps}
+  check_val_every_n_epoch: null
+  enable_progress_bar: false
+  enable_model_summary: false
+  log_every_n_steps: 5
+  default_root_dir: {root}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {root}/checkpoints
+        filename: best
+        monitor: val_bleu
+        mode: max
+        save_last: true
+        enable_version_counter: false
+model:
+  d_model: 32
+  num_heads: 2
+  d_ff: 64
+  num_encoder_layers: 1
+  num_decoder_layers: 1
+  dropout: 0.0
+  max_positions: 128
+  lr: 0.003
+  warmup_steps: 5
+  val_max_len_b: 5
+data:
+  src_lang: de
+  tgt_lang: en
+  tokenizer_path: {root}/spm.model
+  vocab_size: 600
+  train_files: [{data}/train.de, {data}/train.en]
+  valid_files: [{data}/val.de, {data}/val.en]
+  max_tokens: 512
+  max_tokens_per_sentence: 64
+  cache_dir: {root}/hf_cache
+"""
+
+
+def write_tiny_run(root: Path, *, max_steps: int = 12, train_pairs: int = 600, val_pairs: int = 40) -> Path:
+    """A config for a one-layer model on a Multi30k subset (written under `root`); returns its path."""
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for stem, out, limit in (("train", "train", train_pairs), ("val", "val", val_pairs)):
+        for lang in ("de", "en"):
+            lines = _multi30k_lines(stem, lang, limit)
+            (data / f"{out}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    config = root / "tiny.yaml"
+    config.write_text(TINY_CONFIG.format(root=root, data=data, max_steps=max_steps), encoding="utf-8")
+    return config
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory):
+    """A finished few-step training run: (its config path, its checkpoint folder)."""
+    from seq2seq.fit import main
+
+    root = tmp_path_factory.mktemp("tiny_run")
+    config = write_tiny_run(root)
+    main(["--config", str(config)])
+    return config, root / "checkpoints"

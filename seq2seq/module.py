@@ -1,0 +1,251 @@
+"""TranslationModule: the Transformer trained with label smoothing, Adam and inverse-sqrt warm-up.
+
+Its typed keyword arguments are the `model:` section of a LightningCLI config. `vocab_size` is not
+written in configs: fit.py links it from the data module's tokenizer.
+
+Validation computes the loss and perplexity on teacher-forced batches and decodes the validation
+set (greedy, or beam search with `val_beam_size > 1`), then scores the detokenised output with
+sacreBLEU and chrF against the raw references. Under DDP each rank decodes its share; the
+hypotheses are gathered, deduplicated by sentence index (the data module pads ranks to equal batch
+counts with repeated batches) and scored once over the whole set. torchmetrics' SacreBLEUScore would
+sync n-gram counts instead, counting those repeated sentences twice, and gives no signature.
+
+Every checkpoint carries what inference needs under the key "seq2seq" (model config, tokenizer
+proto bytes, language pair), as plain types: it loads with `torch.load(..., weights_only=True)`.
+"""
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import sacrebleu
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.search import beam_search, greedy
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+
+CHECKPOINT_KEY = "seq2seq"
+CHECKPOINT_FORMAT = 1
+
+# (sentence index, hypothesis, reference, summed smoothed loss, summed NLL, target tokens)
+ValidationRow = tuple[int, str, str, float, float, int]
+
+
+def inverse_sqrt_schedule(step: int, *, warmup_steps: int) -> float:
+    """The paper's / fairseq's multiplier: linear warm-up to 1 at `warmup_steps`, then sqrt(warmup/step)."""
+    step = step + 1  # LambdaLR counts from 0; the first update already uses a non-zero rate
+    if step < warmup_steps:
+        return step / warmup_steps
+    return math.sqrt(warmup_steps / step)
+
+
+def label_smoothed_nll(logits: Tensor, target: Tensor, *, smoothing: float, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Per-token (label-smoothed loss, NLL), zero at pad targets; logits (..., V), target (...)."""
+    # At least float32: a bf16 log-softmax over a large vocabulary loses the small probabilities.
+    log_probs = F.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # (..., V)
+    is_pad = target == pad_id
+    nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(is_pad, 0.0)  # (...)
+    # Smoothing spreads `smoothing` mass uniformly over the vocabulary, as F.cross_entropy does.
+    uniform = -log_probs.mean(dim=-1).masked_fill(is_pad, 0.0)
+    return (1 - smoothing) * nll + smoothing * uniform, nll
+
+
+class TranslationModule(L.LightningModule):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        d_model: int = 512,
+        num_heads: int = 8,
+        d_ff: int = 2048,
+        num_encoder_layers: int = 6,
+        num_decoder_layers: int = 6,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        max_positions: int = 1024,
+        positions: str = "sinusoidal",
+        norm: str = "layernorm",
+        norm_placement: str = "post",
+        activation: str = "relu",
+        tie_embeddings: str = "all",
+        label_smoothing: float = 0.1,
+        lr: float = 5e-4,
+        warmup_steps: int = 4000,
+        weight_decay: float = 0.0,
+        adam_betas: tuple[float, float] = (0.9, 0.98),
+        adam_eps: float = 1e-9,
+        val_beam_size: int = 1,
+        val_length_penalty: float = 0.6,
+        val_max_len_a: float = 1.5,
+        val_max_len_b: int = 10,
+    ):
+        """Model fields are TransformerConfig's (see seq2seq/model/config.py for each one's meaning).
+
+        Args:
+            label_smoothing: mass spread uniformly over the vocabulary (0.1 in the paper).
+            lr: peak learning rate, reached after `warmup_steps` updates, then decaying as 1/sqrt(step).
+            weight_decay: decoupled (AdamW); 0 gives the paper's Adam.
+            val_beam_size: 1 decodes the validation set greedily; more uses beam search.
+            val_max_len_a, val_max_len_b: validation output length limit a * src_len + b.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = TransformerConfig(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            num_heads=num_heads,
+            d_ff=d_ff,
+            num_encoder_layers=num_encoder_layers,
+            num_decoder_layers=num_decoder_layers,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            activation_dropout=activation_dropout,
+            max_positions=max_positions,
+            pad_id=PAD_ID,
+            positions=positions,
+            norm=norm,
+            norm_placement=norm_placement,
+            activation=activation,
+            tie_embeddings=tie_embeddings,
+        )
+        self.model = Transformer(self.config)
+        self.tokenizer: Tokenizer | None = None  # taken from the data module in setup()
+        self._validation_outputs: list[ValidationRow] = []
+        self._step_started = 0.0
+
+    # ---- wiring -------------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        # Tiny Adam second moments and softmax tails underflow into denormal floats, which x86 CPUs
+        # process ~100x slower: measured here, the AdamW step went from 8 s to 0.6 s. Training loses
+        # nothing by flushing them to zero.
+        torch.set_flush_denormal(True)
+        datamodule = self.trainer.datamodule
+        self.tokenizer = datamodule.tokenizer
+        if self.tokenizer.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {self.tokenizer.vocab_size} pieces but the model was built for "
+                f"{self.config.vocab_size}; delete the stale tokenizer or the checkpoint you resume from"
+            )
+        self.src_lang, self.tgt_lang = datamodule.src_lang, datamodule.tgt_lang
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = {
+            "format": CHECKPOINT_FORMAT,
+            "model_config": self.config.to_dict(),
+            "tokenizer": self.tokenizer.to_bytes(),
+            "src_lang": self.src_lang,
+            "tgt_lang": self.tgt_lang,
+        }
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=hp.lr, betas=tuple(hp.adam_betas), eps=hp.adam_eps, weight_decay=hp.weight_decay,
+            # One fused kernel per tensor instead of ~10 passes: 4x faster steps on CPU, also faster on GPU.
+            fused=self.device.type in ("cpu", "cuda"),
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, InverseSqrt(hp.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # ---- training -----------------------------------------------------------------------------
+
+    def loss(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-token (label-smoothed loss, NLL), (B, T), zero at padding; and the non-pad mask (B, T)."""
+        logits = self.model(batch["src"], batch["tgt_in"])  # (B, T, V)
+        tgt_out = batch["tgt_out"]
+        loss, nll = label_smoothed_nll(logits, tgt_out, smoothing=self.hparams.label_smoothing, pad_id=PAD_ID)
+        return loss, nll, tgt_out != PAD_ID
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        loss, nll, is_real = self.loss(batch)
+        tokens = is_real.sum()
+        self._step_tokens = int(tokens)
+        batch_size = batch["src"].size(0)
+        loss, nll = loss.sum() / tokens, nll.sum() / tokens  # normalised per target token
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
+        self.log("train_nll", nll, batch_size=batch_size)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        elapsed = time.perf_counter() - self._step_started
+        # Per process, data loading excluded: multiply by the number of processes for the whole job.
+        self.log("tgt_tokens_per_sec", self._step_tokens / max(elapsed, 1e-9), prog_bar=True, batch_size=1)
+
+    # ---- validation ---------------------------------------------------------------------------
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        loss, nll, is_real = self.loss(batch)
+        hypotheses = self.translate_batch(batch["src"])
+        indices = batch["index"].tolist() if isinstance(batch["index"], Tensor) else list(batch["index"])
+        rows = zip(
+            indices, hypotheses, batch["ref_text"], loss.sum(1).tolist(), nll.sum(1).tolist(),
+            is_real.sum(1).tolist(), strict=True,
+        )
+        self._validation_outputs.extend(rows)
+
+    def translate_batch(self, src: Tensor) -> list[str]:
+        hp = self.hparams
+        if hp.val_beam_size > 1:
+            nbest = beam_search(
+                self.model, src, bos=BOS_ID, eos=EOS_ID, pad=PAD_ID, beam_size=hp.val_beam_size,
+                length_penalty=hp.val_length_penalty, max_len_a=hp.val_max_len_a, max_len_b=hp.val_max_len_b,
+            )
+            tokens = [hyps[0].tokens for hyps in nbest]
+        else:
+            hyps = greedy(
+                self.model, src, bos=BOS_ID, eos=EOS_ID, pad=PAD_ID, max_len_a=hp.val_max_len_a,
+                max_len_b=hp.val_max_len_b,
+            )
+            tokens = [hyp.tokens for hyp in hyps]
+        return self.tokenizer.decode(tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        outputs, self._validation_outputs = self._validation_outputs, []
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[list[ValidationRow]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, outputs)
+            outputs = [row for part in gathered for row in part]
+        by_index = {row[0]: row for row in outputs}  # drops the repeats that pad ranks to equal batches
+        rows = [by_index[i] for i in sorted(by_index)]
+        if not rows:
+            return
+        _, hypotheses, references, losses, nlls, lengths = zip(*rows, strict=True)
+        tokens = sum(lengths)
+        bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+        bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
+        chrf_score = chrf.corpus_score(list(hypotheses), [list(references)])
+        # Every rank computed the same numbers from the same gathered rows: nothing left to sync.
+        self.log("val_loss", sum(losses) / tokens)
+        self.log("val_nll", sum(nlls) / tokens)
+        self.log("val_ppl", math.exp(min(sum(nlls) / tokens, 50.0)))
+        self.log("val_bleu", bleu_score.score, prog_bar=True)
+        self.log("val_chrf", chrf_score.score)
+        self.log("val_sentences", float(len(rows)))
+        self.bleu_signature = str(bleu.get_signature())
+        if self.trainer.is_global_zero and not self.trainer.sanity_checking:
+            self.print(
+                f"epoch {self.current_epoch} step {self.global_step}: val BLEU {bleu_score.score:.2f} "
+                f"chrF {chrf_score.score:.2f} ppl {math.exp(min(sum(nlls) / tokens, 50.0)):.2f} "
+                f"on {len(rows)} sentences  [{self.bleu_signature}]"
+            )
+            self.print(f"  e.g. {hypotheses[0]!r}\n   ref {references[0]!r}")
+
+
+class InverseSqrt:
+    """LambdaLR multiplier as an object (not a lambda), so the scheduler's state_dict stays plain data."""
+
+    def __init__(self, warmup_steps: int):
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step: int) -> float:
+        return inverse_sqrt_schedule(step, warmup_steps=self.warmup_steps)

@@ -1,0 +1,129 @@
+"""Training end to end: configs, a few-step fit, self-contained checkpoints, resume, DDP."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MULTI30K, write_tiny_run
+
+from seq2seq.data import TranslationDataModule
+from seq2seq.fit import TranslationCLI, main
+from seq2seq.module import TranslationModule, inverse_sqrt_schedule, label_smoothed_nll
+from seq2seq.tokenizer import PAD_ID
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+
+
+def test_inverse_sqrt_schedule():
+    assert inverse_sqrt_schedule(0, warmup_steps=4) == 0.25
+    assert inverse_sqrt_schedule(3, warmup_steps=4) == 1.0  # the peak, at the 4th update
+    assert inverse_sqrt_schedule(15, warmup_steps=4) == pytest.approx(0.5)  # sqrt(4/16)
+
+
+def test_label_smoothed_loss_matches_cross_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, dtype=torch.float64)
+    target = torch.tensor([3, 5, PAD_ID, 7, 1, PAD_ID])
+    loss, nll = label_smoothed_nll(logits, target, smoothing=0.1, pad_id=PAD_ID)
+    ce = torch.nn.functional.cross_entropy
+    torch.testing.assert_close(loss.sum(), ce(logits, target, ignore_index=PAD_ID, label_smoothing=0.1, reduction="sum"))
+    torch.testing.assert_close(nll.sum(), ce(logits, target, ignore_index=PAD_ID, reduction="sum"))
+    assert loss[2] == 0 and nll[5] == 0
+
+
+class ParseOnlyCLI(TranslationCLI):
+    """Parses and validates a config as `python -m seq2seq.fit` does, without building anything."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse(*config_names: str, overrides: tuple[str, ...] = ()):
+    args = [arg for name in config_names for arg in ("--config", str(REPO / "configs" / name))]
+    return ParseOnlyCLI(TranslationModule, TranslationDataModule, run=False, args=[*args, *overrides]).config
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_parses_and_builds_offline(name: str, tmp_path: Path):
+    names = (name,) if name != "multi30k_local.yaml" else ("multi30k.yaml", name)
+    config = parse(*names, overrides=(f"--data.tokenizer_path={tmp_path}/spm.model",))
+    model_args = {key: value for key, value in config.model.items() if key != "vocab_size"}
+    if name in ("wmt.yaml", "multi30k.yaml"):
+        # Their data is on the Hub: build the model only, with the vocabulary their tokenizer will have.
+        model = TranslationModule(vocab_size=config.data.vocab_size, **model_args)
+        if name == "wmt.yaml":
+            assert config.data.vocab_size == 32000
+            assert sum(p.numel() for p in model.parameters()) == 60_522_496  # transformer-base, closed form
+        return
+    if name == "multi30k_local.yaml" and not MULTI30K.is_dir():
+        pytest.skip(f"Multi30k not found at {MULTI30K}")
+    data = TranslationDataModule(**config.data)
+    model = TranslationModule(vocab_size=data.vocab_size, **model_args)  # trains the tokenizer: offline
+    assert model.config.vocab_size == config.data.vocab_size
+
+
+def read_metrics(root: Path) -> list[dict[str, str]]:
+    (path,) = sorted(root.glob("lightning_logs/version_*/metrics.csv"))[-1:]
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_fit_writes_self_contained_checkpoints(tiny_run):
+    config, checkpoints = tiny_run
+    assert (checkpoints / "best.ckpt").is_file() and (checkpoints / "last.ckpt").is_file()
+    checkpoint = torch.load(checkpoints / "best.ckpt", weights_only=True)  # no pickle needed
+    meta = checkpoint["seq2seq"]
+    assert meta["src_lang"] == "de" and meta["tgt_lang"] == "en"
+    assert meta["model_config"]["d_model"] == 32 and meta["model_config"]["vocab_size"] == 600
+    assert isinstance(meta["tokenizer"], bytes) and len(meta["tokenizer"]) > 1000
+    assert checkpoint["global_step"] == 12
+    rows = read_metrics(config.parent)
+    val = [row for row in rows if row.get("val_bleu")]
+    assert val and float(val[-1]["val_sentences"]) == 40  # the whole validation set was decoded
+    assert float(val[-1]["val_ppl"]) > 1
+
+
+def test_resume_continues_step_and_schedule(tiny_run, tmp_path: Path):
+    _, checkpoints = tiny_run
+    root = tmp_path / "resume"
+    config = write_tiny_run(root, max_steps=16)
+    shutil.copytree(checkpoints, root / "checkpoints")
+    shutil.copy(checkpoints.parent / "spm.model", root / "spm.model")
+    cli = main(["--config", str(config), "--ckpt_path", "last"])
+    assert cli.trainer.global_step == 16  # 12 before, 4 after
+    optimizer = cli.trainer.optimizers[0]
+    expected_lr = 0.003 * inverse_sqrt_schedule(16, warmup_steps=5)  # the schedule continued, not restarted
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(expected_lr)
+    assert optimizer.state_dict()["state"][0]["step"].item() == 16  # Adam's moments continued too
+    # A second run in the same folder (its saved config already there) starts without complaint.
+    cli = main(["--config", str(config), "--trainer.max_steps=2"])
+    assert cli.trainer.global_step == 2
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_on_cpu(tmp_path: Path):
+    """Two gloo processes: both train on disjoint batches, one checkpoint set, BLEU over all of val."""
+    config = write_tiny_run(tmp_path, max_steps=6, train_pairs=800, val_pairs=37)
+    probe = tmp_path / "probe"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    command = [
+        sys.executable, "-m", "seq2seq.fit", "--config", str(config),
+        "--trainer.strategy=ddp", "--trainer.devices=2",
+        "--trainer.callbacks+=ddp_probe.RankProbe", f"--trainer.callbacks.out_dir={probe}",
+    ]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["world_size"] == 2 for r in ranks)
+    assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) == 6
+    assert ranks[0]["batches"] != ranks[1]["batches"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+    val = [row for row in read_metrics(tmp_path) if row.get("val_bleu")]
+    assert float(val[-1]["val_sentences"]) == 37  # each rank decoded part; scored once over all 37
