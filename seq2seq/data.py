@@ -7,15 +7,8 @@ Sources, per split (files win over the Hub when both are given):
   Hub-layout rows have a `translation` column of {lang: text} (wmt/wmt14) or a column per
   language (bentrevett/multi30k).
 
-Batches are dicts, padded with PAD_ID:
-  src      (B, S) long   source ids, no BOS/EOS (as `Tokenizer.encode` gives them to a Translator)
-  tgt_in   (B, T) long   BOS + y
-  tgt_out  (B, T) long   y + EOS
-  and for validation/test also src_text, ref_text (raw text) and index (B,) long: the row in the
-  split, to put decoded text back in order and drop the repeats of distributed padding.
-
-Token budget: a pair costs max(len(src), len(tgt) + 1) positions, a batch B times its largest
-pair, and that is ≤ max_tokens; so src, tgt_in and tgt_out each hold at most max_tokens positions.
+Batches (`src`, `tgt_in`, `tgt_out`, and for validation/test `src_text`, `ref_text`, `index`) and
+the token budget are described in batching.py.
 
 Distributed: the batch sampler deals batches to ranks itself, so fit.py builds the Trainer with
 `use_distributed_sampler=False` (without it Lightning stops under DDP with a TypeError saying so).
@@ -28,7 +21,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -42,10 +34,10 @@ import numpy as np
 import torch
 from filelock import FileLock
 from lightning.pytorch.utilities import rank_zero_only
-from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.batching import TokenBatchSampler, collate
+from seq2seq.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -192,107 +184,6 @@ def _kept(status: list[int]) -> list[bool]:
 _IDS = datasets.List(datasets.Value("int32"))
 _TOKENIZED = {"src_ids": _IDS, "tgt_ids": _IDS, "size": datasets.Value("int32"),
               "status": datasets.Value("int8"), "index": datasets.Value("int64")}  # fmt: skip
-
-
-# ---- batching -----------------------------------------------------------------------------------
-
-
-class TokenBatchSampler:
-    """Lists of row indices whose padded size fits `max_tokens` (see the module docstring).
-
-    Training: a permutation drawn from (seed, epoch) is cut into windows of `shuffle_window` pairs;
-    each window is sorted by size and cut greedily into batches, and the batches are shuffled.
-    Evaluation: the whole split sorted by size, the same batches in the same order every time.
-    Each rank then takes every world_size-th batch of the list, padded to a multiple of world_size
-    by repeating its first batches. The batch count may differ slightly between epochs (windows
-    pack differently); Lightning reads `len` once, at the first epoch.
-    """
-
-    def __init__(
-        self,
-        sizes: np.ndarray,  # (N,) padded positions of each pair, max(len(src), len(tgt) + 1)
-        *,
-        max_tokens: int,
-        shuffle: bool,
-        shuffle_window: int = 100_000,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        if len(sizes) and int(sizes.max()) > max_tokens:
-            raise DataError(f"a pair needs {int(sizes.max())} positions but max_tokens is {max_tokens}")
-        self.sizes, self.max_tokens, self.shuffle = np.asarray(sizes), max_tokens, shuffle
-        self.shuffle_window, self.seed, self.rank, self.world_size = shuffle_window, seed, rank, world_size
-        self.epoch = 0
-        self._cached: tuple[int, list[list[int]]] | None = None  # (epoch, this rank's batches)
-
-    @property
-    def sampler(self) -> TokenBatchSampler:
-        # Lightning calls `set_epoch` on `dataloader.sampler` and `dataloader.batch_sampler.sampler`,
-        # never on the batch sampler itself (lightning.fabric.utilities.data._set_sampler_epoch).
-        return self
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self._batches()  # a generator: batches are made at the first `next`
-
-    def __len__(self) -> int:
-        return len(self._batches())
-
-    def _batches(self) -> list[list[int]]:
-        if self._cached is None or self._cached[0] != self.epoch:
-            batches = self._all_batches()
-            if self.world_size > 1:
-                total = math.ceil(len(batches) / self.world_size) * self.world_size
-                batches = [batches[i % len(batches)] for i in range(total)][self.rank :: self.world_size]
-            self._cached = (self.epoch, batches)
-        return self._cached[1]
-
-    def _all_batches(self) -> list[list[int]]:
-        if not self.shuffle:
-            return _pack(np.argsort(self.sizes, kind="stable"), self.sizes, self.max_tokens)
-        rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(len(self.sizes))
-        batches = []
-        for start in range(0, len(order), self.shuffle_window):
-            window = order[start : start + self.shuffle_window]
-            batches += _pack(
-                window[np.argsort(self.sizes[window], kind="stable")], self.sizes, self.max_tokens
-            )
-        return [batches[i] for i in rng.permutation(len(batches))]
-
-
-def _pack(order: np.ndarray, sizes: np.ndarray, max_tokens: int) -> list[list[int]]:
-    """Cut `order` (ascending size) greedily into batches of B pairs with B * largest ≤ max_tokens."""
-    batches, batch, largest = [], [], 0
-    for i, size in zip(order.tolist(), sizes[order].tolist(), strict=True):
-        if batch and (len(batch) + 1) * max(largest, size) > max_tokens:
-            batches.append(batch)
-            batch, largest = [], 0
-        batch.append(i)
-        largest = max(largest, size)
-    return [*batches, batch] if batch else batches
-
-
-def collate(rows: list[dict], *, with_text: bool) -> dict:
-    """Rows of a tokenised split → a padded batch (keys in the module docstring)."""
-
-    def pad(seqs: list[list[int]]) -> torch.Tensor:
-        tensors = [torch.tensor(s, dtype=torch.long) for s in seqs]
-        return pad_sequence(tensors, batch_first=True, padding_value=PAD_ID)
-
-    batch = {
-        "src": pad([r["src_ids"] for r in rows]),  # (B, S)
-        "tgt_in": pad([[BOS_ID, *r["tgt_ids"]] for r in rows]),  # (B, T)
-        "tgt_out": pad([[*r["tgt_ids"], EOS_ID] for r in rows]),  # (B, T)
-    }
-    if with_text:
-        batch["src_text"] = [r["src"] for r in rows]
-        batch["ref_text"] = [r["tgt"] for r in rows]
-        batch["index"] = torch.tensor([r["index"] for r in rows], dtype=torch.long)  # (B,)
-    return batch
 
 
 # ---- the data module ----------------------------------------------------------------------------

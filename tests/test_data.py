@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from seq2seq.data import DataError, TokenBatchSampler, TranslationDataModule, collate
+from seq2seq.batching import TokenBatchSampler, collate
+from seq2seq.data import DataError, TranslationDataModule
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 
