@@ -1,0 +1,66 @@
+"""Interactive translation: load a checkpoint once, translate each line as it is typed.
+
+    python serve/translate.py --checkpoint checkpoints/multi30k/best.ckpt [--beam 5] [--nbest 3]
+
+Shows a prompt on a terminal; with piped stdin it prints one translation per input line, flushed
+at once, so another program can drive it line by line (with --nbest N: N lines
+`score<TAB>translation` and a blank line per input; an empty input gives N empty translations
+with score 0). Input and output are UTF-8; a line that is not UTF-8 is reported on stderr and
+answered with an empty translation, so the answers stay in step. Ctrl-D or an end of input quits.
+"""
+
+import argparse
+import sys
+
+from seq2seq.translate import (
+    add_search_arguments,
+    check_search_arguments,
+    format_nbest,
+    load_translator,
+    one_line,
+    search_options,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="interactive translation")
+    parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
+    add_search_arguments(parser)
+    args = parser.parse_args(argv)
+    check_search_arguments(parser, args)
+    translator = load_translator(args)
+    options = search_options(args)
+    # Bytes in, decoded here: a stray non-UTF-8 byte must not end the session with a traceback.
+    stdin = sys.stdin.buffer
+    sys.stdout.reconfigure(encoding="utf-8")
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"{translator.src_lang}→{translator.tgt_lang}, beam {args.beam}; Ctrl-D quits.", file=sys.stderr)
+    number = 0
+    while True:
+        if interactive:
+            print(f"{translator.src_lang}> ", end="", file=sys.stderr, flush=True)
+        raw = stdin.readline()
+        if not raw:
+            break
+        number += 1
+        try:
+            line = raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
+        except UnicodeDecodeError:
+            print(f"error: input line {number} is not UTF-8; translating it as an empty line", file=sys.stderr)
+            line = ""
+        hyps = translator.translate_nbest([line], **options)[0]
+        if args.nbest > 1:
+            print("\n".join(format_nbest(hyps, nbest=args.nbest)))
+            print()
+        else:
+            print(one_line(hyps[0].text) if hyps else "")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C at the prompt: leave quietly, as Ctrl-D does
+        print(file=sys.stderr)
+        sys.exit(130)
