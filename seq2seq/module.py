@@ -224,19 +224,24 @@ class TranslationModule(L.LightningModule):
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
         bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
         chrf_score = chrf.corpus_score(list(hypotheses), [list(references)])
-        # Every rank computed the same numbers from the same gathered rows: nothing left to sync.
-        self.log("val_loss", sum(losses) / tokens)
-        self.log("val_nll", sum(nlls) / tokens)
-        self.log("val_ppl", math.exp(min(sum(nlls) / tokens, 50.0)))
-        self.log("val_bleu", bleu_score.score, prog_bar=True)
-        self.log("val_chrf", chrf_score.score)
-        self.log("val_sentences", float(len(rows)))
-        self.bleu_signature = str(bleu.get_signature())
+        # Every rank computed the same numbers from the same gathered rows; sync_dist averages equal values
+        # (a few scalars per validation) and keeps Lightning from warning about unsynced epoch metrics.
+        metrics = {
+            "val_loss": sum(losses) / tokens,
+            "val_nll": sum(nlls) / tokens,
+            "val_ppl": math.exp(min(sum(nlls) / tokens, 50.0)),
+            "val_bleu": bleu_score.score,
+            "val_chrf": chrf_score.score,
+            "val_sentences": float(len(rows)),
+        }
+        for name, value in metrics.items():
+            self.log(name, value, prog_bar=name == "val_bleu", sync_dist=True)
+        signature = str(bleu.get_signature())
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             self.print(
                 f"epoch {self.current_epoch} step {self.global_step}: val BLEU {bleu_score.score:.2f} "
-                f"chrF {chrf_score.score:.2f} ppl {math.exp(min(sum(nlls) / tokens, 50.0)):.2f} "
-                f"on {len(rows)} sentences  [{self.bleu_signature}]"
+                f"chrF {chrf_score.score:.2f} ppl {metrics['val_ppl']:.2f} "
+                f"on {len(rows)} sentences  [{signature}]"
             )
             self.print(f"  e.g. {hypotheses[0]!r}\n   ref {references[0]!r}")
 

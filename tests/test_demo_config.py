@@ -1,0 +1,66 @@
+"""configs/demo.yaml: offline, bounded in time, writing only under checkpoints/demo; and (slow) it learns."""
+
+import csv
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo.yaml"
+
+
+def _max_time(value: str) -> timedelta:
+    days, hours, minutes, seconds = (int(part) for part in value.split(":"))
+    return timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+
+
+def test_demo_config_is_offline_and_bounded():
+    config = yaml.safe_load(DEMO.read_text(encoding="utf-8"))
+    trainer, model, data = config["trainer"], config["model"], config["data"]
+    # The shipped corpus, by paths relative to the repository root; nothing from the Hub.
+    assert "hf_name" not in data
+    for option in ("train_files", "valid_files", "test_files"):
+        assert all((REPO / path).is_file() for path in data[option]), option
+    # Everything it writes goes to one git-ignored folder.
+    checkpoint = trainer["callbacks"][0]["init_args"]
+    assert trainer["default_root_dir"] == checkpoint["dirpath"] == "checkpoints/demo"
+    assert Path(data["tokenizer_path"]).parent == Path("checkpoints/demo")
+    assert (checkpoint["filename"], checkpoint["monitor"], checkpoint["mode"]) == ("best", "val_bleu", "max")
+    # Inside the 5-minute budget: training stops by the clock, leaving room for start-up and the
+    # final validation; greedy validation; fp32 (bf16 is slow on AVX2-only CPUs).
+    assert _max_time(trainer["max_time"]) <= timedelta(minutes=4)
+    assert model["val_beam_size"] == 1 and trainer["precision"] == "32-true"
+
+
+@pytest.mark.slow
+def test_demo_trains_to_a_high_bleu_within_five_minutes(tmp_path: Path):
+    """The whole demo (tokenizer, data, training, validation), writing under tmp_path instead."""
+    root = tmp_path / "demo"
+    config = tmp_path / "demo.yaml"
+    config.write_text(
+        DEMO.read_text(encoding="utf-8").replace("checkpoints/demo", str(root)), encoding="utf-8"
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "seq2seq.fit",
+        "--config",
+        str(config),
+        "--trainer.enable_progress_bar=false",
+    ]
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert elapsed < 300, f"the demo took {elapsed:.0f} s"
+    assert (root / "best.ckpt").is_file() and (root / "last.ckpt").is_file()
+    (metrics,) = sorted(root.glob("lightning_logs/version_*/metrics.csv"))[-1:]
+    with metrics.open() as f:
+        val = [row for row in csv.DictReader(f) if row.get("val_bleu")]
+    assert float(val[-1]["val_sentences"]) == 500  # the whole validation set, over both processes
+    assert float(val[-1]["val_bleu"]) >= 60, [round(float(row["val_bleu"]), 1) for row in val]
