@@ -107,9 +107,10 @@ def test_resume_continues_step_and_schedule(tiny_run, tmp_path: Path):
     assert cli.trainer.global_step == 2
 
 
-@pytest.mark.slow
 def test_ddp_two_processes_on_cpu(tmp_path: Path):
-    """Two gloo processes: both train on disjoint batches, one checkpoint set, BLEU over all of val."""
+    """Two gloo processes: both train on disjoint batches, one checkpoint set, BLEU over all of val.
+
+    In the default run on purpose: it takes ~15 s, and DDP is the one path a single-process test misses."""
     config = write_tiny_run(tmp_path, max_steps=6, train_pairs=800, val_pairs=37)
     probe = tmp_path / "probe"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
