@@ -28,9 +28,7 @@ from torch import Tensor
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.search import beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-
-CHECKPOINT_KEY = "seq2seq"
-CHECKPOINT_FORMAT = 1
+from seq2seq.translator import CHECKPOINT_FORMAT, CHECKPOINT_KEY  # the reader owns the format
 
 # (sentence index, hypothesis, reference, summed smoothed loss, summed NLL, target tokens)
 ValidationRow = tuple[int, str, str, float, float, int]

@@ -24,7 +24,7 @@ from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.search import Hypothesis, beam_search, greedy, sample
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
-CHECKPOINT_KEY = "seq2seq"  # the same key and format number module.py writes
+CHECKPOINT_KEY = "seq2seq"  # where module.py writes what inference needs; bump the format on any change
 CHECKPOINT_FORMAT = 1
 
 
