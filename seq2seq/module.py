@@ -22,9 +22,9 @@ import lightning as L
 import sacrebleu
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
+from seq2seq.loss import label_smoothed_nll, training_loss
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.search import beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -40,17 +40,6 @@ def inverse_sqrt_schedule(step: int, *, warmup_steps: int) -> float:
     if step < warmup_steps:
         return step / warmup_steps
     return math.sqrt(warmup_steps / step)
-
-
-def label_smoothed_nll(logits: Tensor, target: Tensor, *, smoothing: float, pad_id: int) -> tuple[Tensor, Tensor]:
-    """Per-token (label-smoothed loss, NLL), zero at pad targets; logits (..., V), target (...)."""
-    # At least float32: a bf16 log-softmax over a large vocabulary loses the small probabilities.
-    log_probs = F.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # (..., V)
-    is_pad = target == pad_id
-    nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(is_pad, 0.0)  # (...)
-    # Smoothing spreads `smoothing` mass uniformly over the vocabulary, as F.cross_entropy does.
-    uniform = -log_probs.mean(dim=-1).masked_fill(is_pad, 0.0)
-    return (1 - smoothing) * nll + smoothing * uniform, nll
 
 
 class TranslationModule(L.LightningModule):
@@ -154,7 +143,7 @@ class TranslationModule(L.LightningModule):
 
     # ---- training -----------------------------------------------------------------------------
 
-    def loss(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+    def token_losses(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token (label-smoothed loss, NLL), (B, T), zero at padding; and the non-pad mask (B, T)."""
         logits = self.model(batch["src"], batch["tgt_in"])  # (B, T, V)
         tgt_out = batch["tgt_out"]
@@ -165,11 +154,13 @@ class TranslationModule(L.LightningModule):
         self._step_started = time.perf_counter()
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        loss, nll, is_real = self.loss(batch)
-        tokens = is_real.sum()
+        loss, nll, tokens = training_loss(
+            self.model, src=batch["src"], tgt_in=batch["tgt_in"], tgt_out=batch["tgt_out"],
+            smoothing=self.hparams.label_smoothing,
+        )
         self._step_tokens = int(tokens)
         batch_size = batch["src"].size(0)
-        loss, nll = loss.sum() / tokens, nll.sum() / tokens  # normalised per target token
+        loss, nll = loss / tokens, nll / tokens  # normalised per target token
         self.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
         self.log("train_nll", nll, batch_size=batch_size)
         return loss
@@ -182,7 +173,7 @@ class TranslationModule(L.LightningModule):
     # ---- validation ---------------------------------------------------------------------------
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        loss, nll, is_real = self.loss(batch)
+        loss, nll, is_real = self.token_losses(batch)
         hypotheses = self.translate_batch(batch["src"])
         indices = batch["index"].tolist() if isinstance(batch["index"], Tensor) else list(batch["index"])
         rows = zip(

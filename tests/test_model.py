@@ -10,6 +10,7 @@ import torch
 
 from seq2seq.model import Transformer, TransformerConfig, transformer_base, transformer_big
 from seq2seq.model.config import transformer_small
+from seq2seq.model.layers import Dropout
 from seq2seq.model.transformer import deepnorm_constants
 
 PAD = 0
@@ -325,3 +326,35 @@ def test_residual_placement_formulas(placement):
         "deepnorm": lambda: norm(residual.norm, 1.7 * x + f(x)),
     }[placement]()
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_keeps_each_element_with_probability_one_minus_p(p: float):
+    torch.manual_seed(0)
+    dropout = Dropout(p).train()
+    x = torch.randn(4, 1000, 250, requires_grad=True)
+    y = dropout(x)
+    keep = y != 0
+    # Each 64-bit random word feeds four consecutive elements: check every lane, not just the mean.
+    lanes = keep.flatten().view(-1, 4).float().mean(0)
+    torch.testing.assert_close(lanes, torch.full((4,), 1 - p), atol=3e-3, rtol=0)  # ~7 std devs
+    torch.testing.assert_close(y[keep], x[keep] / (1 - p))
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, keep / (1 - p))
+    # Neighbouring elements are independent (a shared or shifted word would correlate them).
+    pairs = keep.flatten()[:-1] & keep.flatten()[1:]
+    assert abs(pairs.float().mean().item() - (1 - p) ** 2) < 3e-3
+
+
+def test_dropout_identity_cases_and_seeding():
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    assert Dropout(0.5).eval()(x) is x and Dropout(0.0).train()(x) is x
+    assert (Dropout(1.0).train()(x) == 0).all()
+    torch.manual_seed(3)
+    first = Dropout(0.5).train()(x)
+    torch.manual_seed(3)
+    again = Dropout(0.5).train()(x)
+    assert first.dtype == torch.bfloat16 and torch.equal(first, again)
+    assert not torch.equal(first, Dropout(0.5).train()(x))  # a fresh mask per call
+    with pytest.raises(ValueError, match="probability"):
+        Dropout(1.5)

@@ -20,6 +20,35 @@ GATED = {"glu": F.sigmoid, "swiglu": F.silu, "geglu": F.gelu}
 PLAIN = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
 
 
+class Dropout(nn.Module):
+    """nn.Dropout, with a cheaper random mask on CPU.
+
+    On CPU, torch's dropout draws one Bernoulli sample per element: 13% of a Multi30k training step
+    on our 2-core machine. Here each random 64-bit word gives four 16-bit uniforms, which makes
+    dropout ~3x faster there (and saves a bool rather than a float mask for backward). `p` is
+    rounded to a multiple of 1/65536. Other devices use F.dropout, which is fused on GPUs.
+    """
+
+    def __init__(self, p: float):
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu" or self.p == 1.0:
+            return F.dropout(x, self.p, training=True)
+        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
+        uniform16 = words.view(torch.int16)[: x.numel()].view(x.shape)  # uniform on [-32768, 32767]
+        keep = uniform16 >= round(self.p * 65536) - 32768  # P(keep) = 1 - round(p * 65536) / 65536
+        return torch.where(keep, x, 0.0) * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 def make_norm(config: TransformerConfig) -> nn.Module:
     if config.norm == "layernorm":
         return nn.LayerNorm(config.d_model, eps=config.norm_eps)
@@ -38,7 +67,7 @@ class FeedForward(nn.Module):
         self.act = GATED[config.activation] if self.gated else PLAIN[config.activation]
         self.w_in = nn.Linear(config.d_model, 2 * config.d_ff if self.gated else config.d_ff)
         self.w_out = nn.Linear(config.d_ff, config.d_model)
-        self.dropout = nn.Dropout(config.activation_dropout)
+        self.dropout = Dropout(config.activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = self.w_in(x)  # (B, T, d_ff) or (B, T, 2*d_ff)
@@ -59,7 +88,7 @@ class Residual(nn.Module):
         self.alpha = alpha  # DeepNorm's residual scale; 1 for the other placements
         self.norm = make_norm(config)
         self.norm_out = make_norm(config) if self.placement == "sandwich" else None
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def before(self, x: Tensor) -> Tensor:
         """The sub-layer's input."""

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from seq2seq.model.attention import DecoderState, MultiHeadAttention, causal_mask, padding_mask
 from seq2seq.model.config import TransformerConfig
-from seq2seq.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
+from seq2seq.model.layers import DecoderLayer, Dropout, EncoderLayer, FeedForward, make_norm
 from seq2seq.model.positions import LearnedPositions, RelativePositionBias, Rotary, SinusoidalPositions
 
 
@@ -51,7 +51,7 @@ class Embedder(nn.Module):
             self.positions = SinusoidalPositions(max_positions=config.max_positions, d_model=config.d_model)
         elif config.positions == "learned":
             self.positions = LearnedPositions(max_positions=config.max_positions, d_model=config.d_model)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.max_positions = config.max_positions
 
     def forward(self, tokens: Tensor, *, offset: int = 0) -> Tensor:
@@ -217,8 +217,16 @@ class Transformer(nn.Module):
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced logits (B, T, V) for `tgt_in` (BOS + target) given `src`."""
+        return self.output_projection(self.hidden_states(src, tgt_in))
+
+    def hidden_states(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced decoder output (B, T, D), before the output projection.
+
+        Training projects only the non-pad positions, fused with the loss (seq2seq/loss.py).
+        """
         memory = self.encode(src)
-        return self.decode(tgt_in, memory, self.src_mask(src))
+        src_mask = self.src_mask(src)
+        return self.decoder(tgt_in, memory=memory, src_mask=src_mask[:, None, None, :], state=None)
 
     @staticmethod
     def new_state() -> DecoderState:

@@ -1,0 +1,110 @@
+"""The training losses against the plain computation: full logits, log-softmax, float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seq2seq.loss import label_smoothed_nll, linear_label_smoothed_nll, training_loss
+from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.tokenizer import PAD_ID
+
+
+def test_label_smoothed_loss_matches_cross_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, dtype=torch.float64)
+    target = torch.tensor([3, 5, PAD_ID, 7, 1, PAD_ID])
+    loss, nll = label_smoothed_nll(logits, target, smoothing=0.1, pad_id=PAD_ID)
+    ce = F.cross_entropy
+    torch.testing.assert_close(loss.sum(), ce(logits, target, ignore_index=PAD_ID, label_smoothing=0.1, reduction="sum"))
+    torch.testing.assert_close(nll.sum(), ce(logits, target, ignore_index=PAD_ID, reduction="sum"))
+    assert loss[2] == 0 and nll[5] == 0
+
+
+def reference(hidden, weight, target, smoothing):
+    """Full logits, F.cross_entropy: summed smoothed loss, summed NLL, and the loss's gradients."""
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    logits = hidden @ weight.T
+    loss = F.cross_entropy(logits, target, label_smoothing=smoothing, reduction="sum")
+    nll = F.cross_entropy(logits.detach(), target, reduction="sum")
+    loss.backward()
+    return loss.detach(), nll, hidden.grad, weight.grad
+
+
+def random_problem(rows: int, d_model: int = 12, vocab: int = 37, *, dtype=torch.float64, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, d_model, dtype=dtype, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, d_model, dtype=dtype, generator=generator, requires_grad=True)
+    target = torch.randint(0, vocab, (rows,), generator=generator)
+    return hidden, weight, target
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 50, 64, 1000])  # uneven, exact and larger-than-input chunks
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+def test_fused_loss_matches_full_logits(chunk_rows: int, smoothing: float):
+    hidden, weight, target = random_problem(50)
+    loss, nll = linear_label_smoothed_nll(hidden, weight, target, smoothing=smoothing, chunk_rows=chunk_rows)
+    (loss * 0.37).backward()  # a non-unit upstream gradient, as loss / tokens gives
+    ref_loss, ref_nll, ref_grad_hidden, ref_grad_weight = reference(hidden, weight, target, smoothing)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(nll, ref_nll)
+    torch.testing.assert_close(hidden.grad, 0.37 * ref_grad_hidden)
+    torch.testing.assert_close(weight.grad, 0.37 * ref_grad_weight)
+    assert not nll.requires_grad  # a logged quantity, not a second loss
+
+
+def test_fused_loss_gradcheck():
+    hidden, weight, target = random_problem(9, d_model=4, vocab=6)
+    assert torch.autograd.gradcheck(
+        lambda h, w: linear_label_smoothed_nll(h, w, target, smoothing=0.2, chunk_rows=4)[0], (hidden, weight)
+    )
+
+
+def test_fused_loss_without_grad_and_without_rows():
+    hidden, weight, target = random_problem(20)
+    with torch.no_grad():
+        loss, nll = linear_label_smoothed_nll(hidden, weight, target, smoothing=0.1, chunk_rows=6)
+    ref_loss, ref_nll, _, _ = reference(hidden, weight, target, 0.1)
+    torch.testing.assert_close((loss, nll), (ref_loss, ref_nll))
+    loss, nll = linear_label_smoothed_nll(hidden[:0], weight, target[:0], smoothing=0.1)
+    loss.backward()
+    assert loss == 0 and nll == 0 and weight.grad.abs().sum() == 0
+
+
+def test_fused_loss_under_bf16_autocast():
+    """Matmuls in bf16, softmax in float32: close to the float32 result, gradients in the inputs' dtypes."""
+    hidden, weight, target = random_problem(300, d_model=64, vocab=500, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, nll = linear_label_smoothed_nll(hidden, weight, target, smoothing=0.1, chunk_rows=64)
+    loss.backward()
+    ref_loss, ref_nll, ref_grad_hidden, ref_grad_weight = reference(hidden, weight, target, 0.1)
+    assert loss.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=0)
+    torch.testing.assert_close(nll, ref_nll, rtol=2e-2, atol=0)
+    for grad, ref in ((hidden.grad, ref_grad_hidden), (weight.grad, ref_grad_weight)):
+        assert (grad - ref).norm() <= 3e-2 * ref.norm()
+
+
+def test_training_loss_skips_padding_and_matches_full_logits():
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        vocab_size=31, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1, num_decoder_layers=2,
+        dropout=0.0, pad_id=PAD_ID,
+    )
+    model = Transformer(config).double()
+    src = torch.randint(4, 31, (3, 7))
+    src[1, 4:] = PAD_ID
+    tgt = torch.randint(4, 31, (3, 6))
+    tgt[0, 3:] = PAD_ID
+    tgt[2, 5:] = PAD_ID
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+    loss, nll, tokens = training_loss(model, src=src, tgt_in=tgt_in, tgt_out=tgt_out, smoothing=0.1)
+    loss.backward()
+    fused_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    per_token, per_token_nll = label_smoothed_nll(model(src, tgt_in), tgt_out, smoothing=0.1, pad_id=PAD_ID)
+    per_token.sum().backward()
+    assert tokens == (tgt_out != PAD_ID).sum() == 11
+    torch.testing.assert_close(loss, per_token.sum())
+    torch.testing.assert_close(nll, per_token_nll.sum())
+    for fused, full in zip(fused_grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(fused, full)
