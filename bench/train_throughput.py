@@ -1,10 +1,12 @@
 """Training throughput: our Transformer against torch.nn.Transformer of the same size, same batches.
 
-    python bench/train_throughput.py [--sizes multi30k base] [--precisions fp32 bf16] [--steps 6]
+    python bench/train_throughput.py [--sizes multi30k base] [--precisions fp32 bf16] [--steps 6] [--max-tokens N]
 
-One training step = forward, label-smoothed loss, backward, AdamW update. Both models see the same
-Multi30k token-budget batches, in alternation (ours, baseline, ours, ...) so that machine noise hits
-both alike. Also prints the fraction of the machine's matmul peak (a large square matmul timed in
+One training step = forward, label-smoothed loss, backward, fused AdamW update. Ours is what
+TranslationModule.training_step runs (output projection fused with the loss over non-pad positions,
+seq2seq/loss.py); the baseline is what a plain PyTorch loop writes (full logits, F.cross_entropy).
+Both models see the same Multi30k token-budget batches, in alternation (ours, baseline, ours, ...)
+so that machine noise hits both alike. Also prints the fraction of the machine's matmul peak (a large square matmul timed in
 this same process) that each step reaches, with FLOPs counted by torch's FlopCounterMode.
 """
 
@@ -16,13 +18,14 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from seq2seq.data import TranslationDataModule
+from seq2seq.loss import training_loss
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
-from seq2seq.module import label_smoothed_nll
 from seq2seq.tokenizer import PAD_ID
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared/data/multi30k"
@@ -58,7 +61,7 @@ class BaselineTransformer(nn.Module):
             src_key_padding_mask=src == PAD_ID, tgt_key_padding_mask=tgt_in == PAD_ID,
             memory_key_padding_mask=src == PAD_ID,
         )
-        return hidden @ self.embedding.weight.T
+        return F.linear(hidden, self.embedding.weight)  # as nn.Linear; `@` hits a slower bf16 kernel on CPU
 
 
 def ours(*, d_model, num_heads, d_ff, layers, vocab, norm_placement) -> nn.Module:
@@ -69,14 +72,24 @@ def ours(*, d_model, num_heads, d_ff, layers, vocab, norm_placement) -> nn.Modul
     return Transformer(config)
 
 
-def make_step(model: nn.Module, *, bf16: bool):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+def ours_loss(model: Transformer, batch: dict) -> torch.Tensor:
+    """What TranslationModule.training_step does: projection fused with the loss, pad rows skipped."""
+    loss, _, tokens = training_loss(model, **batch, smoothing=0.1)
+    return loss / tokens
+
+
+def baseline_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """What a plain PyTorch training loop writes."""
+    logits = model(batch["src"], batch["tgt_in"])  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1), batch["tgt_out"].flatten(), ignore_index=PAD_ID, label_smoothing=0.1)
+
+
+def make_step(model: nn.Module, loss_fn, *, bf16: bool):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
 
     def step(batch: dict) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(batch["src"], batch["tgt_in"])
-            loss, _ = label_smoothed_nll(logits, batch["tgt_out"], smoothing=0.1, pad_id=PAD_ID)
-            loss = loss.sum() / (batch["tgt_out"] != PAD_ID).sum()
+            loss = loss_fn(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -87,10 +100,10 @@ def make_step(model: nn.Module, *, bf16: bool):
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     """GFLOP/s of an n x n x n matmul: the machine's practical peak for this dtype."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
+    F.linear(a, b)  # a @ b.T, nn.Linear's layout: the fastest bf16 one on AVX2 CPUs, as fast as any in fp32
     start = time.perf_counter()
     for _ in range(repeats):
-        a @ b
+        F.linear(a, b)
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
 
 
@@ -119,10 +132,14 @@ def batches_for(*, vocab_tokens: int, max_tokens: int, count: int, workdir: Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["multi30k", "base"], choices=list(SIZES))
-    # bf16 only where the CPU has fast bf16 matmuls (AMX / AVX512-BF16) or on a GPU: on an AVX2-only
-    # CPU a bf16 matmul runs ~170x slower than fp32 (0.9 vs 155 GFLOP/s measured on our AMD EPYC).
+    # bf16 by default only where the CPU has bf16 matmul units (AMX / AVX512-BF16) or on a GPU: on our
+    # AVX2-only AMD EPYC torch's bf16 matmuls run at 16 GFLOP/s in nn.Linear's layout and 1.3 in the
+    # others (backward uses those), against 130-160 in fp32.
     parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per model (after one warm-up step)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="padded tokens per batch instead of each size's default (small batches make bf16 "
+                             "on an AVX2 CPU measurable)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -136,7 +153,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             d_model, heads, d_ff, layers, vocab, placement, max_tokens = SIZES[size]
-            batches = batches_for(vocab_tokens=8000, max_tokens=max_tokens, count=args.steps + 1, workdir=Path(tmp))
+            batches = batches_for(vocab_tokens=8000, max_tokens=args.max_tokens or max_tokens, count=args.steps + 1,
+                                  workdir=Path(tmp))
             for precision in args.precisions:
                 torch.manual_seed(0)
                 models = {
@@ -145,7 +163,8 @@ def main() -> None:
                     "nn.Transformer": BaselineTransformer(d_model=d_model, num_heads=heads, d_ff=d_ff, layers=layers,
                                                           vocab=vocab, norm_first=placement == "pre"),
                 }
-                steps = {name: make_step(m.train(), bf16=precision == "bf16") for name, m in models.items()}
+                losses = {"ours": ours_loss, "nn.Transformer": baseline_loss}
+                steps = {name: make_step(m.train(), losses[name], bf16=precision == "bf16") for name, m in models.items()}
                 flops = {name: step_flops(step, batches[0]) for name, step in steps.items()}  # also the warm-up
                 times: dict[str, list[float]] = {name: [] for name in steps}
                 tokens = sum(int((b["tgt_out"] != PAD_ID).sum()) for b in batches[1:])
