@@ -22,9 +22,11 @@ from torch import Tensor
 
 from seq2seq.model import Transformer
 
-# Rows per chunk: chunk_rows x V logits of 4M floats (16 MB in fp32) fit the L3 cache; measured on
-# Multi30k sizes, 256-1024 rows per chunk run alike, 64 rows 35% slower (small matmuls).
-CHUNK_ELEMENTS = 2**22
+# Rows per chunk, as logits per chunk. CPU: 4M floats (16 MB in fp32) fit the L3 cache; at Multi30k
+# sizes 256-1024 rows per chunk run alike and 64 rows 35% slower (small matmuls). GPUs have no such
+# cache to fit and want large matmuls: 64M floats (256 MB), ~2k rows of a 32k vocabulary.
+CPU_CHUNK_ELEMENTS = 2**22
+GPU_CHUNK_ELEMENTS = 2**26
 
 
 def label_smoothed_nll(logits: Tensor, target: Tensor, *, smoothing: float, pad_id: int) -> tuple[Tensor, Tensor]:
@@ -63,7 +65,8 @@ def linear_label_smoothed_nll(
     for logging). Under autocast the matmuls run in the autocast dtype and the softmax in float32.
     """
     if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_ELEMENTS // weight.size(0))
+        chunk_elements = CPU_CHUNK_ELEMENTS if hidden.device.type == "cpu" else GPU_CHUNK_ELEMENTS
+        chunk_rows = max(1, chunk_elements // weight.size(0))
     return _LinearLabelSmoothedNLL.apply(hidden, weight, target, smoothing, chunk_rows)
 
 
