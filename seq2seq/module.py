@@ -22,6 +22,7 @@ import lightning as L
 import sacrebleu
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from seq2seq.loss import label_smoothed_nll, training_loss
@@ -40,6 +41,13 @@ def inverse_sqrt_schedule(step: int, *, warmup_steps: int) -> float:
     if step < warmup_steps:
         return step / warmup_steps
     return math.sqrt(warmup_steps / step)
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AMX or AVX512-BF16) that torch can use."""
+    names = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private torch API, hence getattr
+    checks = [getattr(torch.cpu, name) for name in names if hasattr(torch.cpu, name)]
+    return not checks or any(check() for check in checks)  # unknown: assume yes rather than warn wrongly
 
 
 class TranslationModule(L.LightningModule):
@@ -113,6 +121,13 @@ class TranslationModule(L.LightningModule):
         # process ~100x slower: measured here, the AdamW step went from 8 s to 0.6 s. Training loses
         # nothing by flushing them to zero.
         torch.set_flush_denormal(True)
+        on_cpu = self.trainer.strategy.root_device.type == "cpu"
+        if on_cpu and "bf16" in str(self.trainer.precision) and not cpu_has_bf16_matmul():
+            rank_zero_warn(
+                f"trainer.precision={self.trainer.precision} on a CPU without bf16 matmul units (no AMX, no "
+                "AVX512-BF16): torch's bf16 matmuls run 8-100x slower than fp32 there, and a training step ~40x "
+                "slower (bench/train_throughput.py). Use --trainer.precision=32-true on this machine."
+            )
         datamodule = self.trainer.datamodule
         self.tokenizer = datamodule.tokenizer
         if self.tokenizer.vocab_size != self.config.vocab_size:

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,18 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
     val = [row for row in read_metrics(tmp_path) if row.get("val_bleu")]
     assert float(val[-1]["val_sentences"]) == 37  # each rank decoded part; scored once over all 37
+
+
+@pytest.mark.parametrize("has_bf16", [False, True])
+def test_bf16_on_a_cpu_without_bf16_matmuls_warns(has_bf16: bool, tmp_path: Path, monkeypatch):
+    monkeypatch.setattr("seq2seq.module.cpu_has_bf16_matmul", lambda: has_bf16)
+    config = write_tiny_run(tmp_path, max_steps=1, train_pairs=100, val_pairs=4)
+    args = ["--config", str(config), "--trainer.precision=bf16-mixed", "--trainer.limit_val_batches=0"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = main(args)
+    assert cli.trainer.global_step == 1
+    warned = [w for w in caught if "without bf16 matmul units" in str(w.message)]
+    assert len(warned) == (0 if has_bf16 else 1)
+    if warned:
+        assert "--trainer.precision=32-true" in str(warned[0].message)
