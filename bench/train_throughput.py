@@ -6,8 +6,9 @@ One training step = forward, label-smoothed loss, backward, fused AdamW update. 
 TranslationModule.training_step runs (output projection fused with the loss over non-pad positions,
 seq2seq/loss.py); the baseline is what a plain PyTorch loop writes (full logits, F.cross_entropy).
 Both models see the same Multi30k token-budget batches, in alternation (ours, baseline, ours, ...)
-so that machine noise hits both alike. Also prints the fraction of the machine's matmul peak (a large square matmul timed in
-this same process) that each step reaches, with FLOPs counted by torch's FlopCounterMode.
+so that machine noise hits both alike. Also prints the fraction of the machine's matmul peak (a
+large square matmul timed in this same process) that each step reaches, with FLOPs counted by
+torch's FlopCounterMode. bench/train_ablation.py splits our speed-up into its parts.
 """
 
 import argparse
