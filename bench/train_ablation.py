@@ -9,12 +9,11 @@ logits + per-token loss, torch's nn.Dropout).
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
-from train_throughput import SIZES, batches_for, make_step, ours, ours_loss
+from train_throughput import SIZES, batches_for, make_step, ours, ours_loss, time_alternating
 
 from seq2seq.loss import label_smoothed_nll
 from seq2seq.model.layers import Dropout
@@ -56,12 +55,7 @@ def main() -> None:
         model = with_torch_dropout(model) if torch_dropout else model
         steps[name] = make_step(model.train(), loss_fn, bf16=False)
         steps[name](batches[0])  # warm-up
-    seconds = dict.fromkeys(steps, 0.0)
-    for batch in batches[1:]:
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step(batch)
-            seconds[name] += time.perf_counter() - start
+    seconds = {name: sum(times) for name, times in time_alternating(steps, batches[1:]).items()}
     plain = seconds["full logits + nn.Dropout"]
     print(f"\n{args.size}, fp32, {torch.get_num_threads()} threads, {args.steps} steps each")
     print(f"{'variant':<28} {'seconds':>8} {'speed-up':>9}")

@@ -16,6 +16,7 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,6 +99,17 @@ def make_step(model: nn.Module, loss_fn, *, bf16: bool):
     return step
 
 
+def time_alternating(steps: dict[str, Callable[[dict], None]], batches: list[dict]) -> dict[str, list[float]]:
+    """Seconds of each step on each batch; the steps take turns on every batch, so noise hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for batch in batches:
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step(batch)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     """GFLOP/s of an n x n x n matmul: the machine's practical peak for this dtype."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
@@ -167,13 +179,8 @@ def main() -> None:
                 losses = {"ours": ours_loss, "nn.Transformer": baseline_loss}
                 steps = {name: make_step(m.train(), losses[name], bf16=precision == "bf16") for name, m in models.items()}
                 flops = {name: step_flops(step, batches[0]) for name, step in steps.items()}  # also the warm-up
-                times: dict[str, list[float]] = {name: [] for name in steps}
                 tokens = sum(int((b["tgt_out"] != PAD_ID).sum()) for b in batches[1:])
-                for batch in batches[1:]:
-                    for name, step in steps.items():
-                        start = time.perf_counter()
-                        step(batch)
-                        times[name].append(time.perf_counter() - start)
+                times = time_alternating(steps, batches[1:])
                 for name in steps:
                     total = sum(times[name])
                     achieved = flops[name] / statistics.median(times[name]) / 1e9
