@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.translator import Translation, Translator
 
@@ -129,7 +130,7 @@ class Result:
 
 def timed_translate(translator: Translator, sources: list[str], *, beam_size: int, max_tokens: int) -> Result:
     start = time.perf_counter()
-    nbest = translator.translate_nbest(sources, beam_size=beam_size, max_tokens=max_tokens)
+    nbest = translator.translate_nbest(sources, SearchConfig(beam_size=beam_size), max_tokens=max_tokens)
     seconds = time.perf_counter() - start
     tokens = sum(len(hyps[0].tokens) + 1 for hyps in nbest if hyps)  # + 1: the EOS was decoded too
     return Result(seconds, tokens, nbest)
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Warm-up (allocator, kernels, lazy inits), not timed.
     for translator in (cached, no_cache):
-        translator.translate(sources[:8], beam_size=5, max_tokens=args.max_tokens)
+        translator.translate(sources[:8], SearchConfig(beam_size=5), max_tokens=args.max_tokens)
 
     config = cached.model.config
     print(f"model: {model_name}; d_model {config.d_model}, {config.num_encoder_layers}+{config.num_decoder_layers} "

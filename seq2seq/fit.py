@@ -1,32 +1,135 @@
 """python -m seq2seq.fit --config configs/X.yaml [--trainer.max_epochs=3 ...] [--ckpt_path last]
 
 LightningCLI over TranslationModule and TranslationDataModule: the YAML's `trainer:`, `model:` and
-`data:` sections are their constructor arguments. The model's vocabulary size is linked from the
-data module's tokenizer (trained on the first run, by one process only), so no number has to be
-kept in sync by hand.
+`data:` sections are their constructor arguments (`model.transformer` is the TransformerConfig).
+The model's vocabulary size is linked from the data module's tokenizer (trained on the first run,
+by one process only), so no number has to be kept in sync by hand.
+
+Before any work, and so before hours of training can be lost: the model section is validated
+(every key named in its error), the checkpoint and log folders must be writable, and a resumed
+checkpoint must exist and pass the checks of checkpoint.py. Checkpoints are written atomically
+beside their target and a failed write ends the run. A bad input ends with one `error:` line.
 """
 
-from lightning.pytorch.cli import LightningCLI
+from __future__ import annotations
 
-from seq2seq.data import TranslationDataModule
-from seq2seq.module import TranslationModule
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference, save_atomic
+from seq2seq.data import DataError, TranslationDataModule
+from seq2seq.model import ConfigError, TransformerConfig
+from seq2seq.module import TranslationModule, check_hyperparameters
+from seq2seq.search import SearchConfig
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning 2.6 stages a checkpoint in TMPDIR and moves it (a copy, not atomic, across
+    filesystems: a kill leaves a truncated file), and swallows a PermissionError (the run "succeeds"
+    with no checkpoint). This one writes beside the target, renames, and raises."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO takes no storage_options")
+        try:
+            save_atomic(checkpoint, path)
+        except OSError as error:
+            raise CheckpointError(f"cannot write checkpoint {path}: {error.strerror or error}; "
+                                  "free space or fix the folder's permissions, then resume with --ckpt_path last") from error
 
 
 class TranslationCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.link_arguments("data.vocab_size", "model.transformer.vocab_size", apply_on="instantiate")
         parser.add_argument(
             "--ckpt_path",
             type=str | None,
             default=None,
-            help="resume from this checkpoint: a path, or 'last' for the newest one the checkpoint callback wrote",
+            help="resume from this checkpoint: a path, or 'last' for the newest last*.ckpt the checkpoint callback wrote",
         )
         # The data module's batch sampler shards token-budget batches across ranks itself; Lightning's
         # DistributedSampler would split them a second time.
         parser.set_defaults({"trainer.use_distributed_sampler": False})
 
+    def before_instantiate_classes(self) -> None:
+        # Instantiating the data module trains the tokenizer (minutes on WMT): check the model first.
+        check_model_section(self.config["model"])
+
+
+def check_model_section(model: Any) -> None:
+    """The parsed `model:` section's values, checked as construction will check them; errors name the key."""
+    transformer = {key: value for key, value in vars(model.transformer).items() if key != "vocab_size"}
+    try:
+        # vocab_size comes from the tokenizer later; any value that passes stands in for it here.
+        TransformerConfig(vocab_size=max(transformer.get("pad_id", 0), 0) + 1, **transformer)
+    except ConfigError as error:
+        raise ConfigError(f"model.transformer.{error.field}", error.problem) from None
+    try:
+        SearchConfig(**vars(model.val_search))
+    except ConfigError as error:
+        raise ConfigError(f"model.val_search.{error.field}", error.problem) from None
+    check_hyperparameters(label_smoothing=model.label_smoothing, lr=model.lr, warmup_steps=model.warmup_steps,
+                          weight_decay=model.weight_decay, adam_betas=tuple(model.adam_betas), adam_eps=model.adam_eps)
+
+
+def check_writable(folder: str | Path, *, option: str) -> None:
+    """Create `folder` and a file in it now, rather than learn at the first checkpoint that we cannot."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise CheckpointError(f"{option}: cannot write to {folder} ({error.strerror or error}); fix its "
+                              f"permissions or choose another folder") from None
+
+
+def check_output_folders(trainer: Trainer) -> None:
+    if not trainer.is_global_zero:
+        return
+    check_writable(trainer.default_root_dir, option="trainer.default_root_dir")
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            check_writable(callback.dirpath, option="ModelCheckpoint dirpath")
+
+
+def resolve_resume(trainer: Trainer, ckpt_path: str | None) -> str | None:
+    """The checkpoint to resume from, checked; 'last' with none to find is an error, not a fresh start."""
+    if ckpt_path is None or ckpt_path in ("hpc", "registry"):
+        return ckpt_path
+    if ckpt_path == "last":
+        folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                   if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
+        found = [path for folder in folders for path in folder.glob("last*.ckpt")]
+        if not found:
+            where = ", ".join(map(str, folders)) or "(no ModelCheckpoint with a dirpath)"
+            raise CheckpointError(f"--ckpt_path last: no last*.ckpt in {where}; to train from scratch leave "
+                                  "out --ckpt_path, or give a checkpoint's path")
+        path = max(found, key=lambda p: p.stat().st_mtime)
+    else:
+        path = Path(ckpt_path)
+    try:
+        read_inference(path, load_checkpoint(path))
+    except CheckpointError as error:
+        raise CheckpointError(f"--ckpt_path {ckpt_path}: {error}. Resume from another checkpoint "
+                              "(e.g. best.ckpt beside it) or leave out --ckpt_path to start afresh") from None
+    return str(path)
+
 
 def main(args: list[str] | None = None) -> TranslationCLI:
+    try:
+        return fit(args)
+    except (ConfigError, DataError, CheckpointError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def fit(args: list[str] | None) -> TranslationCLI:
     cli = TranslationCLI(
         TranslationModule,
         TranslationDataModule,
@@ -35,9 +138,14 @@ def main(args: list[str] | None = None) -> TranslationCLI:
         save_config_kwargs={"overwrite": True},
         args=args,
     )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
-    checkpoint = cli.trainer.checkpoint_callback
-    if cli.trainer.is_global_zero and checkpoint is not None:
+    trainer = cli.trainer
+    if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # keep a CheckpointIO the user chose
+        trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+    check_output_folders(trainer)
+    ckpt_path = resolve_resume(trainer, cli.config.get("ckpt_path"))
+    trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    checkpoint = trainer.checkpoint_callback
+    if trainer.is_global_zero and isinstance(checkpoint, ModelCheckpoint):
         best = checkpoint.best_model_score
         print(
             f"best {checkpoint.monitor} = {best.item() if best is not None else float('nan'):.2f}: "

@@ -16,6 +16,8 @@ proto bytes, language pair), as plain types: it loads with `torch.load(..., weig
 
 import math
 import time
+from dataclasses import asdict
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -25,14 +27,16 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry
 from seq2seq.loss import label_smoothed_nll, training_loss
-from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.search import beam_search, greedy
+from seq2seq.model import ConfigError, Transformer, TransformerConfig
+from seq2seq.model.config import check_range
+from seq2seq.search import SearchConfig, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from seq2seq.translator import CHECKPOINT_FORMAT, CHECKPOINT_KEY  # the reader owns the format
 
 # (sentence index, hypothesis, reference, summed smoothed loss, summed NLL, target tokens)
 ValidationRow = tuple[int, str, str, float, float, int]
+VAL_SEARCH = SearchConfig(beam_size=1)  # greedy: fast enough to run at every validation
 
 
 def inverse_sqrt_schedule(step: int, *, warmup_steps: int) -> float:
@@ -41,6 +45,30 @@ def inverse_sqrt_schedule(step: int, *, warmup_steps: int) -> float:
     if step < warmup_steps:
         return step / warmup_steps
     return math.sqrt(warmup_steps / step)
+
+
+def check_hyperparameters(*, label_smoothing: float, lr: float, warmup_steps: int, weight_decay: float,
+                          adam_betas: tuple[float, float], adam_eps: float) -> None:
+    """ConfigError naming the config key (`model.lr`) for a value that would train wrongly or not at all."""
+    values = SimpleNamespace(label_smoothing=label_smoothing, lr=lr, warmup_steps=warmup_steps,
+                             weight_decay=weight_decay, beta1=adam_betas[0], beta2=adam_betas[1], adam_eps=adam_eps)
+    bounds: dict[str, dict[str, Any]] = {
+        "label_smoothing": {"low": 0, "high": 1, "high_open": True},
+        "lr": {"low": 0, "low_open": True},
+        "warmup_steps": {"low": 1},  # 0 would divide by zero, and the schedule would hold the rate at 0
+        "weight_decay": {"low": 0},
+        "beta1": {"low": 0, "high": 1, "high_open": True},
+        "beta2": {"low": 0, "high": 1, "high_open": True},
+        "adam_eps": {"low": 0, "low_open": True},
+    }
+    for name, limits in bounds.items():
+        try:
+            check_range(values, name, **limits)
+        except ConfigError as error:
+            key = f"model.adam_betas[{name[-1] == '2':d}]" if name.startswith("beta") else f"model.{name}"
+            raise ConfigError(key, error.problem) from None
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
+        raise ConfigError("model.warmup_steps", f"must be a whole number of updates, got {warmup_steps!r}")
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -54,62 +82,40 @@ class TranslationModule(L.LightningModule):
     def __init__(
         self,
         *,
-        vocab_size: int,
-        d_model: int = 512,
-        num_heads: int = 8,
-        d_ff: int = 2048,
-        num_encoder_layers: int = 6,
-        num_decoder_layers: int = 6,
-        dropout: float = 0.1,
-        attention_dropout: float = 0.0,
-        activation_dropout: float = 0.0,
-        max_positions: int = 1024,
-        positions: str = "sinusoidal",
-        norm: str = "layernorm",
-        norm_placement: str = "post",
-        activation: str = "relu",
-        tie_embeddings: str = "all",
+        transformer: TransformerConfig,
         label_smoothing: float = 0.1,
         lr: float = 5e-4,
         warmup_steps: int = 4000,
         weight_decay: float = 0.0,
         adam_betas: tuple[float, float] = (0.9, 0.98),
         adam_eps: float = 1e-9,
-        val_beam_size: int = 1,
-        val_length_penalty: float = 0.6,
-        val_max_len_a: float = 1.5,
-        val_max_len_b: int = 10,
+        val_search: SearchConfig = VAL_SEARCH,
     ):
-        """Model fields are TransformerConfig's (see seq2seq/model/config.py for each one's meaning).
-
+        """
         Args:
+            transformer: the model (seq2seq/model/config.py documents each field); its vocab_size
+                is linked from the data module's tokenizer by fit.py.
             label_smoothing: mass spread uniformly over the vocabulary (0.1 in the paper).
             lr: peak learning rate, reached after `warmup_steps` updates, then decaying as 1/sqrt(step).
+            warmup_steps: updates of linear warm-up (at least 1).
             weight_decay: decoupled (AdamW); 0 gives the paper's Adam.
-            val_beam_size: 1 decodes the validation set greedily; more uses beam search.
-            val_max_len_a, val_max_len_b: validation output length limit a * src_len + b.
+            adam_betas: Adam's (beta1, beta2).
+            adam_eps: Adam's epsilon.
+            val_search: how the validation set is decoded for BLEU (greedy by default: beam_size 1).
         """
         super().__init__()
-        self.save_hyperparameters()
-        self.config = TransformerConfig(
-            vocab_size=vocab_size,
-            d_model=d_model,
-            num_heads=num_heads,
-            d_ff=d_ff,
-            num_encoder_layers=num_encoder_layers,
-            num_decoder_layers=num_decoder_layers,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            activation_dropout=activation_dropout,
-            max_positions=max_positions,
-            pad_id=PAD_ID,
-            positions=positions,
-            norm=norm,
-            norm_placement=norm_placement,
-            activation=activation,
-            tie_embeddings=tie_embeddings,
-        )
-        self.model = Transformer(self.config)
+        check_hyperparameters(label_smoothing=label_smoothing, lr=lr, warmup_steps=warmup_steps,
+                              weight_decay=weight_decay, adam_betas=adam_betas, adam_eps=adam_eps)
+        if transformer.pad_id != PAD_ID:
+            raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {PAD_ID}, got "
+                                                          f"{transformer.pad_id}")
+        if val_search.sampling:
+            raise ConfigError("model.val_search.sampling", "validation BLEU needs a deterministic search: set it false")
+        # Plain types in hparams: checkpoints must load with weights_only=True (no dataclass objects).
+        self.save_hyperparameters(ignore=["transformer", "val_search"])
+        self.hparams["transformer"], self.hparams["val_search"] = transformer.to_dict(), asdict(val_search)
+        self.config, self.val_search = transformer, val_search
+        self.model = Transformer(transformer)
         self.tokenizer: Tokenizer | None = None  # taken from the data module in setup()
         self._validation_outputs: list[ValidationRow] = []
         self._step_started = 0.0
@@ -138,13 +144,12 @@ class TranslationModule(L.LightningModule):
         self.src_lang, self.tgt_lang = datamodule.src_lang, datamodule.tgt_lang
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = {
-            "format": CHECKPOINT_FORMAT,
-            "model_config": self.config.to_dict(),
-            "tokenizer": self.tokenizer.to_bytes(),
-            "src_lang": self.src_lang,
-            "tgt_lang": self.tgt_lang,
-        }
+        # Lightning calls this after filling checkpoint["state_dict"], which the entry's checksum covers.
+        assert self.tokenizer is not None, "setup() takes the tokenizer before any checkpoint is written"
+        checkpoint[CHECKPOINT_KEY] = inference_entry(
+            state_dict=checkpoint["state_dict"], config=self.config, tokenizer=self.tokenizer.to_bytes(),
+            src_lang=self.src_lang, tgt_lang=self.tgt_lang,
+        )
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -198,20 +203,9 @@ class TranslationModule(L.LightningModule):
         self._validation_outputs.extend(rows)
 
     def translate_batch(self, src: Tensor) -> list[str]:
-        hp = self.hparams
-        if hp.val_beam_size > 1:
-            nbest = beam_search(
-                self.model, src, bos=BOS_ID, eos=EOS_ID, pad=PAD_ID, beam_size=hp.val_beam_size,
-                length_penalty=hp.val_length_penalty, max_len_a=hp.val_max_len_a, max_len_b=hp.val_max_len_b,
-            )
-            tokens = [hyps[0].tokens for hyps in nbest]
-        else:
-            hyps = greedy(
-                self.model, src, bos=BOS_ID, eos=EOS_ID, pad=PAD_ID, max_len_a=hp.val_max_len_a,
-                max_len_b=hp.val_max_len_b,
-            )
-            tokens = [hyp.tokens for hyp in hyps]
-        return self.tokenizer.decode(tokens)
+        nbest = decode(self.model, src, self.val_search, bos=BOS_ID, eos=EOS_ID, pad=PAD_ID)
+        assert self.tokenizer is not None
+        return self.tokenizer.decode([hyps[0].tokens for hyps in nbest])
 
     def on_validation_epoch_end(self) -> None:
         outputs, self._validation_outputs = self._validation_outputs, []

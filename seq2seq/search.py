@@ -22,20 +22,77 @@ Conventions shared by the three searches:
   score `log_prob / ((5 + n) / 6) ** alpha` with `n = len(tokens) + 1` (EOS counted); for greedy
   and sampling it equals `log_prob`.
 
-Callers put the model in eval mode; these functions run under `torch.inference_mode()`.
+Every option lives in one `SearchConfig`, validated once when it is built; `decode` is the one
+entry point (validation, Translator, the CLIs and the server call it) and picks the search.
+Callers put the model in eval mode; the searches run under `torch.inference_mode()`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from seq2seq.model.config import ConfigError, check_field_types, check_range
+
 NEG_INF = float("-inf")
+
+
+def _option(default: Any, help: str, *, flag: str | None = None) -> Any:
+    """A SearchConfig field; `help` (and an older `flag` spelling) are for the CLIs built from it."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    """How to decode: beam search (beam_size > 1), greedy (beam_size 1) or sampling.
+
+    Built once (from CLI flags, a server request, a training config) and checked here, so that no
+    search function re-validates and a bad value is refused before a model is loaded.
+    """
+
+    beam_size: int = _option(5, "hypotheses kept per sentence; 1 is greedy search", flag="--beam")
+    nbest: int = _option(1, "translations returned per sentence, best first (<= beam size)")
+    length_penalty: float = _option(0.6, "GNMT's alpha for ranking beam hypotheses; 0 ranks by raw log-prob")
+    max_len_a: float = _option(1.5, "output length limit a * source tokens + b")
+    max_len_b: int = _option(10, "see --max-len-a")
+    min_len: int = _option(0, "outputs are at least this many tokens long (EOS forbidden before)")
+    no_repeat_ngram_size: int = _option(0, "forbid repeating an n-gram of this size; 0: off", flag="--no-repeat-ngram")
+    sampling: bool = _option(False, "draw each token from the model's distribution instead of searching")
+    temperature: float = _option(1.0, "sampling: divide the logits by it (< 1 sharper, > 1 flatter)")
+    top_k: int = _option(0, "sampling: draw from the k most likely tokens only; 0: all")
+    top_p: float = _option(1.0, "sampling: draw from the smallest set of tokens with this much probability")
+    seed: int | None = _option(None, "sampling: seed of the random draws, for a reproducible run")
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        check_range(self, "beam_size", low=1)
+        check_range(self, "length_penalty", low=0)
+        # Bounded above too: a huge float would overflow the int64 length to 0 (every output empty).
+        check_range(self, "max_len_a", low=0, high=1000)
+        check_range(self, "max_len_b", low=0, high=1_000_000)
+        check_range(self, "min_len", low=0)
+        check_range(self, "no_repeat_ngram_size", low=0)
+        check_range(self, "temperature", low=0, low_open=True)
+        check_range(self, "top_k", low=0)
+        check_range(self, "top_p", low=0, high=1, low_open=True)
+        check_range(self, "seed", low=0, high=2**63 - 1)
+        if self.max_len_a == 0 and self.max_len_b == 0:
+            raise ConfigError("max_len_b", "max_len_a and max_len_b are both 0: every output would be empty")
+        if self.sampling and self.nbest != 1:
+            raise ConfigError("nbest", f"sampling draws one translation per sentence: must be 1, got {self.nbest}")
+        if not self.sampling and not 1 <= self.nbest <= self.beam_size:
+            raise ConfigError("nbest", f"must be between 1 and beam_size ({self.beam_size}), got {self.nbest}")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Beam search ranks 2 * beam_size candidates among the first step's vocabulary."""
+        if not self.sampling and self.beam_size > 1 and 2 * self.beam_size > vocab_size:
+            raise ConfigError("beam_size", f"{self.beam_size} needs a vocabulary of at least {2 * self.beam_size} "
+                                           f"tokens; this model has {vocab_size}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +115,9 @@ class DecoderState(Protocol):
 class ModelConfig(Protocol):
     @property
     def max_positions(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class EncoderDecoder(Protocol):
@@ -238,29 +298,50 @@ def beam_step(scores: Tensor, log_probs: Tensor, *, beam_size: int, eos: int) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# The searches.
+# The searches, and the one entry point that picks among them.
+
+
+def decode(
+    model: EncoderDecoder,
+    src: Tensor,
+    config: SearchConfig,
+    *,
+    bos: int,
+    eos: int,
+    pad: int,
+    prefix: Sequence[Sequence[int]] | None = None,
+    generator: torch.Generator | None = None,
+) -> list[list[Hypothesis]]:
+    """Per source sentence (B, S) its hypotheses, best first: `nbest` of them, or one for greedy and sampling.
+
+    Sampling draws with `generator`, or with a new one seeded from `config.seed`; a caller decoding
+    many batches passes one generator so that the batches draw different numbers.
+    """
+    config.check_vocabulary(model.config.vocab_size)
+    if config.sampling:
+        if generator is None and config.seed is not None:
+            generator = torch.Generator(device=src.device).manual_seed(config.seed)
+        hyps = sample(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix, generator=generator)
+        return [[h] for h in hyps]
+    if config.beam_size == 1:
+        return [[h] for h in greedy(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)]
+    return beam_search(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)
 
 
 @torch.inference_mode()
 def beam_search(
     model: EncoderDecoder,
     src: Tensor,
+    config: SearchConfig,
     *,
     bos: int,
     eos: int,
     pad: int,
-    beam_size: int = 5,
-    nbest: int = 1,
-    length_penalty: float = 0.6,
-    max_len_a: float = 1.5,
-    max_len_b: int = 10,
-    min_len: int = 0,
-    no_repeat_ngram_size: int = 0,
     prefix: Sequence[Sequence[int]] | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search over a batch of sources (B, S), right-padded; per sentence its n-best, best first.
 
-    K = beam_size. All B*K hypotheses advance in one decoder call per step. Hypotheses are ranked by the
+    K = config.beam_size. All B*K hypotheses advance in one decoder call per step. Hypotheses are ranked by the
     length-normalised `score` (`length_penalty` is GNMT's alpha; 0 ranks by raw log_prob).
 
     Stopping (fairseq's rule, not an exact one): a sentence is done as soon as K hypotheses have
@@ -268,13 +349,12 @@ def beam_search(
     (with alpha > 0 a longer one can score better), but proving it cannot would mean searching on
     to max_len for most sentences.
     """
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest ({nbest}) must be between 1 and beam_size ({beam_size})")
+    beam_size, length_penalty = config.beam_size, config.length_penalty
     if src.size(0) == 0:
         return []
     src_mask = src != pad  # (B, S)
     memory = model.encode(src)  # (B, S, D), once; the decoder projects it once into the state
-    limits = make_limits(src_mask, prefix, pad=pad, max_len_a=max_len_a, max_len_b=max_len_b,
+    limits = make_limits(src_mask, prefix, pad=pad, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
                          max_positions=model.config.max_positions)
     batch, device = src.size(0), src.device
     state = model.new_state()
@@ -288,8 +368,8 @@ def beam_search(
     while True:
         live, k_cur, step = tokens.shape
         log_probs = step_log_probs(model, tgt_in, memory, src_mask, state).view(live, k_cur, -1)  # (N, K_cur, V)
-        log_probs = constrain(log_probs, tokens, limits, bos=bos, eos=eos, pad=pad, min_len=min_len,
-                              no_repeat_ngram_size=no_repeat_ngram_size)
+        log_probs = constrain(log_probs, tokens, limits, bos=bos, eos=eos, pad=pad, min_len=config.min_len,
+                              no_repeat_ngram_size=config.no_repeat_ngram_size)
         cand = beam_step(scores, log_probs, beam_size=beam_size, eos=eos)
         _collect_finished(finished, cand, tokens, sentence, beam_size=beam_size, alpha=length_penalty)
 
@@ -311,7 +391,7 @@ def beam_search(
         sentence, num_finished, limits = sentence[keep], num_finished[keep], limits.select(keep)
         tgt_in = next_tokens.view(-1, 1)
 
-    return [sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest] for hyps in finished]
+    return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
 
 
 def _collect_finished(
@@ -337,70 +417,56 @@ def _collect_finished(
 def greedy(
     model: EncoderDecoder,
     src: Tensor,
+    config: SearchConfig,
     *,
     bos: int,
     eos: int,
     pad: int,
-    max_len_a: float = 1.5,
-    max_len_b: int = 10,
-    min_len: int = 0,
-    no_repeat_ngram_size: int = 0,
     prefix: Sequence[Sequence[int]] | None = None,
 ) -> list[Hypothesis]:
-    """The most likely next token at every step; one hypothesis per source sentence (B, S)."""
-    return _one_per_row(model, src, pick=lambda log_probs: log_probs.argmax(dim=-1), bos=bos, eos=eos, pad=pad,
-                        max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len,
-                        no_repeat_ngram_size=no_repeat_ngram_size, prefix=prefix)
+    """The most likely next token at every step; one hypothesis per source sentence (B, S).
+
+    Uses the config's length limits and constraints; beam, n-best and sampling fields do not apply.
+    """
+    return _one_per_row(model, src, config, pick=lambda log_probs: log_probs.argmax(dim=-1), bos=bos, eos=eos,
+                        pad=pad, prefix=prefix)
 
 
 @torch.inference_mode()
 def sample(
     model: EncoderDecoder,
     src: Tensor,
+    config: SearchConfig,
     *,
     bos: int,
     eos: int,
     pad: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-    max_len_a: float = 1.5,
-    max_len_b: int = 10,
-    min_len: int = 0,
-    no_repeat_ngram_size: int = 0,
     prefix: Sequence[Sequence[int]] | None = None,
+    generator: torch.Generator | None = None,
 ) -> list[Hypothesis]:
     """Draw each next token from the model's distribution: tempered, then top-k, then top-p (nucleus).
 
     `top_k=0` and `top_p=1` switch those filters off. Pass a `generator` (on src's device) to
     reproduce a draw. `log_prob` is the model's (temperature 1, unfiltered) log-probability.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}; for the argmax use greedy()")
 
     def pick(log_probs: Tensor) -> Tensor:  # (R, V) -> (R,)
-        tempered = F.log_softmax(log_probs / temperature, dim=-1)
-        filtered = top_p_filter(top_k_filter(tempered, top_k), top_p)
+        tempered = F.log_softmax(log_probs / config.temperature, dim=-1)
+        filtered = top_p_filter(top_k_filter(tempered, config.top_k), config.top_p)
         return torch.multinomial(filtered.exp(), 1, generator=generator)[:, 0]
 
-    return _one_per_row(model, src, pick=pick, bos=bos, eos=eos, pad=pad, max_len_a=max_len_a,
-                        max_len_b=max_len_b, min_len=min_len, no_repeat_ngram_size=no_repeat_ngram_size,
-                        prefix=prefix)
+    return _one_per_row(model, src, config, pick=pick, bos=bos, eos=eos, pad=pad, prefix=prefix)
 
 
 def _one_per_row(
     model: EncoderDecoder,
     src: Tensor,
+    config: SearchConfig,
     *,
     pick: Callable[[Tensor], Tensor],
     bos: int,
     eos: int,
     pad: int,
-    max_len_a: float,
-    max_len_b: int,
-    min_len: int,
-    no_repeat_ngram_size: int,
     prefix: Sequence[Sequence[int]] | None,
 ) -> list[Hypothesis]:
     """Greedy and sampling: one hypothesis per sentence, `pick` chooses from constrained log-probs."""
@@ -408,7 +474,7 @@ def _one_per_row(
         return []
     src_mask = src != pad  # (B, S)
     memory = model.encode(src)  # (B, S, D)
-    limits = make_limits(src_mask, prefix, pad=pad, max_len_a=max_len_a, max_len_b=max_len_b,
+    limits = make_limits(src_mask, prefix, pad=pad, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
                          max_positions=model.config.max_positions)
     batch, device = src.size(0), src.device
     state = model.new_state()
@@ -421,7 +487,7 @@ def _one_per_row(
     while True:
         log_probs = step_log_probs(model, tgt_in, memory, src_mask, state)  # (N, V)
         log_probs = constrain(log_probs[:, None], tokens[:, None], limits, bos=bos, eos=eos, pad=pad,
-                              min_len=min_len, no_repeat_ngram_size=no_repeat_ngram_size)[:, 0]
+                              min_len=config.min_len, no_repeat_ngram_size=config.no_repeat_ngram_size)[:, 0]
         next_token = pick(log_probs)  # (N,)
         log_prob = log_prob + log_probs.gather(1, next_token[:, None])[:, 0]
         done = next_token == eos  # at max_len EOS is the only choice left

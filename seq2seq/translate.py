@@ -3,17 +3,32 @@
 One output line per input line, in order (an empty line gives an empty line). With --nbest N > 1
 each input line gives N lines `index<TAB>score<TAB>translation` (index from 0; an empty line gives
 N empty translations with score 0). With --ref, sacreBLEU and chrF (with their signatures) go to
-stderr, so stdout stays the translations. Input, references and output are UTF-8.
+stderr, so stdout stays the translations. Input, references and output are UTF-8 (a byte-order
+mark at the start of a file is dropped).
+
+Every option, the output path and the checkpoint are checked before any sentence is translated;
+translations are written as each window of input lines is done, so an interrupted run keeps them.
 """
 
 import argparse
+import os
+import re
 import sys
 import time
+import typing
+import warnings
+from dataclasses import fields
 from pathlib import Path
+from typing import TextIO
 
 import sacrebleu
 
-from seq2seq.translator import Translation, Translator
+from seq2seq.checkpoint import CheckpointError
+from seq2seq.model import ConfigError
+from seq2seq.search import SearchConfig
+from seq2seq.translator import Translation, Translator, resolve_device
+
+WINDOW = 1000  # input lines decoded (and sorted by length) at a time before their output is written
 
 
 def read_lines(path: str) -> list[str]:
@@ -22,7 +37,8 @@ def read_lines(path: str) -> list[str]:
     Lines end at "\n" only (a "\r" before it goes too): str.splitlines would also split at
     U+2028, U+0085, form feeds and the like inside a sentence, and the output would then have more
     lines than the input, out of step with the references. Stdin is read as bytes, so it is UTF-8
-    whatever the locale says, and a bad byte is reported with its line like a file's.
+    whatever the locale says, and a bad byte is reported with its line like a file's. A UTF-8 BOM
+    (which Windows editors write) is not part of the first sentence.
     """
     name = "stdin" if path == "-" else path
     try:
@@ -32,7 +48,7 @@ def read_lines(path: str) -> list[str]:
     except OSError as error:
         raise SystemExit(f"error: cannot read {path}: {error.strerror}") from None
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
         raise SystemExit(f"error: {name} line {line} is not UTF-8; convert the file to UTF-8") from None
@@ -47,15 +63,12 @@ def read_stdin() -> bytes:
     return sys.stdin.read().encode("utf-8") if stdin is None else stdin.read()
 
 
-def write_stdout(text: str) -> None:
-    """Write UTF-8 bytes, as the input is read, whatever the locale's encoding says."""
-    stdout = getattr(sys.stdout, "buffer", None)  # a StringIO put in place of stdout has none
-    if stdout is None:
-        sys.stdout.write(text)
-    else:
-        sys.stdout.flush()
-        stdout.write(text.encode("utf-8"))
-        stdout.flush()
+def utf8_stdout() -> TextIO:
+    """stdout writing UTF-8, as the input is read, whatever the locale's encoding says."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # a StringIO put in place of stdout has none
+    if reconfigure is not None:
+        reconfigure(encoding="utf-8")
+    return sys.stdout
 
 
 def one_line(text: str) -> str:
@@ -75,58 +88,74 @@ def format_nbest(hyps: list[Translation], *, nbest: int, prefix: str = "") -> li
 
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
-    """The search options, shared with serve/translate.py."""
-    parser.add_argument("--beam", type=int, default=5, help="beam size; 1 is greedy search")
-    parser.add_argument("--nbest", type=int, default=1, help="translations per input line (<= beam)")
-    parser.add_argument("--length-penalty", type=float, default=0.6, help="GNMT's alpha; 0 ranks by raw log-prob")
-    parser.add_argument("--max-len-a", type=float, default=1.5, help="output length limit: a * source length + b")
-    parser.add_argument("--max-len-b", type=int, default=10)
-    parser.add_argument("--no-repeat-ngram", type=int, default=0, help="forbid repeating n-grams of this size")
-    parser.add_argument("--sampling", action="store_true", help="sample instead of searching")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    """One flag per SearchConfig field (its name with dashes; older spellings kept), and the run's options."""
+    group = parser.add_argument_group("search (SearchConfig in seq2seq/search.py)")
+    hints = typing.get_type_hints(SearchConfig)
+    for f in fields(SearchConfig):
+        flags = [flag for flag in (f.metadata["flag"], f"--{f.name.replace('_', '-')}") if flag]
+        if hints[f.name] is bool:
+            group.add_argument(*flags, dest=f.name, action="store_true", help=f.metadata["help"])
+        else:
+            kind = float if hints[f.name] is float else int  # int | None (the seed) is an int when given
+            group.add_argument(*flags, dest=f.name, type=kind, default=f.default,
+                               help=f"{f.metadata['help']} (default: {f.default})")
     parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
 
 
-def check_search_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit with a usage error for option combinations the Translator would refuse on the first line."""
-    if args.beam < 1:
-        parser.error(f"--beam must be at least 1, got {args.beam}")
-    if args.sampling and args.nbest != 1:
-        parser.error("--sampling draws one translation per line; leave --nbest at 1")
-    if not args.sampling and not 1 <= args.nbest <= args.beam:
-        parser.error(f"--nbest ({args.nbest}) must be between 1 and --beam ({args.beam})")
-    if args.temperature <= 0:
-        parser.error(f"--temperature must be > 0, got {args.temperature}")
+def flag_message(error: ConfigError) -> str:
+    """A SearchConfig error in the CLI's words: `--beam` where the config says `beam_size`."""
+    flags = {f.name: f.metadata["flag"] or f"--{f.name.replace('_', '-')}" for f in fields(SearchConfig)}
+    problem = re.sub(r"\b[a-z_]+\b", lambda word: flags.get(word[0], word[0]), error.problem)
+    return f"{flags.get(error.field, error.field)}: {problem}"
 
 
-def load_translator(args: argparse.Namespace) -> Translator:
-    """The checkpoint's Translator, or exit with load_checkpoint's message (no traceback)."""
+def search_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SearchConfig:
+    """The flags as a SearchConfig, or a usage error naming the flag; the device and batch size checked too."""
     try:
-        return Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
-    except (OSError, ValueError) as error:
+        search = SearchConfig(**{f.name: getattr(args, f.name) for f in fields(SearchConfig)})
+    except ConfigError as error:
+        parser.error(flag_message(error))
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    try:
+        resolve_device(args.device)
+    except ValueError as error:
+        parser.error(f"--device: {error}")
+    return search
+
+
+def load_translator(args: argparse.Namespace, search: SearchConfig) -> Translator:
+    """The checkpoint's Translator, checked against the search options, or exit with one line (no traceback)."""
+    try:
+        translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
+        search.check_vocabulary(translator.model.config.vocab_size)
+    except ConfigError as error:
+        raise SystemExit(f"error: {flag_message(error)}") from None
+    except (CheckpointError, OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
+    return translator
 
 
-def search_options(args: argparse.Namespace) -> dict:
-    return {
-        "beam_size": args.beam,
-        "nbest": args.nbest,
-        "length_penalty": args.length_penalty,
-        "max_len_a": args.max_len_a,
-        "max_len_b": args.max_len_b,
-        "no_repeat_ngram_size": args.no_repeat_ngram,
-        "sampling": args.sampling,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "max_tokens": args.max_tokens,
-    }
+def one_line_warnings() -> None:
+    """Warnings (a truncated line) as one `warning:` line on stderr, each one shown, not the first only."""
+    warnings.formatwarning = lambda message, *_args, **_kwargs: f"warning: {message}\n"
+    warnings.simplefilter("always", UserWarning)
+
+
+def check_output_path(path: str) -> None:
+    """Refuse an output that cannot be written now, not after the whole input has been translated."""
+    if path == "-":
+        return
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise SystemExit(f"error: --output {path} is a folder; give a file path")
+    if not folder.is_dir():
+        raise SystemExit(f"error: --output {path}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise SystemExit(f"error: --output {path} cannot be written (permission denied)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ref", default=None, help="reference translations, line-aligned: print BLEU and chrF")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
-    check_search_arguments(parser, args)
+    search = search_config(parser, args)
+    check_output_path(args.output)
+    one_line_warnings()
 
     sources = read_lines(args.input)
     references = read_lines(args.ref) if args.ref else None
@@ -147,25 +178,39 @@ def main(argv: list[str] | None = None) -> None:
             f"error: {source_name} has {len(sources)} lines but {args.ref} has {len(references)}; "
             "the references must be line-aligned with the input"
         )
-    translator = load_translator(args)
+    translator = load_translator(args, search)
     start = time.perf_counter()
-    nbest = translator.translate_nbest(sources, **search_options(args))
-    elapsed = time.perf_counter() - start
-    if args.nbest > 1:
-        lines = [line for i, hyps in enumerate(nbest) for line in format_nbest(hyps, nbest=args.nbest, prefix=f"{i}\t")]
-    else:
-        lines = [one_line(hyps[0].text) if hyps else "" for hyps in nbest]
-    text = "".join(line + "\n" for line in lines)
-    if args.output == "-":
-        write_stdout(text)
-    else:
-        Path(args.output).write_text(text, encoding="utf-8")
-    print(f"translated {len(sources)} lines in {elapsed:.1f}s", file=sys.stderr)
+    best: list[str] = []
+    output = utf8_stdout() if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    try:
+        write_translations(translator.translate_stream(sources, search, max_tokens=args.max_tokens, window=WINDOW),
+                           output, nbest=search.nbest, best=best)
+    except KeyboardInterrupt:
+        where = "stdout" if args.output == "-" else args.output
+        print(f"\ninterrupted: {where} holds the translations of the first {len(best)} lines", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        if output is not sys.stdout:
+            output.close()
+    print(f"translated {len(sources)} lines in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     if references is not None:
-        best = [one_line(hyps[0].text) if hyps else "" for hyps in nbest]
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
         print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
+
+
+def write_translations(results, output: TextIO, *, nbest: int, best: list[str]) -> None:
+    """Write each line's translation(s) as it comes, flushing after each window; `best` collects the 1-bests."""
+    for i, hyps in enumerate(results):
+        best.append(one_line(hyps[0].text) if hyps else "")
+        if nbest > 1:
+            text = "".join(f"{line}\n" for line in format_nbest(hyps, nbest=nbest, prefix=f"{i}\t"))
+        else:
+            text = best[-1] + "\n"
+        output.write(text)
+        if (i + 1) % WINDOW == 0:
+            output.flush()
+    output.flush()
 
 
 if __name__ == "__main__":

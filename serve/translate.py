@@ -6,7 +6,8 @@ Shows a prompt on a terminal; with piped stdin it prints one translation per inp
 at once, so another program can drive it line by line (with --nbest N: N lines
 `score<TAB>translation` and a blank line per input; an empty input gives N empty translations
 with score 0). Input and output are UTF-8; a line that is not UTF-8 is reported on stderr and
-answered with an empty translation, so the answers stay in step. Ctrl-D or an end of input quits.
+answered with an empty translation, so the answers stay in step. A line longer than the model
+accepts is truncated, with a warning naming its line number. Ctrl-D or an end of input quits.
 """
 
 import argparse
@@ -14,11 +15,12 @@ import sys
 
 from seq2seq.translate import (
     add_search_arguments,
-    check_search_arguments,
     format_nbest,
     load_translator,
     one_line,
-    search_options,
+    one_line_warnings,
+    search_config,
+    utf8_stdout,
 )
 
 
@@ -27,15 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
-    check_search_arguments(parser, args)
-    translator = load_translator(args)
-    options = search_options(args)
+    search = search_config(parser, args)
+    one_line_warnings()
+    translator = load_translator(args, search)
     # Bytes in, decoded here: a stray non-UTF-8 byte must not end the session with a traceback.
     stdin = sys.stdin.buffer
-    sys.stdout.reconfigure(encoding="utf-8")
+    stdout = utf8_stdout()
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"{translator.src_lang}→{translator.tgt_lang}, beam {args.beam}; Ctrl-D quits.", file=sys.stderr)
+        print(f"{translator.src_lang}→{translator.tgt_lang}, beam {search.beam_size}; Ctrl-D quits.", file=sys.stderr)
     number = 0
     while True:
         if interactive:
@@ -49,13 +51,15 @@ def main(argv: list[str] | None = None) -> None:
         except UnicodeDecodeError:
             print(f"error: input line {number} is not UTF-8; translating it as an empty line", file=sys.stderr)
             line = ""
-        hyps = translator.translate_nbest([line], **options)[0]
-        if args.nbest > 1:
-            print("\n".join(format_nbest(hyps, nbest=args.nbest)))
-            print()
+        if number == 1:
+            line = line.removeprefix("\ufeff")  # a byte-order mark is not part of the sentence
+        hyps = translator.translate_nbest([line], search, max_tokens=args.max_tokens, first_line=number)[0]
+        if search.nbest > 1:
+            print("\n".join(format_nbest(hyps, nbest=search.nbest)), file=stdout)
+            print(file=stdout)
         else:
-            print(one_line(hyps[0].text) if hyps else "")
-        sys.stdout.flush()
+            print(one_line(hyps[0].text) if hyps else "", file=stdout)
+        stdout.flush()
 
 
 if __name__ == "__main__":

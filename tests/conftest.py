@@ -74,16 +74,19 @@ trainer:
         save_last: true
         enable_version_counter: false
 model:
-  d_model: 32
-  num_heads: 2
-  d_ff: 64
-  num_encoder_layers: 1
-  num_decoder_layers: 1
-  dropout: 0.0
-  max_positions: 128
+  transformer:
+    d_model: 32
+    num_heads: 2
+    d_ff: 64
+    num_encoder_layers: 1
+    num_decoder_layers: 1
+    dropout: 0.0
+    max_positions: 128
   lr: 0.003
   warmup_steps: 5
-  val_max_len_b: 5
+  val_search:
+    beam_size: 1
+    max_len_b: 5
 data:
   src_lang: de
   tgt_lang: en
@@ -108,6 +111,22 @@ def write_tiny_run(root: Path, *, max_steps: int = 12, train_pairs: int = 600, v
     config = root / "tiny.yaml"
     config.write_text(TINY_CONFIG.format(root=root, data=data, max_steps=max_steps), encoding="utf-8")
     return config
+
+
+def write_not_ours(path: Path, kind: str) -> None:
+    """A file that is not a seq2seq checkpoint, of one of several kinds."""
+    import torch
+
+    if kind == "other_dict":  # e.g. another project's Lightning checkpoint
+        torch.save({"state_dict": {"layer.weight": torch.zeros(2)}, "epoch": 3}, path)
+    elif kind == "tensor":
+        torch.save(torch.zeros(3), path)
+    elif kind == "pickled_module":  # needs arbitrary unpickling: weights_only refuses it
+        torch.save(torch.nn.Linear(2, 2), path)
+    elif kind == "text":
+        path.write_text("hello\n", encoding="utf-8")
+    elif kind == "empty":
+        path.write_bytes(b"")
 
 
 @pytest.fixture(scope="session")

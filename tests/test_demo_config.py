@@ -34,7 +34,7 @@ def test_demo_config_is_offline_and_bounded():
     # Inside the 5-minute budget: training stops by the clock, leaving room for start-up and the
     # final validation; greedy validation; fp32 (bf16 is slow on AVX2-only CPUs).
     assert _max_time(trainer["max_time"]) <= timedelta(minutes=4)
-    assert model["val_beam_size"] == 1 and trainer["precision"] == "32-true"
+    assert model["val_search"]["beam_size"] == 1 and trainer["precision"] == "32-true"
 
 
 @pytest.mark.slow

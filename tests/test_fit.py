@@ -15,7 +15,9 @@ from conftest import MULTI30K, write_tiny_run
 
 from seq2seq.data import TranslationDataModule
 from seq2seq.fit import TranslationCLI, main
+from seq2seq.model import TransformerConfig
 from seq2seq.module import TranslationModule, inverse_sqrt_schedule
+from seq2seq.search import SearchConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
@@ -43,10 +45,18 @@ def parse(*config_names: str, overrides: tuple[str, ...] = ()):
 def test_every_config_parses_and_builds_offline(name: str, tmp_path: Path):
     names = (name,) if name != "multi30k_local.yaml" else ("multi30k.yaml", name)
     config = parse(*names, overrides=(f"--data.tokenizer_path={tmp_path}/spm.model",))
-    model_args = {key: value for key, value in config.model.items() if key != "vocab_size"}
+
+    def build(vocab_size: int) -> TranslationModule:
+        transformer = {key: value for key, value in vars(config.model.transformer).items() if key != "vocab_size"}
+        return TranslationModule(
+            transformer=TransformerConfig(vocab_size=vocab_size, **transformer),
+            val_search=SearchConfig(**vars(config.model.val_search)),
+            **{key: value for key, value in vars(config.model).items() if key not in ("transformer", "val_search")},
+        )
+
     if name in ("wmt.yaml", "multi30k.yaml"):
         # Their data is on the Hub: build the model only, with the vocabulary their tokenizer will have.
-        model = TranslationModule(vocab_size=config.data.vocab_size, **model_args)
+        model = build(config.data.vocab_size)
         if name == "wmt.yaml":
             assert config.data.vocab_size == 32000
             assert sum(p.numel() for p in model.parameters()) == 60_522_496  # transformer-base, closed form
@@ -54,7 +64,7 @@ def test_every_config_parses_and_builds_offline(name: str, tmp_path: Path):
     if name == "multi30k_local.yaml" and not MULTI30K.is_dir():
         pytest.skip(f"Multi30k not found at {MULTI30K}")
     data = TranslationDataModule(**config.data)
-    model = TranslationModule(vocab_size=data.vocab_size, **model_args)  # trains the tokenizer: offline
+    model = build(data.vocab_size)  # trains the tokenizer: offline
     assert model.config.vocab_size == config.data.vocab_size
 
 

@@ -9,6 +9,7 @@ import torch
 
 from seq2seq.search import (
     Hypothesis,
+    SearchConfig,
     beam_search,
     beam_step,
     greedy,
@@ -119,7 +120,7 @@ def table_model(**kwargs) -> TableModel:
 
 def test_beam_search_table_exact_tokens_and_scores_in_a_shrinking_batch():
     model = table_model()
-    hyps = beam_search(model, SOURCES, beam_size=2, nbest=2, length_penalty=0.0, **LONG, **IDS)
+    hyps = beam_search(model, SOURCES, SearchConfig(beam_size=2, nbest=2, length_penalty=0.0, **LONG), **IDS)
     assert_hyps(hyps[0], [([A], log(0.5, 0.7), log(0.5, 0.7)), ([B, A], log(0.45, 0.7), log(0.45, 0.7))])
     assert_hyps(hyps[1], [([B], log(0.6, 0.9), log(0.6, 0.9)), ([A], log(0.4, 0.8), log(0.4, 0.8))])
     # fairseq's stopping rule: done at K = 2 finished, so [A, A] (.216) ranks below the [A, A, A] (.504)
@@ -131,23 +132,23 @@ def test_beam_search_table_exact_tokens_and_scores_in_a_shrinking_batch():
 
 
 def test_beam_search_batch_equals_each_sentence_alone():
-    batched = beam_search(table_model(), SOURCES, beam_size=2, nbest=2, **LONG, **IDS)
+    batched = beam_search(table_model(), SOURCES, SearchConfig(beam_size=2, nbest=2, **LONG), **IDS)
     for i in range(len(SOURCES)):
-        alone = beam_search(table_model(), SOURCES[i : i + 1], beam_size=2, nbest=2, **LONG, **IDS)
+        alone = beam_search(table_model(), SOURCES[i : i + 1], SearchConfig(beam_size=2, nbest=2, **LONG), **IDS)
         assert alone[0] == batched[i]
 
 
 def test_beam_search_length_penalty_reranks():
     # alpha = 1: [B, A] (3 tokens with EOS) beats [A] (2 tokens): -1.155 / (8/6) > -1.050 / (7/6).
-    hyps = beam_search(table_model(), SOURCES[:1], beam_size=2, nbest=2, length_penalty=1.0, **LONG, **IDS)[0]
+    hyps = beam_search(table_model(), SOURCES[:1], SearchConfig(beam_size=2, nbest=2, length_penalty=1.0, **LONG), **IDS)[0]
     assert_hyps(hyps, [([B, A], log(0.45, 0.7), gnmt(log(0.45, 0.7), 3, 1.0)), ([A], log(0.5, 0.7), gnmt(log(0.5, 0.7), 2, 1.0))])
     # nbest=1 keeps the best one only.
-    best = beam_search(table_model(), SOURCES[:1], beam_size=2, nbest=1, length_penalty=1.0, **LONG, **IDS)[0]
+    best = beam_search(table_model(), SOURCES[:1], SearchConfig(beam_size=2, nbest=1, length_penalty=1.0, **LONG), **IDS)[0]
     assert [h.tokens for h in best] == [[B, A]]
 
 
 def test_beam_search_min_len_forbids_early_eos():
-    hyps = beam_search(table_model(), SOURCES[:1], beam_size=2, nbest=2, length_penalty=0.0, min_len=2, **LONG, **IDS)
+    hyps = beam_search(table_model(), SOURCES[:1], SearchConfig(beam_size=2, nbest=2, length_penalty=0.0, min_len=2, **LONG), **IDS)
     assert_hyps(hyps[0], [([B, A], log(0.45, 0.7), log(0.45, 0.7)), ([A, A], log(0.5, 0.2, 0.6), log(0.5, 0.2, 0.6))])
 
 
@@ -162,20 +163,20 @@ def test_beam_search_min_len_forbids_early_eos():
 def test_beam_search_max_len_forces_eos(limits):
     limits = dict(limits)
     model = table_model(max_positions=limits.pop("max_positions", 64))
-    hyps = beam_search(model, SOURCES[:1], beam_size=2, nbest=2, length_penalty=0.0, **limits, **IDS)
+    hyps = beam_search(model, SOURCES[:1], SearchConfig(beam_size=2, nbest=2, length_penalty=0.0, **limits), **IDS)
     # At length 1 only EOS may follow: both beams finish, even the unlikely EOS after B.
     assert_hyps(hyps[0], [([A], log(0.5, 0.7), log(0.5, 0.7)), ([B], log(0.45, 0.1), log(0.45, 0.1))])
 
 
 def test_beam_search_forced_prefix():
-    hyps = beam_search(table_model(), SOURCES[:1], beam_size=2, nbest=2, length_penalty=0.0, prefix=[[B]], **LONG, **IDS)
+    hyps = beam_search(table_model(), SOURCES[:1], SearchConfig(beam_size=2, nbest=2, length_penalty=0.0, **LONG), prefix=[[B]], **IDS)
     # The forced B's own probability counts; then BA .315 and BB .09 go on, EOS|B .045 is third.
     assert_hyps(hyps[0], [([B, A], log(0.45, 0.7), log(0.45, 0.7)), ([B, B], log(0.45, 0.2), log(0.45, 0.2))])
 
 
 def test_greedy_table_exact():
     model = table_model()
-    hyps = greedy(model, SOURCES, **LONG, **IDS)
+    hyps = greedy(model, SOURCES, SearchConfig(**LONG), **IDS)
     expected = [([A], log(0.5, 0.7)), ([B], log(0.6, 0.9)), ([A, A, A], log(0.9, 0.8, 0.7))]
     for hyp, (tokens, log_prob) in zip(hyps, expected, strict=True):
         assert_hyps([hyp], [(tokens, log_prob, log_prob)])  # greedy: score = log_prob
@@ -201,7 +202,7 @@ def constant_model() -> TableModel:
     ],
 )
 def test_greedy_no_repeat_ngram(n, expected):
-    hyps = greedy(constant_model(), SOURCES[:1], no_repeat_ngram_size=n, **SIX, **IDS)
+    hyps = greedy(constant_model(), SOURCES[:1], SearchConfig(no_repeat_ngram_size=n, **SIX), **IDS)
     tokens = expected[: expected.index(EOS)] if EOS in expected else expected
     assert hyps[0].tokens == tokens
     assert hyps[0].log_prob == pytest.approx(log(*(CONSTANT[t] for t in tokens), CONSTANT[EOS]), abs=1e-5)
@@ -210,16 +211,16 @@ def test_greedy_no_repeat_ngram(n, expected):
 def test_greedy_forced_prefix_and_min_len():
     src = SOURCES[:3]
     prefix = [[C, B], [B] * 8, []]  # the second is longer than max_len 6: it is kept whole
-    hyps = greedy(constant_model(), src, prefix=prefix, **SIX, **IDS)
+    hyps = greedy(constant_model(), src, SearchConfig(**SIX), prefix=prefix, **IDS)
     assert [h.tokens for h in hyps] == [[C, B, A, A, A, A], [B] * 8, [A] * 6]
     assert hyps[0].log_prob == pytest.approx(log(0.2, 0.3, 0.4, 0.4, 0.4, 0.4, 0.04), abs=1e-5)
     # The prefix wins over no-repeat: the second A is forced although it repeats the unigram A.
-    forced = greedy(constant_model(), src[:1], prefix=[[A, A]], no_repeat_ngram_size=1, **SIX, **IDS)[0]
+    forced = greedy(constant_model(), src[:1], SearchConfig(no_repeat_ngram_size=1, **SIX), prefix=[[A, A]], **IDS)[0]
     assert forced.tokens == [A, A, B, C, D]
     assert forced.log_prob == pytest.approx(log(0.4, 0.4, 0.3, 0.2, 0.06, 0.04), abs=1e-5)
     eos_first = TableModel({}, default={EOS: 0.5, A: 0.3, B: 0.2})
-    assert greedy(eos_first, src[:1], min_len=3, **SIX, **IDS)[0].tokens == [A, A, A]
-    assert greedy(eos_first, src[:1], **SIX, **IDS)[0].tokens == []
+    assert greedy(eos_first, src[:1], SearchConfig(min_len=3, **SIX), **IDS)[0].tokens == [A, A, A]
+    assert greedy(eos_first, src[:1], SearchConfig(**SIX), **IDS)[0].tokens == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,8 +357,8 @@ def rescore(model, src, tokens: list[int]) -> float:
 
 def test_beam_size_1_equals_greedy():
     model = RunningSumModel()
-    beam = beam_search(model, RANDOM_SOURCES, beam_size=1, length_penalty=0.0, **MEDIUM, **IDS)
-    best = greedy(model, RANDOM_SOURCES, **MEDIUM, **IDS)
+    beam = beam_search(model, RANDOM_SOURCES, SearchConfig(beam_size=1, length_penalty=0.0, **MEDIUM), **IDS)
+    best = greedy(model, RANDOM_SOURCES, SearchConfig(**MEDIUM), **IDS)
     assert [b[0].tokens for b in beam] == [h.tokens for h in best]
     assert [b[0].log_prob for b in beam] == pytest.approx([h.log_prob for h in best], abs=1e-5)
     assert len({len(h.tokens) for h in best}) > 1  # the batch did shrink
@@ -365,9 +366,8 @@ def test_beam_size_1_equals_greedy():
 
 def test_sampling_top_k_1_equals_greedy():
     model = RunningSumModel(seed=1)
-    best = greedy(model, RANDOM_SOURCES, **MEDIUM, **IDS)
-    drawn = sample(model, RANDOM_SOURCES, top_k=1, temperature=1.7, generator=torch.Generator().manual_seed(0),
-                   **MEDIUM, **IDS)
+    best = greedy(model, RANDOM_SOURCES, SearchConfig(**MEDIUM), **IDS)
+    drawn = sample(model, RANDOM_SOURCES, SearchConfig(top_k=1, temperature=1.7, **MEDIUM), generator=torch.Generator().manual_seed(0), **IDS)
     assert [h.tokens for h in drawn] == [h.tokens for h in best]
     assert [h.log_prob for h in drawn] == pytest.approx([h.log_prob for h in best], abs=1e-5)
 
@@ -375,10 +375,10 @@ def test_sampling_top_k_1_equals_greedy():
 def test_beam_search_random_model_batch_equals_alone_with_prefix_and_no_repeat():
     model = RunningSumModel(seed=2)
     prefix = [[6, 7], [], [8], [5, 5, 9]]
-    options = {"beam_size": 3, "nbest": 3, "length_penalty": 0.6, "no_repeat_ngram_size": 2, **MEDIUM, **IDS}
-    batched = beam_search(model, RANDOM_SOURCES, prefix=prefix, **options)
+    options = {"beam_size": 3, "nbest": 3, "length_penalty": 0.6, "no_repeat_ngram_size": 2, **MEDIUM}
+    batched = beam_search(model, RANDOM_SOURCES, SearchConfig(**options), prefix=prefix, **IDS)
     for i, src in enumerate(RANDOM_SOURCES):
-        alone = beam_search(model, src[None], prefix=prefix[i : i + 1], **options)[0]
+        alone = beam_search(model, src[None], SearchConfig(**options), prefix=prefix[i : i + 1], **IDS)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in batched[i]]
         assert [h.score for h in alone] == pytest.approx([h.score for h in batched[i]], abs=1e-5)
         for hyp in batched[i]:
@@ -393,11 +393,9 @@ def test_beam_search_random_model_batch_equals_alone_with_prefix_and_no_repeat()
 
 def test_sampling_near_zero_temperature_is_greedy():
     model = RunningSumModel(seed=4)
-    best = greedy(model, RANDOM_SOURCES, **MEDIUM, **IDS)
-    cold = sample(model, RANDOM_SOURCES, temperature=1e-3, generator=torch.Generator().manual_seed(0), **MEDIUM,
-                  **IDS)
-    hot = sample(model, RANDOM_SOURCES, temperature=1.0, generator=torch.Generator().manual_seed(0), **MEDIUM,
-                 **IDS)
+    best = greedy(model, RANDOM_SOURCES, SearchConfig(**MEDIUM), **IDS)
+    cold = sample(model, RANDOM_SOURCES, SearchConfig(temperature=1e-3, **MEDIUM), generator=torch.Generator().manual_seed(0), **IDS)
+    hot = sample(model, RANDOM_SOURCES, SearchConfig(temperature=1.0, **MEDIUM), generator=torch.Generator().manual_seed(0), **IDS)
     assert [h.tokens for h in cold] == [h.tokens for h in best]
     assert [h.tokens for h in hot] != [h.tokens for h in best]
 
@@ -406,8 +404,7 @@ def test_sampling_is_reproducible_with_a_generator():
     model = RunningSumModel(seed=3)
 
     def draw(seed: int) -> list[list[int]]:
-        hyps = sample(model, RANDOM_SOURCES, temperature=1.5, generator=torch.Generator().manual_seed(seed),
-                      **MEDIUM, **IDS)
+        hyps = sample(model, RANDOM_SOURCES, SearchConfig(temperature=1.5, **MEDIUM), generator=torch.Generator().manual_seed(seed), **IDS)
         for hyp, src in zip(hyps, RANDOM_SOURCES, strict=True):  # the model's own log_prob, not the tempered one
             assert hyp.log_prob == pytest.approx(rescore(model, src, hyp.tokens), abs=1e-4)
         return [h.tokens for h in hyps]
@@ -420,8 +417,7 @@ def test_sampling_is_reproducible_with_a_generator():
                                                   ({"top_p": 0.75}, {A, B, C}), ({}, {A, B, C, D})])
 def test_sampling_filters_restrict_the_support(options, support):
     src = SOURCES[:1].expand(40, -1)
-    hyps = sample(constant_model(), src, generator=torch.Generator().manual_seed(0), min_len=6, **options, **SIX,
-                  **IDS)
+    hyps = sample(constant_model(), src, SearchConfig(min_len=6, **options, **SIX), generator=torch.Generator().manual_seed(0), **IDS)
     assert {t for h in hyps for t in h.tokens} == support
     for hyp in hyps:
         assert len(hyp.tokens) == 6
@@ -470,13 +466,13 @@ def test_cached_decoding_matches_recomputing_the_prefix():
     # float64 so that the two paths' rounding differences cannot flip a near-tie between candidates
     model = Transformer(config).double().eval()
     src = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 4, 0, 0, 0, 0], [12, 13, 14, 0, 0, 0]])
-    options = {"max_len_a": 1.0, "max_len_b": 2, "min_len": 1, **IDS}
-    cached = beam_search(model, src, beam_size=3, nbest=3, prefix=[[], [7], []], **options)
-    recomputed = beam_search(Recompute(model), src, beam_size=3, nbest=3, prefix=[[], [7], []], **options)
+    options = {"max_len_a": 1.0, "max_len_b": 2, "min_len": 1}
+    cached = beam_search(model, src, SearchConfig(beam_size=3, nbest=3, **options), prefix=[[], [7], []], **IDS)
+    recomputed = beam_search(Recompute(model), src, SearchConfig(beam_size=3, nbest=3, **options), prefix=[[], [7], []], **IDS)
     for got, want in zip(cached, recomputed, strict=True):
         assert [h.tokens for h in got] == [h.tokens for h in want]
         assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=1e-5)
-    greedy_cached = greedy(model, src, **options)
-    greedy_recomputed = greedy(Recompute(model), src, **options)
+    greedy_cached = greedy(model, src, SearchConfig(**options), **IDS)
+    greedy_recomputed = greedy(Recompute(model), src, SearchConfig(**options), **IDS)
     assert [h.tokens for h in greedy_cached] == [h.tokens for h in greedy_recomputed]
     assert [h.log_prob for h in greedy_cached] == pytest.approx([h.log_prob for h in greedy_recomputed], abs=1e-5)

@@ -13,25 +13,19 @@ import os
 import random
 import re
 import select
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_not_ours
 
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.search import beam_search, greedy
+from seq2seq.search import SearchConfig, beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.translate import format_nbest, main, one_line, read_lines
-from seq2seq.translator import (
-    Translation,
-    Translator,
-    length_sorted_batches,
-    load_checkpoint,
-    pad_batch,
-)
+from seq2seq.translator import Translation, Translator, length_sorted_batches, pad_batch
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
@@ -101,63 +95,14 @@ def python_env() -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading.
-
-
-def test_checkpoint_alone_loads_with_weights_only(checkpoint: Path, tmp_path: Path):
-    alone = tmp_path / "model.ckpt"  # nothing else in the folder: no tokenizer file, no config
-    shutil.copy(checkpoint, alone)
-    loaded = Translator.from_checkpoint(alone)
-    assert (loaded.src_lang, loaded.tgt_lang) == ("de", "en")
-    assert loaded.model.config.d_model == 32 and loaded.tokenizer.vocab_size == 600
-    assert not loaded.model.training
-    weights = torch.load(checkpoint, weights_only=True)["state_dict"]
-    for name, value in loaded.model.state_dict().items():
-        assert torch.equal(value, weights[f"model.{name}"]), name
-    (text,) = loaded.translate(["Ein Hund läuft."])
-    assert isinstance(text, str)
-
-
-def write_not_ours(path: Path, kind: str) -> None:
-    if kind == "other_dict":  # e.g. another project's Lightning checkpoint
-        torch.save({"state_dict": {"layer.weight": torch.zeros(2)}, "epoch": 3}, path)
-    elif kind == "tensor":
-        torch.save(torch.zeros(3), path)
-    elif kind == "pickled_module":  # needs arbitrary unpickling: weights_only refuses it
-        torch.save(torch.nn.Linear(2, 2), path)
-    elif kind == "text":
-        path.write_text("hello\n", encoding="utf-8")
-
-
-@pytest.mark.parametrize("kind", ["other_dict", "tensor", "pickled_module", "text"])
-def test_load_checkpoint_rejects_files_that_are_not_ours(kind: str, tmp_path: Path):
-    path = tmp_path / f"{kind}.ckpt"
-    write_not_ours(path, kind)
-    with pytest.raises(ValueError, match=r"is not a seq2seq training checkpoint; use a \.ckpt written by"):
-        load_checkpoint(path)
-
-
-def test_load_checkpoint_missing_folder_and_newer_format(checkpoint: Path, tmp_path: Path):
-    with pytest.raises(FileNotFoundError, match=r"missing\.ckpt does not exist; training writes them under"):
-        load_checkpoint(tmp_path / "missing.ckpt")
-    with pytest.raises(IsADirectoryError, match="is a folder; give a .ckpt file in it"):
-        load_checkpoint(tmp_path)
-    newer = torch.load(checkpoint, weights_only=True)
-    newer["seq2seq"]["format"] = 99
-    torch.save(newer, tmp_path / "newer.ckpt")
-    with pytest.raises(ValueError, match="has checkpoint format 99; this version of seq2seq reads format 1"):
-        load_checkpoint(tmp_path / "newer.ckpt")
-
-
-# ---------------------------------------------------------------------------------------------
 # Translating: batches, odd lines, the search paths.
 
 
 def test_batch_equals_one_by_one(model64: Translator):
     """Padding, length-sorted batching and dropping finished sentences must not change any result."""
     texts = ["", *SENTENCES, "   ", SENTENCES[0]]
-    batched = model64.translate_nbest(texts, beam_size=4, nbest=2, max_tokens=80)  # 3 batches, out of order
-    alone = [model64.translate_nbest([text], beam_size=4, nbest=2) for text in texts]
+    batched = model64.translate_nbest(texts, SearchConfig(beam_size=4, nbest=2), max_tokens=80)  # 3 batches, out of order
+    alone = [model64.translate_nbest([text], SearchConfig(beam_size=4, nbest=2)) for text in texts]
     assert len(batched) == len(texts)
     for together, (by_itself,) in zip(batched, alone, strict=True):
         assert [h.tokens for h in together] == [h.tokens for h in by_itself]
@@ -190,18 +135,18 @@ def test_n_lines_in_n_lines_out_with_empty_and_too_long_lines(trained64: Transla
 def test_beam_size_1_is_greedy_search(model64: Translator):
     ids = model64.tokenizer.encode(SENTENCES)
     src = pad_batch(ids, device=torch.device("cpu"))
-    expected = greedy(model64.model, src, **IDS)
-    got = model64.translate_nbest(SENTENCES, beam_size=1, max_tokens=50)
+    expected = greedy(model64.model, src, SearchConfig(), **IDS)
+    got = model64.translate_nbest(SENTENCES, SearchConfig(beam_size=1), max_tokens=50)
     assert [hyps[0].tokens for hyps in got] == [h.tokens for h in expected]
     assert [hyps[0].score for hyps in got] == pytest.approx([h.log_prob for h in expected], abs=1e-6)
     # ... and a beam of one ranked by raw log-probability finds the same (joeynmt's test).
-    beam_one = beam_search(model64.model, src, beam_size=1, length_penalty=0.0, **IDS)
+    beam_one = beam_search(model64.model, src, SearchConfig(beam_size=1, length_penalty=0.0), **IDS)
     assert [hyps[0].tokens for hyps in beam_one] == [h.tokens for h in expected]
 
 
 def test_nbest_is_sorted_and_its_first_is_the_translation(model64: Translator):
-    nbest = model64.translate_nbest(SENTENCES, beam_size=5, nbest=5)
-    best = model64.translate(SENTENCES, beam_size=5)
+    nbest = model64.translate_nbest(SENTENCES, SearchConfig(beam_size=5, nbest=5))
+    best = model64.translate(SENTENCES, SearchConfig(beam_size=5))
     for hyps, text in zip(nbest, best, strict=True):
         assert len(hyps) == 5
         scores = [h.score for h in hyps]
@@ -212,26 +157,44 @@ def test_nbest_is_sorted_and_its_first_is_the_translation(model64: Translator):
 
 def test_sampling_with_a_seed_is_reproducible(model64: Translator):
     def draw(seed: int, **options) -> list[list[int]]:
-        return [hyps[0].tokens for hyps in model64.translate_nbest(SENTENCES, sampling=True, seed=seed, **options)]
+        return [hyps[0].tokens for hyps in model64.translate_nbest(SENTENCES, SearchConfig(sampling=True, seed=seed, **options))]
 
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
-    greedy_tokens = [hyps[0].tokens for hyps in model64.translate_nbest(SENTENCES, beam_size=1)]
+    greedy_tokens = [hyps[0].tokens for hyps in model64.translate_nbest(SENTENCES, SearchConfig(beam_size=1))]
     assert draw(3, top_k=1) == greedy_tokens  # only the argmax left to draw
 
 
-@pytest.mark.parametrize(
-    "options, message",
-    [
-        ({"beam_size": 2, "nbest": 3}, r"nbest \(3\) must be between 1 and beam_size \(2\)"),
-        ({"beam_size": 0}, r"nbest \(1\) must be between 1 and beam_size \(0\)"),
-        ({"sampling": True, "nbest": 2}, "sampling draws one translation per line"),
-        ({"sampling": True, "temperature": 0.0}, "temperature must be > 0"),
-    ],
-)
-def test_bad_search_options_fail_even_without_a_sentence_to_translate(translator: Translator, options, message):
-    with pytest.raises(ValueError, match=message):
-        translator.translate_nbest(["", " "], **options)
+def test_search_options_are_checked_against_the_model_before_any_sentence(translator: Translator):
+    vocab = translator.model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"beam_size: {vocab} needs a vocabulary of at least {2 * vocab} tokens"):
+        translator.translate_nbest(["", " "], SearchConfig(beam_size=vocab))
+    with pytest.raises(ValueError, match="max_tokens must be a positive number of tokens, got 0"):
+        translator.translate([], max_tokens=0)
+
+
+def test_texts_any_iterable_of_str_but_not_a_bare_string(translator: Translator):
+    expected = translator.translate([SENTENCES[0], SENTENCES[3]])
+    assert translator.translate(text for text in (SENTENCES[0], SENTENCES[3])) == expected  # a generator
+    assert translator.translate((SENTENCES[0], SENTENCES[3])) == expected
+    with pytest.raises(TypeError, match=r"texts is a single string; pass a list of sentences, e\.g\. \[text\]"):
+        translator.translate(SENTENCES[0])  # would otherwise give one translation per character
+    with pytest.raises(TypeError, match=r"texts\[2\] is a int, not a str"):
+        translator.translate([SENTENCES[0], "", 7])
+    with pytest.raises(TypeError, match=r"texts\[0\] is a bytes, not a str"):
+        translator.translate([b"Ein Hund."])
+    with pytest.raises(TypeError, match="single string"):
+        list(translator.translate_stream("Ein Hund."))
+
+
+def test_translate_stream_equals_translate_and_numbers_lines_across_windows(trained64: Translator):
+    translator = trained64
+    long_line = " ".join(SENTENCES * 4)
+    texts = [SENTENCES[i % len(SENTENCES)] for i in range(7)] + [long_line, "", SENTENCES[0]]
+    with pytest.warns(UserWarning) as caught:
+        streamed = list(translator.translate_stream(iter(texts), SearchConfig(beam_size=3), window=3))
+    assert [hyps[0].text if hyps else "" for hyps in streamed] == translator.translate(texts, SearchConfig(beam_size=3))
+    assert [str(w.message).split(" has ")[0] for w in caught] == ["input line 8"]  # its line in the whole input
 
 
 def test_length_sorted_batches_respect_the_budget_and_cover_every_sentence_once():
@@ -254,6 +217,16 @@ def test_length_sorted_batches_respect_the_budget_and_cover_every_sentence_once(
 
 # ---------------------------------------------------------------------------------------------
 # python -m seq2seq.translate
+
+
+def test_read_lines_drops_a_byte_order_mark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = tmp_path / "in.txt"
+    path.write_bytes("\ufeffEin Hund.\nZwei.\n".encode())  # what Notepad writes
+    assert read_lines(str(path)) == ["Ein Hund.", "Zwei."]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\ufeffEin Hund.\n".encode())))
+    assert read_lines("-") == ["Ein Hund."]
+    path.write_bytes("Ein\ufeffHund.\n".encode())  # inside a line it is the sentence's (a zero-width space)
+    assert read_lines(str(path)) == ["Ein\ufeffHund."]
 
 
 def test_read_lines_splits_at_newlines_only(tmp_path: Path):
@@ -293,7 +266,7 @@ def test_cli_files_with_references(checkpoint: Path, translator: Translator, tmp
     assert result.stdout == ""  # translations went to the file, scores to stderr
     lines = (tmp_path / "out.en").read_text(encoding="utf-8").split("\n")
     assert lines[-1] == "" and len(lines[:-1]) == len(sources)
-    assert lines[:-1] == translator.translate(sources, beam_size=5)
+    assert lines[:-1] == translator.translate(sources, SearchConfig(beam_size=5))
     assert lines[1] == lines[3] == ""
     assert re.search(r"^BLEU = [\d.]+ .*nrefs:1\|case:mixed\|eff:no\|tok:13a\|smooth:exp\|version:[\d.]+$",
                      result.stderr, re.MULTILINE), result.stderr
@@ -309,7 +282,7 @@ def test_cli_stdin_nbest(checkpoint: Path, translator: Translator):
     rows = [re.fullmatch(r"(\d+)\t(-?\d+\.\d{4})\t(.*)", line) for line in result.stdout.splitlines()]
     assert all(rows), result.stdout
     assert [int(row[1]) for row in rows] == [0, 0, 1, 1, 2, 2]
-    expected = translator.translate_nbest(sources, beam_size=3, nbest=2)
+    expected = translator.translate_nbest(sources, SearchConfig(beam_size=3, nbest=2))
     for i in (0, 2):
         got = rows[2 * i : 2 * i + 2]
         assert [row[3] for row in got] == [h.text for h in expected[i]]
@@ -335,16 +308,88 @@ def test_cli_names_the_line_that_is_not_utf8(tmp_path: Path, monkeypatch: pytest
         main(["--checkpoint", "unused.ckpt"])
 
 
-def test_cli_explains_bad_checkpoints_and_options(tmp_path: Path, capsys: pytest.CaptureFixture):
+def test_cli_explains_bad_checkpoints(tmp_path: Path):
     (tmp_path / "in.de").write_text("a\n", encoding="utf-8")
     write_not_ours(tmp_path / "other.ckpt", "other_dict")
     with pytest.raises(SystemExit, match=r"^error: .*other\.ckpt is not a seq2seq training checkpoint"):
         main(["--checkpoint", str(tmp_path / "other.ckpt"), "--input", str(tmp_path / "in.de")])
     with pytest.raises(SystemExit, match="error: .*missing.ckpt does not exist"):
         main(["--checkpoint", str(tmp_path / "missing.ckpt"), "--input", str(tmp_path / "in.de")])
-    with pytest.raises(SystemExit):
-        main(["--checkpoint", "x.ckpt", "--beam", "2", "--nbest", "3"])
-    assert r"--nbest (3) must be between 1 and --beam (2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--beam", "2", "--nbest", "3"], "--nbest: must be between 1 and --beam (2), got 3"),
+        (["--beam", "0"], "--beam: must be >= 1, got 0"),
+        (["--length-penalty", "nan"], "--length-penalty: must be a finite number, got nan"),
+        (["--length-penalty", "inf"], "--length-penalty: must be a finite number, got inf"),
+        (["--max-len-a", "nan"], "--max-len-a: must be a finite number, got nan"),
+        (["--max-len-a", "1e300"], "--max-len-a: must be >= 0 and <= 1000, got 1e+300"),
+        (["--max-len-b", "-5"], "--max-len-b: must be >= 0 and <= 1000000, got -5"),
+        (["--max-len-a", "0", "--max-len-b", "0"], "--max-len-a and --max-len-b are both 0"),
+        (["--min-len", "-1"], "--min-len: must be >= 0, got -1"),
+        (["--sampling", "--temperature", "nan"], "--temperature: must be a finite number, got nan"),
+        (["--sampling", "--temperature", "0"], "--temperature: must be > 0, got 0.0"),
+        (["--sampling", "--top-p", "0"], "--top-p: must be > 0 and <= 1, got 0.0"),
+        (["--sampling", "--top-k", "-1"], "--top-k: must be >= 0, got -1"),
+        (["--sampling", "--nbest", "2"], "--nbest: --sampling draws one translation per sentence: must be 1, got 2"),
+        (["--seed", "-3"], "--seed: must be >= 0"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+        (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "--device: device 'cuda"),
+        (["--device", "abacus"], "--device: device 'abacus' cannot be used here"),
+    ],
+)
+def test_cli_refuses_bad_options_before_loading_anything(options, message, capsys: pytest.CaptureFixture):
+    # The checkpoint does not exist: the option must be refused before it is looked for.
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", "unused.ckpt", *options])
+    assert caught.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("python -m seq2seq.translate: error: ") and message in error, error
+
+
+def test_cli_refuses_a_beam_wider_than_the_vocabulary_before_translating(checkpoint: Path, tmp_path: Path):
+    (tmp_path / "in.de").write_text("Ein Hund.\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"^error: --beam: 1000000 needs a vocabulary of at least 2000000 tokens; "
+                                         "this model has 600$"):
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--beam", "1000000"])
+
+
+@pytest.mark.parametrize("where", ["missing_folder", "folder", "under_a_file"])
+def test_cli_checks_the_output_path_before_translating(where: str, tmp_path: Path):
+    (tmp_path / "in.de").write_text("Ein Hund.\n", encoding="utf-8")
+    (tmp_path / "a_file").write_text("x", encoding="utf-8")
+    output = {"missing_folder": tmp_path / "nope" / "out.en", "folder": tmp_path,
+              "under_a_file": tmp_path / "a_file" / "out.en"}[where]
+    expected = "is a folder; give a file path" if where == "folder" else "does not exist; create it first"
+    # No checkpoint either: the output is checked first, before the model loads and the input is translated.
+    with pytest.raises(SystemExit, match=rf"^error: --output {re.escape(str(output))}.*{expected}"):
+        main(["--checkpoint", "unused.ckpt", "--input", str(tmp_path / "in.de"), "--output", str(output)])
+
+
+def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(checkpoint: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    sources = [SENTENCES[i % len(SENTENCES)] for i in range(7)]
+    (tmp_path / "in.de").write_text("\n".join(sources) + "\n", encoding="utf-8")
+    monkeypatch.setattr("seq2seq.translate.WINDOW", 3)
+    real = Translator.translate_nbest
+    calls = []
+
+    def interrupted_on_the_third_window(self, texts, *args, **kwargs):
+        calls.append(len(texts))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, texts, *args, **kwargs)
+
+    monkeypatch.setattr(Translator, "translate_nbest", interrupted_on_the_third_window)
+    output = tmp_path / "out.en"
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output)])
+    assert caught.value.code == 130
+    monkeypatch.setattr(Translator, "translate_nbest", real)
+    expected = Translator.from_checkpoint(checkpoint).translate(sources[:6])
+    assert output.read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)  # two whole windows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,9 +435,21 @@ def test_serve_nbest(checkpoint: Path, translator: Translator):
     blocks = out.decode("utf-8").split("\n\n")
     assert blocks[-1] == "" and len(blocks[:-1]) == 3  # N lines and a blank line per input
     for block, text in zip(blocks[:-1], [SENTENCES[2], "", SENTENCES[3]], strict=True):
-        expected = format_nbest(translator.translate_nbest([text], beam_size=3, nbest=2)[0], nbest=2)
+        expected = format_nbest(translator.translate_nbest([text], SearchConfig(beam_size=3, nbest=2))[0], nbest=2)
         got = block.split("\n")
         assert [line.split("\t")[1] for line in got] == [line.split("\t")[1] for line in expected]
         assert [float(line.split("\t")[0]) for line in got] == pytest.approx(
             [float(line.split("\t")[0]) for line in expected], abs=1e-4
         )
+
+
+def test_serve_reports_each_truncated_line_with_its_own_number(checkpoint: Path, translator: Translator):
+    long_line = " ".join(SENTENCES * 4)
+    tokens = len(translator.tokenizer.encode([long_line])[0])
+    process = serve(checkpoint)
+    out, err = process.communicate(f"{long_line}\n{SENTENCES[0]}\n{long_line}\n".encode(), timeout=120)
+    assert process.returncode == 0, err.decode()
+    assert len(out.decode("utf-8").splitlines()) == 3
+    warned = [line for line in err.decode().splitlines() if line.startswith("warning:")]
+    assert warned == [f"warning: input line {n} has {tokens} tokens, more than the model's max_positions (128); "
+                      "translating its first 128 tokens only" for n in (1, 3)]

@@ -4,8 +4,69 @@ It lives apart from transformer.py so that the layers can take it too (as nanoGP
 their config) without an import cycle.
 """
 
-from dataclasses import asdict, dataclass
+import math
+import typing
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A field of a config dataclass has a bad value; `field` names it, so a CLI can name its flag."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
+def check_field_types(config: Any) -> None:
+    """Raise ConfigError for a field whose value is not of its annotated type (Literal choices included).
+
+    Dataclasses check nothing themselves, and a value from YAML, JSON or a checkpoint can be
+    anything: `norm: rms` would otherwise fall through to some default branch of the model code.
+    """
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value, hint = getattr(config, f.name), hints[f.name]
+        allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, _UnionType) else (hint,)
+        if not any(_is_instance(value, t) for t in allowed):
+            choices = [c for t in allowed for c in (typing.get_args(t) if typing.get_origin(t) is Literal else ())]
+            expected = f"one of {choices}" if choices else " or ".join(_type_name(t) for t in allowed)
+            raise ConfigError(f.name, f"expected {expected}, got {value!r}")
+
+
+_UnionType = type(int | None)
+
+
+def _is_instance(value: Any, hint: Any) -> bool:
+    if typing.get_origin(hint) is Literal:
+        return value in typing.get_args(hint) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    if hint is float:  # an int is a float here (YAML writes 1 for 1.0); a bool is not a number
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def check_range(config: Any, name: str, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False, high_open: bool = False) -> None:
+    """Raise ConfigError unless the numeric field `name` is finite and inside the given bounds."""
+    value = getattr(config, name)
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise ConfigError(name, f"must be a finite number, got {value}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        left = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        right = "" if high is None else f"{'<' if high_open else '<='} {high}"
+        raise ConfigError(name, f"must be {' and '.join(x for x in (left, right) if x)}, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,14 +110,20 @@ class TransformerConfig:
     """Multiply token embeddings by sqrt(d_model), as the paper does."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_encoder_layers", "num_decoder_layers",
+                     "max_positions", "relative_buckets", "relative_max_distance"):
+            check_range(self, name, low=1)
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            check_range(self, name, low=0, high=1, high_open=True)
+        check_range(self, "rotary_base", low=1, low_open=True)
+        check_range(self, "norm_eps", low=0, low_open=True)
         if self.d_model % self.num_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+            raise ConfigError("num_heads", f"d_model ({self.d_model}) must be divisible by it, got {self.num_heads}")
         if self.positions == "rotary" and (self.d_model // self.num_heads) % 2:
-            raise ValueError(f"positions='rotary' needs an even head size, got {self.d_model // self.num_heads}")
+            raise ConfigError("positions", f"'rotary' needs an even head size, got {self.d_model // self.num_heads}")
         if not 0 <= self.pad_id < self.vocab_size:
-            raise ValueError(f"pad_id ({self.pad_id}) must be a token id below vocab_size ({self.vocab_size})")
-        if self.num_encoder_layers < 1 or self.num_decoder_layers < 1:
-            raise ValueError("the model needs at least one encoder and one decoder layer")
+            raise ConfigError("pad_id", f"must be a token id below vocab_size ({self.vocab_size}), got {self.pad_id}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only, so a checkpoint holding it loads with torch.load(weights_only=True)."""
@@ -64,6 +131,13 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TransformerConfig":
+        """The config a dict describes (a checkpoint's); an unknown or missing key is a ConfigError."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ConfigError(unknown[0], f"is not a TransformerConfig field (known: {', '.join(sorted(names))})")
+        if "vocab_size" not in values:
+            raise ConfigError("vocab_size", "is missing")
         return cls(**values)
 
 

@@ -1,0 +1,200 @@
+"""The checkpoint format: what training writes for inference, and the reader that checks it first.
+
+A training checkpoint is Lightning's dict (weights under "state_dict" as "model.*", optimiser and
+loop state) plus, under the key "seq2seq", what inference needs as plain types: the model config,
+the tokenizer (serialized sentencepiece proto), the language pair and a SHA-256 of all of them and
+of the weights. It loads with `torch.load(weights_only=True)` and needs no other file.
+
+Training writes through `inference_entry` and `save_atomic`; Translator (and resume) read through
+`load_checkpoint` and `read_inference`, which trust nothing in the file before checking it:
+- the file is a torch archive holding our entry, in a format this version reads;
+- the model config is a valid TransformerConfig whose tensors have exactly the stored shapes,
+  compared on the meta device (no memory) before anything is allocated, and whose position
+  tables (not stored: computed from the config) stay within bounds;
+- the checksum matches, so flipped bytes in the weights or the tokenizer are caught, not
+  translated into garbage.
+Every failure is a CheckpointError: one line naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from seq2seq.model import Transformer, TransformerConfig
+
+CHECKPOINT_KEY = "seq2seq"
+CHECKPOINT_FORMAT = 2  # 2 added "sha256"; bump on any change to what the entry holds
+READABLE_FORMATS = (1, 2)  # format 1 has no checksum: read, with a warning that it cannot be verified
+# Position tables are computed from max_positions, not stored; a config asking for more than this
+# beyond its stored weights is refused (a hostile 30 KB file could otherwise ask for gigabytes).
+MAX_UNSTORED_BYTES = 1 << 30
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what is wrong with it."""
+
+
+class InferenceCheckpoint(NamedTuple):
+    config: TransformerConfig
+    weights: dict[str, Tensor]  # the Transformer's state dict (keys without the "model." prefix)
+    tokenizer: bytes  # serialized sentencepiece proto
+    src_lang: str
+    tgt_lang: str
+
+
+# ---- writing -----------------------------------------------------------------------------------
+
+
+def checksum(*, weights: dict[str, Tensor], config: dict[str, Any], tokenizer: bytes, src_lang: str,
+             tgt_lang: str) -> str:
+    """SHA-256 over everything inference reads: each weight's name, dtype, shape and bytes, and the entry."""
+    digest = hashlib.sha256()
+    header = {"config": config, "src_lang": src_lang, "tgt_lang": tgt_lang}
+    digest.update(json.dumps(header, sort_keys=True).encode())
+    digest.update(hashlib.sha256(tokenizer).digest())
+    for name in sorted(weights):
+        tensor = weights[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig, tokenizer: bytes,
+                    src_lang: str, tgt_lang: str) -> dict[str, Any]:
+    """What goes under checkpoint["seq2seq"]; `state_dict` is the LightningModule's ("model.*" keys)."""
+    values = {"config": config.to_dict(), "tokenizer": tokenizer, "src_lang": src_lang, "tgt_lang": tgt_lang}
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "model_config": values["config"],
+        "tokenizer": tokenizer,
+        "src_lang": src_lang,
+        "tgt_lang": tgt_lang,
+        "sha256": checksum(weights=model_weights(state_dict), **values),
+    }
+
+
+def save_atomic(checkpoint: dict[str, Any], path: str | Path) -> None:
+    """torch.save to a temporary file beside `path`, fsync, rename over it: a crash leaves the old file or the new.
+
+    Beside, not in TMPDIR: a rename is atomic only within one filesystem (a copy from /tmp is not,
+    and a kill during it leaves a truncated file). Errors are raised, never swallowed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power cut
+    finally:
+        os.close(directory)
+
+
+# ---- reading -----------------------------------------------------------------------------------
+
+
+def model_weights(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The Transformer's weights out of the LightningModule's state dict (keys 'model.*')."""
+    return {key.removeprefix("model."): value for key, value in state_dict.items() if key.startswith("model.")}
+
+
+def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a training checkpoint with weights_only=True; CheckpointError if it is not a readable one of ours."""
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a folder; give a .ckpt file in it (best.ckpt or last.ckpt)")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; training writes them under checkpoints/<run>/")
+    not_ours = f"{path} is not a seq2seq training checkpoint; use a .ckpt written by `python -m seq2seq.fit`"
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes): a save was interrupted; use another checkpoint")
+    try:
+        # mmap: the tensors are read when used, so a huge file costs no memory before it is checked.
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+    except pickle.UnpicklingError as error:
+        # weights_only refuses to build arbitrary Python objects (it would run the file's code);
+        # ours hold tensors and plain types only, so a refusal means the file is someone else's.
+        raise CheckpointError(f"{not_ours} (it stores Python objects that torch.load(weights_only=True) "
+                              "refuses to load)") from error
+    except Exception as error:  # noqa: BLE001 - torch.load raises anything on bytes it did not write
+        # A text file, a truncated zip, flipped bytes in the archive's index: IndexError, EOFError,
+        # RuntimeError, KeyError... all mean the same to the user.
+        raise CheckpointError(f"{not_ours} (torch.load cannot read it: {type(error).__name__}; "
+                              "damaged or not written by torch.save)") from error
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(CHECKPOINT_KEY), dict) or (
+        not isinstance(checkpoint.get("state_dict"), dict)
+    ):
+        raise CheckpointError(f"{not_ours} (no '{CHECKPOINT_KEY}' entry)")
+    version = checkpoint[CHECKPOINT_KEY].get("format")
+    if version not in READABLE_FORMATS:
+        raise CheckpointError(f"{path} has checkpoint format {version!r}; this version of seq2seq reads "
+                              f"formats {', '.join(map(str, READABLE_FORMATS))}")
+    return checkpoint
+
+
+def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceCheckpoint:
+    """What inference needs from a loaded checkpoint, each part checked (see the module docstring)."""
+    entry = checkpoint[CHECKPOINT_KEY]
+    expected = {"model_config": dict, "tokenizer": bytes, "src_lang": str, "tgt_lang": str}
+    if entry.get("format") != 1:
+        expected["sha256"] = str
+    for key, kind in expected.items():
+        if not isinstance(entry.get(key), kind):
+            problem = "is missing" if key not in entry else f"is a {type(entry[key]).__name__}, not a {kind.__name__}"
+            raise CheckpointError(f"{path}: its '{CHECKPOINT_KEY}' entry is damaged: '{key}' {problem}")
+    try:
+        config = TransformerConfig.from_dict(entry["model_config"])
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"{path}: its model_config is invalid: {error}") from error
+    weights = model_weights(checkpoint["state_dict"])
+    _check_shapes(path, config, weights)
+    if "sha256" not in expected:
+        warnings.warn(f"{path}: checkpoint format 1 has no checksum, so damage cannot be detected; "
+                      "re-save it with this version to add one", stacklevel=2)
+    else:
+        stored = entry["sha256"]
+        actual = checksum(weights=weights, config=entry["model_config"], tokenizer=entry["tokenizer"],
+                          src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"])
+        if actual != stored:
+            raise CheckpointError(f"{path} is damaged: its weights or tokenizer do not match the checksum stored "
+                                  "when it was written; copy it again or use another checkpoint")
+    return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"])
+
+
+def _check_shapes(path: str | Path, config: TransformerConfig, weights: dict[str, Tensor]) -> None:
+    """The config's tensors, built on the meta device (no memory), must be exactly the stored ones."""
+    with torch.device("meta"):
+        skeleton = Transformer(config)
+    wanted = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    missing = sorted(set(wanted) - set(weights))
+    unexpected = sorted(set(weights) - set(wanted))
+    if missing or unexpected:
+        what = f"lacks the weight '{missing[0]}'" if missing else f"has a weight '{unexpected[0]}'"
+        raise CheckpointError(f"{path}: its model_config does not match its weights: the file {what} "
+                              f"that the config does not describe ({len(missing)} missing, {len(unexpected)} extra)")
+    for name, shape in wanted.items():
+        if tuple(weights[name].shape) != shape:
+            raise CheckpointError(f"{path}: its model_config does not match its weights: '{name}' is stored as "
+                                  f"{tuple(weights[name].shape)} but the config makes it {shape}")
+    unstored = sum(b.numel() * b.element_size() for name, b in skeleton.named_buffers() if name not in wanted)
+    if unstored > MAX_UNSTORED_BYTES:
+        raise CheckpointError(f"{path}: its model_config asks for {unstored / 2**30:.1f} GiB of position tables "
+                              f"(max_positions={config.max_positions}); refusing to build it")

@@ -1,0 +1,231 @@
+"""Tests for seq2seq.checkpoint: the format training writes, and the reader that checks a file before trusting it.
+
+Every damaged or hostile file must give a CheckpointError: one line that names the file.
+"""
+
+import re
+import shutil
+import struct
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_not_ours
+
+from seq2seq.checkpoint import (
+    CHECKPOINT_KEY,
+    CheckpointError,
+    checksum,
+    load_checkpoint,
+    model_weights,
+    read_inference,
+    save_atomic,
+)
+from seq2seq.translator import Translator
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_run) -> Path:
+    _, checkpoints = tiny_run
+    return checkpoints / "best.ckpt"
+
+
+def read(path: Path):
+    return read_inference(path, load_checkpoint(path))
+
+
+def load_error(path: Path) -> str:
+    """The message Translator.from_checkpoint gives; it must be one line naming the file."""
+    with pytest.raises(CheckpointError) as caught:
+        Translator.from_checkpoint(path)
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message, message
+    return message
+
+
+def rewrite(checkpoint: Path, path: Path, change) -> Path:
+    """A copy of the checkpoint with `change(loaded_dict)` applied, saved as torch.save would."""
+    loaded = torch.load(checkpoint, weights_only=True)
+    change(loaded)
+    torch.save(loaded, path)
+    return path
+
+
+def resign(loaded: dict) -> None:
+    """Recompute the stored checksum, as a careless (or hostile) tool editing the file would."""
+    entry = loaded[CHECKPOINT_KEY]
+    entry["sha256"] = checksum(weights=model_weights(loaded["state_dict"]), config=entry["model_config"],
+                               tokenizer=entry["tokenizer"], src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"])
+
+
+def flip_byte_in_record(source: Path, target: Path, record: str, offset_in_record: int) -> None:
+    """Flip one bit inside a stored (uncompressed) zip record, as a bad disk or a bad copy would."""
+    info = zipfile.ZipFile(source).getinfo(record)
+    data = bytearray(source.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    data[info.header_offset + 30 + name_len + extra_len + offset_in_record] ^= 0x04
+    target.write_bytes(bytes(data))
+
+
+# ---- what training writes ----------------------------------------------------------------------
+
+
+def test_checkpoint_alone_loads_with_weights_only(checkpoint: Path, tmp_path: Path):
+    alone = tmp_path / "model.ckpt"  # nothing else in the folder: no tokenizer file, no config
+    shutil.copy(checkpoint, alone)
+    loaded = Translator.from_checkpoint(alone)
+    assert (loaded.src_lang, loaded.tgt_lang) == ("de", "en")
+    assert loaded.model.config.d_model == 32 and loaded.tokenizer.vocab_size == 600
+    assert not loaded.model.training
+    stored = torch.load(checkpoint, weights_only=True)
+    for name, value in loaded.model.state_dict().items():
+        assert torch.equal(value, stored["state_dict"][f"model.{name}"]), name
+    assert len(stored[CHECKPOINT_KEY]["sha256"]) == 64
+    (text,) = loaded.translate(["Ein Hund läuft."])
+    assert isinstance(text, str)
+
+
+def test_format_1_without_a_checksum_still_loads_with_a_warning(checkpoint: Path, tmp_path: Path):
+    def to_format_1(loaded: dict) -> None:
+        loaded[CHECKPOINT_KEY]["format"] = 1
+        del loaded[CHECKPOINT_KEY]["sha256"]
+
+    path = rewrite(checkpoint, tmp_path / "old.ckpt", to_format_1)
+    with pytest.warns(UserWarning, match="format 1 has no checksum"):
+        assert read(path).src_lang == "de"
+
+
+# ---- files that are not ours, or not there -----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["other_dict", "tensor", "pickled_module", "text", "empty"])
+def test_files_that_are_not_checkpoints_are_refused_in_one_line(kind: str, tmp_path: Path):
+    path = tmp_path / f"{kind}.ckpt"
+    write_not_ours(path, kind)  # "text": a text file renamed .ckpt gave a bare IndexError
+    message = load_error(path)
+    expected = "is empty (0 bytes)" if kind == "empty" else "is not a seq2seq training checkpoint"
+    assert expected in message
+
+
+def test_missing_file_folder_and_newer_format(checkpoint: Path, tmp_path: Path):
+    assert "missing.ckpt does not exist; training writes them under" in load_error(tmp_path / "missing.ckpt")
+    assert "is a folder; give a .ckpt file in it" in load_error(tmp_path)
+    newer = rewrite(checkpoint, tmp_path / "newer.ckpt", lambda c: c[CHECKPOINT_KEY].update(format=99))
+    assert "has checkpoint format 99; this version of seq2seq reads formats 1, 2" in load_error(newer)
+
+
+def test_truncated_file_is_refused(checkpoint: Path, tmp_path: Path):
+    path = tmp_path / "truncated.ckpt"
+    path.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])  # a copy cut short
+    assert "damaged or not written by torch.save" in load_error(path)
+
+
+# ---- damaged contents --------------------------------------------------------------------------
+
+
+def test_a_flipped_bit_in_the_weights_is_caught_by_the_checksum(checkpoint: Path, tmp_path: Path):
+    records = sorted(zipfile.ZipFile(checkpoint).infolist(), key=lambda info: -info.file_size)
+    weights = next(info for info in records if "/data/" in info.filename)  # the largest tensor
+    path = tmp_path / "flipped.ckpt"
+    flip_byte_in_record(checkpoint, path, weights.filename, weights.file_size // 2)
+    torch.load(path, weights_only=True)  # torch itself loads it without a word
+    assert "is damaged: its weights or tokenizer do not match the checksum" in load_error(path)
+
+
+def test_a_changed_byte_in_the_stored_tokenizer_is_caught_by_the_checksum(checkpoint: Path, tmp_path: Path):
+    raw = checkpoint.read_bytes()
+    # Pickle protocol 2 stores bytes as their latin-1 string in UTF-8: "▁" (e2 96 81) is 6 bytes there.
+    marker = "▁".encode().decode("latin-1").encode()
+    piece = re.search(re.escape(marker) + b"[a-z]{3,}", raw)  # a word piece of the stored sentencepiece model
+    assert piece is not None
+    where = piece.start() + len(marker) + 1  # its second letter
+    path = tmp_path / "tokenizer.ckpt"
+    path.write_bytes(raw[:where] + b"q" + raw[where + 1 :])  # one word piece spelled differently: no error
+    assert "is damaged: its weights or tokenizer do not match the checksum" in load_error(path)
+
+
+def test_corrupted_tokenizer_bytes_with_a_matching_checksum(checkpoint: Path, tmp_path: Path):
+    def garble(loaded: dict) -> None:
+        loaded[CHECKPOINT_KEY]["tokenizer"] = b"\x0a\x05garbage" * 10
+        resign(loaded)
+
+    assert "its stored tokenizer cannot be loaded" in load_error(rewrite(checkpoint, tmp_path / "t.ckpt", garble))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda e: e.pop("tokenizer"), "its 'seq2seq' entry is damaged: 'tokenizer' is missing"),
+        (lambda e: e.update(src_lang=7), "'src_lang' is a int, not a str"),
+        (lambda e: e["model_config"].update(d_modle=32), "model_config is invalid: d_modle: is not a TransformerConfig field"),
+        (lambda e: e["model_config"].update(norm="rms"), "model_config is invalid: norm: expected one of ['layernorm', 'rmsnorm'], got 'rms'"),
+        (lambda e: e["model_config"].update(num_encoder_layers=2), "the file lacks the weight 'encoder.layers.1."),
+        (lambda e: e["model_config"].update(d_ff=65), "is stored as (64, 32) but the config makes it (65, 32)"),
+    ],
+)
+def test_entry_and_config_problems_are_named(checkpoint: Path, tmp_path: Path, change, message: str):
+    def apply(loaded: dict) -> None:
+        change(loaded[CHECKPOINT_KEY])
+        if "sha256" in loaded[CHECKPOINT_KEY] and "tokenizer" in loaded[CHECKPOINT_KEY]:
+            try:
+                resign(loaded)
+            except (TypeError, AttributeError):
+                pass
+
+    assert message in load_error(rewrite(checkpoint, tmp_path / "bad.ckpt", apply))
+
+
+def test_a_hostile_config_is_refused_before_anything_is_allocated(checkpoint: Path, tmp_path: Path):
+    """A 30 KB file whose config describes a 20 GB model: compared on the meta device, never built."""
+    def huge(loaded: dict) -> None:
+        for key in [key for key in loaded if key not in ("state_dict", CHECKPOINT_KEY)]:
+            del loaded[key]
+        loaded["state_dict"] = {"model.decoder.embed.tokens.weight": torch.zeros(4, 4)}
+        loaded[CHECKPOINT_KEY]["model_config"].update(vocab_size=1_000_000, d_model=4096, d_ff=16384,
+                                                     num_encoder_layers=24, num_decoder_layers=24, num_heads=16)
+
+    path = rewrite(checkpoint, tmp_path / "hostile.ckpt", huge)
+    assert path.stat().st_size < 100_000
+    start = time.perf_counter()
+    assert "its model_config does not match its weights" in load_error(path)
+    assert time.perf_counter() - start < 5  # building 20 GB first would take far longer (or fail)
+
+    def long_positions(loaded: dict) -> None:  # the sinusoid table is computed, not stored: 2e9 x 32 floats
+        loaded[CHECKPOINT_KEY]["model_config"]["max_positions"] = 2_000_000_000
+        resign(loaded)
+
+    path = rewrite(checkpoint, tmp_path / "positions.ckpt", long_positions)
+    assert re.search(r"asks for [\d.]+ GiB of position tables \(max_positions=2000000000\); refusing", load_error(path))
+
+
+# ---- writing -----------------------------------------------------------------------------------
+
+
+def test_save_atomic_replaces_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    target = tmp_path / "ckpt" / "last.ckpt"
+    save_atomic({"step": 1}, target)
+    assert torch.load(target, weights_only=True) == {"step": 1}
+    elsewhere = tmp_path / "tmpdir"
+    elsewhere.mkdir()
+    monkeypatch.setenv("TMPDIR", str(elsewhere))  # a temporary folder, maybe on another filesystem: unused
+    monkeypatch.setattr("tempfile.tempdir", None)
+
+    def killed(obj, f):  # the process dies half-way through writing
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("seq2seq.checkpoint.torch.save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_atomic({"step": 2}, target)
+    assert torch.load(target, weights_only=True) == {"step": 1}  # the old checkpoint, whole
+    assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]  # no partial file left
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_save_atomic_raises_when_it_cannot_write(tmp_path: Path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError):
+        save_atomic({"step": 1}, blocker / "last.ckpt")
