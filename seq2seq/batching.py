@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,7 +91,9 @@ class TokenBatchSampler:
 
 def _pack(order: np.ndarray, sizes: np.ndarray, max_tokens: int) -> list[list[int]]:
     """Cut `order` (ascending size) greedily into batches of B pairs with B * largest ≤ max_tokens."""
-    batches, batch, largest = [], [], 0
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    largest = 0
     for i, size in zip(order.tolist(), sizes[order].tolist(), strict=True):
         if batch and (len(batch) + 1) * max(largest, size) > max_tokens:
             batches.append(batch)
@@ -107,7 +110,7 @@ def collate(rows: list[dict], *, with_text: bool) -> dict:
         tensors = [torch.tensor(s, dtype=torch.long) for s in seqs]
         return pad_sequence(tensors, batch_first=True, padding_value=PAD_ID)
 
-    batch = {
+    batch: dict[str, Any] = {
         "src": pad([r["src_ids"] for r in rows]),  # (B, S)
         "tgt_in": pad([[BOS_ID, *r["tgt_ids"]] for r in rows]),  # (B, T)
         "tgt_out": pad([[*r["tgt_ids"], EOS_ID] for r in rows]),  # (B, T)

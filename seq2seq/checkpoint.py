@@ -72,14 +72,15 @@ def checksum(*, weights: dict[str, Tensor], config: dict[str, Any], tokenizer: b
 def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig, tokenizer: bytes,
                     src_lang: str, tgt_lang: str) -> dict[str, Any]:
     """What goes under checkpoint["seq2seq"]; `state_dict` is the LightningModule's ("model.*" keys)."""
-    values = {"config": config.to_dict(), "tokenizer": tokenizer, "src_lang": src_lang, "tgt_lang": tgt_lang}
+    config_dict = config.to_dict()
     return {
         "format": CHECKPOINT_FORMAT,
-        "model_config": values["config"],
+        "model_config": config_dict,
         "tokenizer": tokenizer,
         "src_lang": src_lang,
         "tgt_lang": tgt_lang,
-        "sha256": checksum(weights=model_weights(state_dict), **values),
+        "sha256": checksum(weights=model_weights(state_dict), config=config_dict, tokenizer=tokenizer,
+                           src_lang=src_lang, tgt_lang=tgt_lang),
     }
 
 

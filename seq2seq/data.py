@@ -23,7 +23,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from itertools import zip_longest
 from pathlib import Path
@@ -46,6 +46,13 @@ class DataError(ValueError):
     """Bad input data or data options; the message names the file or option and the fix."""
 
 
+def os_reason(error: OSError) -> str:
+    """Why a file could not be written, in words: "File exists" from mkdir means a file is in the way."""
+    if isinstance(error, FileExistsError | NotADirectoryError):
+        return "a file stands where a folder of its path should be"
+    return error.strerror or str(error)
+
+
 @rank_zero_only
 def _info(message: str) -> None:
     log.info(message)
@@ -59,7 +66,8 @@ def _lines(path: str) -> Iterator[str]:
     with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
-                yield raw.decode("utf-8").rstrip("\r\n")
+                # utf-8-sig on the first line: a byte-order mark (Windows editors write one) is not text.
+                yield raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
             except UnicodeDecodeError as e:
                 raise DataError(
                     f"{path}, line {number}: not UTF-8 ({e.reason} at byte {e.start} of the line); "
@@ -91,6 +99,12 @@ def _pairs_from_tsv(path: str, stamp: str) -> Iterator[dict[str, str]]:
         yield {"src": columns[0], "tgt": columns[1]}
 
 
+def _is_empty(path: str) -> bool:
+    """No bytes (for .gz: none once decompressed); `datasets` would say only "corresponds to no data"."""
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+        return not f.read(1)
+
+
 _PAIR = datasets.Features({"src": datasets.Value("string"), "tgt": datasets.Value("string")})
 
 
@@ -101,11 +115,16 @@ def _load_files(files: list[str], *, option: str, cache_dir: str | None) -> data
             raise FileNotFoundError(
                 f"{option}: {path} does not exist (relative to {os.getcwd()}); fix the path"
             )
+    empty = [path for path in files if _is_empty(path)]
+    if empty and len(empty) == len(files):  # one empty side of two: the line-count check names both
+        raise DataError(f"{option}: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty; "
+                        "give files with one sentence per line")
     if all(p.endswith(".parquet") for p in files):
         return datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=cache_dir)
     if all(p.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")) for p in files):
         return datasets.load_dataset("json", data_files=files, split="train", cache_dir=cache_dir)
     stamp = ";".join(f"{p}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}" for p in files)
+    generator: Callable[..., Iterator[dict[str, str]]]
     if len(files) == 1 and files[0].endswith((".tsv", ".tsv.gz")):
         generator, kwargs = _pairs_from_tsv, {"path": files[0], "stamp": stamp}
     elif len(files) == 2:
@@ -281,23 +300,40 @@ class TranslationDataModule(L.LightningDataModule):
         if self._tokenizer is None:
             path = Path(self.tokenizer_path)
             if not path.is_file():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with FileLock(f"{path}.lock"):
-                    if not path.is_file():  # unless another process trained it while we waited
-                        self._train_tokenizer(path)
-            self._tokenizer = Tokenizer.from_file(path)
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    lock = FileLock(f"{path}.lock")
+                    with lock:
+                        if not path.is_file():  # unless another process trained it while we waited
+                            self._train_tokenizer(path)
+                except OSError as error:
+                    raise DataError(
+                        f"data.tokenizer_path: cannot write {path} ({os_reason(error)}); "
+                        "choose a folder you can write to, or fix its permissions"
+                    ) from None
+            try:
+                self._tokenizer = Tokenizer.from_file(path)
+            except (OSError, RuntimeError, ValueError) as error:
+                reason = str(error).strip().split("\n")[0]
+                raise DataError(f"data.tokenizer_path: {path} is not a usable sentencepiece model ({reason}); "
+                                "delete it to train a new one") from None
         return self._tokenizer
 
     def _train_tokenizer(self, path: Path) -> None:
         start, raw = time.perf_counter(), self._load_raw("train")
-        tokenizer = Tokenizer.train(
-            (text for batch in raw.iter(batch_size=10_000) for text in batch["src"] + batch["tgt"]),
-            vocab_size=self.tokenizer_vocab_size,
-            model_type=self.tokenizer_model_type,
-            character_coverage=self.character_coverage,
-            max_sentences=self.tokenizer_max_sentences,
-            seed=self.seed,
-        )
+        try:
+            tokenizer = Tokenizer.train(
+                (text for batch in raw.iter(batch_size=10_000) for text in batch["src"] + batch["tgt"]),
+                vocab_size=self.tokenizer_vocab_size,
+                model_type=self.tokenizer_model_type,
+                character_coverage=self.character_coverage,
+                max_sentences=self.tokenizer_max_sentences,
+                seed=self.seed,
+            )
+        except (ValueError, RuntimeError) as error:  # no text, or sentencepiece refusing the options
+            where = f"train_files={self.files['train']}" if self.files["train"] else f"hf_name={self.hf_name!r}"
+            reason = str(error).strip().split("\n")[0]
+            raise DataError(f"cannot train the tokenizer on {where}: {reason}") from None
         partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")
         tokenizer.save(partial_path)
         os.replace(partial_path, path)  # atomic: nobody reads a half-written model
@@ -315,8 +351,9 @@ class TranslationDataModule(L.LightningDataModule):
     def _load_raw(self, split: str) -> datasets.Dataset:
         """The split as `src`/`tgt` text columns, as read."""
         option = f"{split}_files"
-        if self.files[split] is not None:
-            ds, where = _load_files(self.files[split], option=option, cache_dir=self.cache_dir), option
+        files = self.files[split]
+        if files is not None:
+            ds, where = _load_files(files, option=option, cache_dir=self.cache_dir), option
         elif self.hf_name is not None and self.splits[split] is not None:
             where = f"hf_name={self.hf_name!r} (hf_config={self.hf_config!r}, split {self.splits[split]!r})"
             try:

@@ -23,7 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference, save_atomic
-from seq2seq.data import DataError, TranslationDataModule
+from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.module import TranslationModule, check_hyperparameters
 from seq2seq.search import SearchConfig
@@ -40,7 +40,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             save_atomic(checkpoint, path)
         except OSError as error:
-            raise CheckpointError(f"cannot write checkpoint {path}: {error.strerror or error}; "
+            raise CheckpointError(f"cannot write checkpoint {path}: {os_reason(error)}; "
                                   "free space or fix the folder's permissions, then resume with --ckpt_path last") from error
 
 
@@ -86,7 +86,7 @@ def check_writable(folder: str | Path, *, option: str) -> None:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as error:
-        raise CheckpointError(f"{option}: cannot write to {folder} ({error.strerror or error}); fix its "
+        raise CheckpointError(f"{option}: cannot write to {folder} ({os_reason(error)}); fix its "
                               f"permissions or choose another folder") from None
 
 

@@ -92,7 +92,7 @@ class _LinearLabelSmoothedNLL(torch.autograd.Function):
                 uniform = lse - logits.mean(dim=-1)
                 loss_sum += ((1 - smoothing) * nll + smoothing * uniform).sum()
                 nll_sum += nll.sum()
-                if not needs_grad:
+                if grad_hidden is None or grad_weight is None:  # no gradient wanted
                     continue
                 # softmax - (1 - ε) onehot - ε / V, built in place in the logits' memory
                 grad = logits.sub_(lse[:, None]).exp_().sub_(smoothing / vocab)

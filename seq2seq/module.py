@@ -134,7 +134,7 @@ class TranslationModule(L.LightningModule):
                 "AVX512-BF16): torch's bf16 matmuls run 8-100x slower than fp32 there, and a training step ~40x "
                 "slower (bench/train_throughput.py). Use --trainer.precision=32-true on this machine."
             )
-        datamodule = self.trainer.datamodule
+        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Trainer.fit, not declared
         self.tokenizer = datamodule.tokenizer
         if self.tokenizer.vocab_size != self.config.vocab_size:
             raise ValueError(
@@ -167,7 +167,7 @@ class TranslationModule(L.LightningModule):
         """Per-token (label-smoothed loss, NLL), (B, T), zero at padding; and the non-pad mask (B, T)."""
         logits = self.model(batch["src"], batch["tgt_in"])  # (B, T, V)
         tgt_out = batch["tgt_out"]
-        loss, nll = label_smoothed_nll(logits, tgt_out, smoothing=self.hparams.label_smoothing, pad_id=PAD_ID)
+        loss, nll = label_smoothed_nll(logits, tgt_out, smoothing=self.hparams["label_smoothing"], pad_id=PAD_ID)
         return loss, nll, tgt_out != PAD_ID
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -176,7 +176,7 @@ class TranslationModule(L.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, nll, tokens = training_loss(
             self.model, src=batch["src"], tgt_in=batch["tgt_in"], tgt_out=batch["tgt_out"],
-            smoothing=self.hparams.label_smoothing,
+            smoothing=self.hparams["label_smoothing"],
         )
         self._step_tokens = int(tokens)
         batch_size = batch["src"].size(0)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +109,11 @@ class DecoderState(Protocol):
     @property
     def length(self) -> int: ...
 
-    def reorder(self, indices: Tensor) -> DecoderState: ...
+    def reorder(self: _Self, indices: Tensor) -> _Self: ...
+
+
+_Self = TypeVar("_Self")
+State = TypeVar("State", bound=DecoderState)
 
 
 class ModelConfig(Protocol):
@@ -120,15 +124,17 @@ class ModelConfig(Protocol):
     def vocab_size(self) -> int: ...
 
 
-class EncoderDecoder(Protocol):
+class EncoderDecoder(Protocol[State]):
+    """What the searches need of a model; generic in its own state type (the Transformer's DecoderState)."""
+
     @property
     def config(self) -> ModelConfig: ...
 
     def encode(self, src: Tensor) -> Tensor: ...
 
-    def new_state(self) -> DecoderState: ...
+    def new_state(self) -> State: ...
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: DecoderState | None = None) -> Tensor: ...
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: State | None = None) -> Tensor: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +142,7 @@ class EncoderDecoder(Protocol):
 
 
 def step_log_probs(
-    model: EncoderDecoder, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: DecoderState
+    model: EncoderDecoder[Any], tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: Any
 ) -> Tensor:
     """Feed one new token per row (R, 1); float32 log-probabilities (R, V) of the next one."""
     logits = model.decode(tgt_in, memory, src_mask, state=state)  # (R, 1, V), maybe bf16 under autocast
@@ -302,7 +308,7 @@ def beam_step(scores: Tensor, log_probs: Tensor, *, beam_size: int, eos: int) ->
 
 
 def decode(
-    model: EncoderDecoder,
+    model: EncoderDecoder[Any],
     src: Tensor,
     config: SearchConfig,
     *,
@@ -330,7 +336,7 @@ def decode(
 
 @torch.inference_mode()
 def beam_search(
-    model: EncoderDecoder,
+    model: EncoderDecoder[Any],
     src: Tensor,
     config: SearchConfig,
     *,
@@ -415,7 +421,7 @@ def _collect_finished(
 
 @torch.inference_mode()
 def greedy(
-    model: EncoderDecoder,
+    model: EncoderDecoder[Any],
     src: Tensor,
     config: SearchConfig,
     *,
@@ -434,7 +440,7 @@ def greedy(
 
 @torch.inference_mode()
 def sample(
-    model: EncoderDecoder,
+    model: EncoderDecoder[Any],
     src: Tensor,
     config: SearchConfig,
     *,
@@ -459,7 +465,7 @@ def sample(
 
 
 def _one_per_row(
-    model: EncoderDecoder,
+    model: EncoderDecoder[Any],
     src: Tensor,
     config: SearchConfig,
     *,

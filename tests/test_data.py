@@ -348,6 +348,38 @@ def test_missing_file(tmp_path: Path, tokenizer_path: str) -> None:
         dm.setup("fit")
 
 
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_empty_training_files_are_named(tmp_path: Path, suffix: str) -> None:
+    # No tokenizer yet: the first thing done with the files is training one (datasets' own error named no file).
+    src, tgt = write_lines(tmp_path / f"a.de{suffix}", []), write_lines(tmp_path / f"a.en{suffix}", [])
+    (tmp_path / f"a.de{suffix}").write_bytes(gzip.compress(b"") if suffix else b"")
+    (tmp_path / f"a.en{suffix}").write_bytes(gzip.compress(b"") if suffix else b"")
+    dm = small(tmp_path, str(tmp_path / "spm.model"), train_files=[src, tgt])
+    with pytest.raises(DataError, match=rf"^train_files: {src}, {tgt} are empty; give files with one sentence"):
+        _ = dm.tokenizer
+    blank = [write_lines(tmp_path / "b.de", ["  ", ""]), write_lines(tmp_path / "b.en", ["", " "])]
+    dm = small(tmp_path, str(tmp_path / "spm.model"), train_files=blank)
+    with pytest.raises(DataError, match=r"^cannot train the tokenizer on train_files=.*b\.de.*the training text is empty"):
+        _ = dm.tokenizer
+
+
+def test_a_tokenizer_folder_that_cannot_be_written_is_named(tmp_path: Path, multi30k_dir: Path) -> None:
+    (tmp_path / "a_file").write_text("in the way", encoding="utf-8")
+    path = tmp_path / "a_file" / "spm.model"
+    dm = small(tmp_path, str(path), train_files=[str(multi30k_dir / "val.de.gz"), str(multi30k_dir / "val.en.gz")])
+    with pytest.raises(DataError, match=rf"^data.tokenizer_path: cannot write {path} \(a file stands where a folder"):
+        _ = dm.tokenizer
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path: Path, tokenizer_path: str) -> None:
+    src = tmp_path / "bom.de"
+    src.write_bytes("\ufeffEin Hund.\nZwei Männer.\n".encode())
+    tgt = write_lines(tmp_path / "bom.en", ["A dog.", "Two men."])
+    dm = small(tmp_path, tokenizer_path, valid_files=[str(src), tgt])
+    dm.setup("validate")
+    assert texts(dm, "valid")[0] == ["Ein Hund.", "Zwei Männer."]
+
+
 @pytest.mark.parametrize("name", ["latin1.de", "latin1.de.gz"])
 def test_bytes_that_are_not_utf8(tmp_path: Path, tokenizer_path: str, name: str) -> None:
     data = "Ein Hund.\nEin Mädchen.\n".encode("latin-1")

@@ -1,12 +1,15 @@
 """Training end to end: configs, a few-step fit, self-contained checkpoints, resume, DDP."""
 
+import builtins
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,12 +24,6 @@ from seq2seq.search import SearchConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
-
-
-def test_inverse_sqrt_schedule():
-    assert inverse_sqrt_schedule(0, warmup_steps=4) == 0.25
-    assert inverse_sqrt_schedule(3, warmup_steps=4) == 1.0  # the peak, at the 4th update
-    assert inverse_sqrt_schedule(15, warmup_steps=4) == pytest.approx(0.5)  # sqrt(4/16)
 
 
 class ParseOnlyCLI(TranslationCLI):
@@ -142,3 +139,84 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_warns(has_bf16: bool, tmp_path: Path
     assert len(warned) == (0 if has_bf16 else 1)
     if warned:
         assert "--trainer.precision=32-true" in str(warned[0].message)
+
+
+# ---- failing early and loudly ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("override", "message"), [("--model.lr=-0.001", "model.lr: must be > 0, got -0.001"),
+                                                   ("--model.warmup_steps=0", "model.warmup_steps: must be >= 1, got 0"),
+                                                   ("--model.transformer.dropout=1.5", "model.transformer.dropout: must be >= 0 and < 1")])
+def test_bad_hyperparameters_fail_before_any_data_work(override: str, message: str, tmp_path: Path):
+    config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(message)}"):
+        main(["--config", str(config), override])
+    assert not (tmp_path / "spm.model").exists()  # refused before the tokenizer was trained
+
+
+def test_resume_from_last_without_a_checkpoint_is_refused(tmp_path: Path):
+    config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
+    with pytest.raises(SystemExit, match=r"^error: --ckpt_path last: no last\*\.ckpt in .*checkpoints; to train from "
+                                         "scratch leave out --ckpt_path"):
+        main(["--config", str(config), "--ckpt_path", "last"])
+
+
+def test_resume_from_a_damaged_last_checkpoint_is_explained(tmp_path: Path):
+    config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")  # what a kill during Lightning's copy from TMPDIR left
+    with pytest.raises(SystemExit, match=r"^error: --ckpt_path last: .*last\.ckpt is empty \(0 bytes\).*Resume from "
+                                         "another checkpoint"):
+        main(["--config", str(config), "--ckpt_path", "last"])
+
+
+@contextmanager
+def writes_denied(folder: Path):
+    """Creating files under `folder` raises PermissionError, as for a read-only folder (tests run as root,
+    for whom chmod denies nothing)."""
+    folder = folder.resolve()
+    real_open, real_os_open = builtins.open, os.open
+
+    def inside(path) -> bool:
+        return isinstance(path, str | os.PathLike) and Path(os.fspath(path)).resolve().is_relative_to(folder)
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if inside(file) and any(c in mode for c in "wax+"):
+            raise PermissionError(13, "Permission denied", os.fspath(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def guarded_os_open(path, flags, *args, **kwargs):
+        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_os_open(path, flags, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(builtins, "open", guarded_open)
+        patch.setattr(os, "open", guarded_os_open)
+        yield
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_fails_before_training(tmp_path: Path):
+    config = write_tiny_run(tmp_path, max_steps=2, train_pairs=50, val_pairs=4)
+    (tmp_path / "checkpoints").mkdir()
+    with writes_denied(tmp_path / "checkpoints"), pytest.raises(
+        SystemExit, match=r"^error: ModelCheckpoint dirpath: cannot write to .*checkpoints \(Permission denied\)"
+    ):
+        main(["--config", str(config)])  # Lightning 2.6 alone: exit 0, "best: .../best.ckpt", an empty folder
+    assert not list((tmp_path / "checkpoints").iterdir())
+    blocked = write_tiny_run(tmp_path / "blocked", max_steps=2, train_pairs=50, val_pairs=4)
+    blocked.write_text(blocked.read_text().replace(f"dirpath: {tmp_path}/blocked/checkpoints",
+                                                   f"dirpath: {config}/checkpoints"))  # under a file
+    with pytest.raises(SystemExit, match=r"^error: ModelCheckpoint dirpath: cannot write to .*tiny\.yaml/checkpoints"):
+        main(["--config", str(blocked)])
+
+
+def test_a_checkpoint_write_failing_mid_run_ends_the_run_loudly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    config = write_tiny_run(tmp_path, max_steps=2, train_pairs=50, val_pairs=4)
+    (tmp_path / "checkpoints").mkdir()
+    monkeypatch.setattr("seq2seq.fit.check_output_folders", lambda trainer: None)  # the folder broke after start
+    with writes_denied(tmp_path / "checkpoints"), pytest.raises(
+        SystemExit, match=r"^error: cannot write checkpoint .*checkpoints/.*\.ckpt: Permission denied"
+    ):
+        main(["--config", str(config)])
+    assert not list((tmp_path / "checkpoints").iterdir())  # and no partial file

@@ -102,7 +102,11 @@ def _english_np(phrase: NounPhrase, *, as_object: bool) -> str:
         return pronoun.en_object if as_object else pronoun.en_subject
     noun = NOUNS[phrase.head]
     words = [ADJECTIVES[phrase.adjective].en] if phrase.adjective else []
-    words.append(noun.en_plural if phrase.plural else noun.en)
+    if phrase.plural:
+        assert noun.en_plural is not None, f"{noun.en} is a mass noun: it has no plural"
+        words.append(noun.en_plural)
+    else:
+        words.append(noun.en)
     if phrase.definite:
         words.insert(0, "the")
     elif not phrase.plural and noun.en_plural is not None:  # mass nouns and plurals take no article
@@ -265,7 +269,7 @@ def render_sentence(sentence: Sentence) -> tuple[str, str]:
     return _sentence_case(en, end), _sentence_case(de, end)
 
 
-def _phrase(value: str | NounPhrase | None) -> NounPhrase | None:
+def _phrase(value: str | NounPhrase) -> NounPhrase:
     # Tests and examples name object pronouns as they read in English ("him"); the structure keeps
     # one key per pronoun, its subject form.
     objects = {pronoun.en_object: key for key, pronoun in PRONOUNS.items()}
@@ -284,7 +288,8 @@ def render(*, subject: str | NounPhrase, verb: str, object: str | NounPhrase | N
     prep_phrase = None
     if prep is not None and prep_object is not None:
         prep_phrase = PrepPhrase(prep, _phrase(prep_object))
-    clause = Clause(subject=_phrase(subject), verb=verb, object=_phrase(object), predicate=predicate,
+    clause = Clause(subject=_phrase(subject), verb=verb, object=None if object is None else _phrase(object),
+                    predicate=predicate,
                     prep=prep_phrase, tense=tense, negated=negated)
     return render_sentence(Sentence(main=clause, adverb=adverb, question=question))
 

@@ -8,7 +8,7 @@ Multi-word English entries use `_` for the space ("look_for").
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
+from typing import Literal, cast
 
 Gender = Literal["m", "f", "n"]
 Case = Literal["nom", "acc", "dat"]
@@ -196,7 +196,7 @@ def _verb(en: str, de: str, *, subjects: str, objects: str = "", case: Case = "a
     return Verb(
         en=(base, third, past, participle), de=infinitive, prefix=prefix,
         changed_stem=infinitive[:-2] if changed == "-" else changed, participle=de_participle,
-        auxiliary=auxiliary, subjects=frozenset(subjects.split()), objects=frozenset(objects.split()),
+        auxiliary=cast(Literal["haben", "sein"], auxiliary), subjects=frozenset(subjects.split()), objects=frozenset(objects.split()),
         object_case=case, object_optional=optional, preps=tuple(preps.split()), prep_required=required,
         forms=tuple(forms.split()), takes_that=that,
     )
@@ -323,7 +323,7 @@ def _table(text: str) -> list[list[str]]:
 
 
 NOUNS = {
-    row[0]: Noun(row[0], None if row[1] == "-" else row[1], row[3], row[2], None if row[4] == "-" else row[4],
+    row[0]: Noun(row[0], None if row[1] == "-" else row[1], row[3], cast(Gender, row[2]), None if row[4] == "-" else row[4],
                  row[5], weak=row[6:] == ["weak"])
     for row in _table(_NOUNS)
 }

@@ -8,6 +8,8 @@ Residual placement around each sub-layer f (attention or feed-forward), with dro
                                                          plus a beta init scaling (see transformer.py)
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -16,8 +18,8 @@ from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.model.config import TransformerConfig
 from seq2seq.model.positions import Rotary
 
-GATED = {"glu": F.sigmoid, "swiglu": F.silu, "geglu": F.gelu}
-PLAIN = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
+GATED: dict[str, Callable[[Tensor], Tensor]] = {"glu": F.sigmoid, "swiglu": F.silu, "geglu": F.gelu}
+PLAIN: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
 
 
 class Dropout(nn.Module):

@@ -25,6 +25,8 @@ def sinusoidal_table(*, max_positions: int, d_model: int) -> Tensor:
 class SinusoidalPositions(nn.Module):
     """Fixed sinusoids; a buffer, not a parameter, and not saved (it is a pure function of the config)."""
 
+    table: Tensor  # (P, D), a buffer: follows .to(device), not saved (computed from the config)
+
     def __init__(self, *, max_positions: int, d_model: int):
         super().__init__()
         self.register_buffer("table", sinusoidal_table(max_positions=max_positions, d_model=d_model), persistent=False)
@@ -102,6 +104,9 @@ class Rotary(nn.Module):
     Rotating queries and keys by their own positions makes q·k depend only on their offset. The
     half-split pairing (GPT-NeoX, Llama) is used because it needs no interleaving copies.
     """
+
+    cos: Tensor  # (P, Dh/2) buffers, computed from the config, not saved
+    sin: Tensor
 
     def __init__(self, *, head_dim: int, max_positions: int, base: float):
         super().__init__()

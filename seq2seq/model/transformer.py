@@ -16,6 +16,7 @@ Initialisation (as fairseq's transformer, with the paper's embedding scale in mi
 """
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -124,13 +125,14 @@ class Decoder(nn.Module):
         if self.relative_bias is not None:
             bias = self.relative_bias(length, offset + length, offset=offset)  # (1, H, T, offset+T)
         first_call = state is None or not state.cross_keys
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
             if first_call:
                 cross_kv = layer.cross_attn.keys_values(memory)
                 if state is not None:
                     state.cross_keys.append(cross_kv[0])
                     state.cross_values.append(cross_kv[1])
             else:
+                assert state is not None  # not the first call: the state holds every layer's cross keys/values
                 cross_kv = (state.cross_keys[i], state.cross_values[i])
             self_kv = (state.self_keys[i], state.self_values[i]) if state is not None and offset else None
             x, (keys, values) = layer(
