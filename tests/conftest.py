@@ -53,6 +53,29 @@ def tokenizer_path(tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactor
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("hf_cache"))
+
+
+@pytest.fixture(scope="session")
+def multi30k(multi30k_dir: Path, tokenizer_path: str, cache_dir: str):
+    """All of Multi30k train and validation, de → en, max_tokens=4096."""
+    from seq2seq.data import TranslationDataModule
+
+    dm = TranslationDataModule(
+        src_lang="de",
+        tgt_lang="en",
+        tokenizer_path=tokenizer_path,
+        train_files=[str(multi30k_dir / "train.de.gz"), str(multi30k_dir / "train.en.gz")],
+        valid_files=[str(multi30k_dir / "val.de.gz"), str(multi30k_dir / "val.en.gz")],
+        max_tokens=4096,
+        cache_dir=cache_dir,
+    )
+    dm.setup("fit")
+    return dm
+
+
 TINY_CONFIG = """
 trainer:
   accelerator: cpu

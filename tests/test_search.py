@@ -7,11 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from seq2seq.model import ConfigError
 from seq2seq.search import (
     Hypothesis,
     SearchConfig,
     beam_search,
     beam_step,
+    decode,
     greedy,
     length_normalize,
     max_lengths,
@@ -72,7 +74,7 @@ class TableModel:
 
     def __init__(self, tables: dict, *, default: dict, vocab_size: int = 8, max_positions: int = 64):
         self.tables, self.default, self.vocab_size = tables, default, vocab_size
-        self.config = SimpleNamespace(max_positions=max_positions, pad_id=PAD)
+        self.config = SimpleNamespace(max_positions=max_positions, pad_id=PAD, vocab_size=vocab_size)
         self.encode_calls = 0
         self.rows_per_step: list[int] = []
 
@@ -318,7 +320,7 @@ class RunningSumModel:
         self.src_embed = torch.randn(vocab_size, dim, generator=g)
         self.tgt_embed = torch.randn(vocab_size, dim, generator=g)
         self.out = torch.randn(dim, vocab_size, generator=g)
-        self.config = SimpleNamespace(max_positions=max_positions, pad_id=PAD)
+        self.config = SimpleNamespace(max_positions=max_positions, pad_id=PAD, vocab_size=vocab_size)
 
     def encode(self, src):
         return self.src_embed[src]  # (B, S, D)
@@ -476,3 +478,66 @@ def test_cached_decoding_matches_recomputing_the_prefix():
     greedy_recomputed = greedy(Recompute(model), src, SearchConfig(**options), **IDS)
     assert [h.tokens for h in greedy_cached] == [h.tokens for h in greedy_recomputed]
     assert [h.log_prob for h in greedy_cached] == pytest.approx([h.log_prob for h in greedy_recomputed], abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# SearchConfig: every option checked once, when it is built, with the field named.
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"beam_size": 0}, "beam_size: must be >= 1, got 0"),
+        ({"beam_size": 2.0}, "beam_size: expected int, got 2.0"),
+        ({"beam_size": True}, "beam_size: expected int, got True"),
+        ({"nbest": 3, "beam_size": 2}, "nbest: must be between 1 and beam_size (2), got 3"),
+        ({"nbest": 0}, "nbest: must be between 1 and beam_size (5), got 0"),
+        ({"length_penalty": math.nan}, "length_penalty: must be a finite number, got nan"),
+        ({"length_penalty": -INF}, "length_penalty: must be a finite number, got -inf"),
+        ({"length_penalty": -0.5}, "length_penalty: must be >= 0, got -0.5"),
+        ({"max_len_a": math.nan}, "max_len_a: must be a finite number, got nan"),
+        ({"max_len_a": 1e300}, "max_len_a: must be >= 0 and <= 1000, got 1e+300"),
+        ({"max_len_b": -1}, "max_len_b: must be >= 0 and <= 1000000, got -1"),
+        ({"max_len_a": 0, "max_len_b": 0}, "max_len_b: max_len_a and max_len_b are both 0: every output would be empty"),
+        ({"min_len": -1}, "min_len: must be >= 0, got -1"),
+        ({"no_repeat_ngram_size": -2}, "no_repeat_ngram_size: must be >= 0, got -2"),
+        ({"temperature": 0.0}, "temperature: must be > 0, got 0.0"),
+        ({"temperature": math.nan}, "temperature: must be a finite number, got nan"),
+        ({"top_k": -1}, "top_k: must be >= 0, got -1"),
+        ({"top_p": 0.0}, "top_p: must be > 0 and <= 1, got 0.0"),
+        ({"top_p": 1.5}, "top_p: must be > 0 and <= 1, got 1.5"),
+        ({"seed": -1}, "seed: must be >= 0 and <= 9223372036854775807, got -1"),
+        ({"seed": "7"}, "seed: expected int or None, got '7'"),
+        ({"sampling": True, "nbest": 2}, "nbest: sampling draws one translation per sentence: must be 1, got 2"),
+        ({"sampling": "yes"}, "sampling: expected bool, got 'yes'"),
+    ],
+)
+def test_search_config_refuses_bad_values_naming_the_field(options, message):
+    with pytest.raises(ConfigError) as caught:
+        SearchConfig(**options)
+    assert str(caught.value) == message
+    assert caught.value.field == message.split(":")[0]
+
+
+def test_search_config_defaults_and_the_vocabulary_check():
+    assert SearchConfig() == SearchConfig(beam_size=5, nbest=1, length_penalty=0.6, max_len_a=1.5, max_len_b=10)
+    SearchConfig(max_len_a=0.5, max_len_b=0)  # floor(0.5 * len) may be 0 for a 1-token source: allowed
+    SearchConfig(sampling=True, beam_size=1, top_k=0, top_p=1.0, seed=0)
+    SearchConfig(beam_size=4).check_vocabulary(8)
+    with pytest.raises(ConfigError, match="beam_size: 5 needs a vocabulary of at least 10 tokens; this model has 8"):
+        SearchConfig(beam_size=5).check_vocabulary(8)
+    SearchConfig(beam_size=5, sampling=True).check_vocabulary(8)  # sampling does not use the beam
+
+
+def test_decode_dispatches_to_the_three_searches():
+    model = RunningSumModel(seed=5)
+    beam = decode(model, RANDOM_SOURCES, SearchConfig(beam_size=3, nbest=2, **MEDIUM), **IDS)
+    assert beam == beam_search(model, RANDOM_SOURCES, SearchConfig(beam_size=3, nbest=2, **MEDIUM), **IDS)
+    assert all(len(hyps) == 2 for hyps in beam)
+    best = decode(model, RANDOM_SOURCES, SearchConfig(beam_size=1, **MEDIUM), **IDS)
+    assert best == [[h] for h in greedy(model, RANDOM_SOURCES, SearchConfig(**MEDIUM), **IDS)]
+    drawn = decode(model, RANDOM_SOURCES, SearchConfig(sampling=True, seed=3, **MEDIUM), **IDS)
+    again = sample(model, RANDOM_SOURCES, SearchConfig(**MEDIUM), generator=torch.Generator().manual_seed(3), **IDS)
+    assert drawn == [[h] for h in again]  # the seed makes the generator
+    with pytest.raises(ConfigError, match="needs a vocabulary of at least"):
+        decode(model, RANDOM_SOURCES, SearchConfig(beam_size=7, **MEDIUM), **IDS)
