@@ -1,17 +1,20 @@
 """TranslationModule: the Transformer trained with label smoothing, Adam and inverse-sqrt warm-up.
 
-Its typed keyword arguments are the `model:` section of a LightningCLI config. `vocab_size` is not
-written in configs: fit.py links it from the data module's tokenizer.
+Its typed keyword arguments are the `model:` section of a LightningCLI config: `transformer` is the
+TransformerConfig itself (the model's one schema; its `vocab_size` is not written in configs, fit.py
+links it from the data module's tokenizer), `val_search` the SearchConfig validation decodes with.
+The other hyperparameters are checked at construction, each error naming its key (`model.lr`).
 
 Validation computes the loss and perplexity on teacher-forced batches and decodes the validation
-set (greedy, or beam search with `val_beam_size > 1`), then scores the detokenised output with
+set with `search.decode` (greedy by default), then scores the detokenised output with
 sacreBLEU and chrF against the raw references. Under DDP each rank decodes its share; the
 hypotheses are gathered, deduplicated by sentence index (the data module pads ranks to equal batch
 counts with repeated batches) and scored once over the whole set. torchmetrics' SacreBLEUScore would
 sync n-gram counts instead, counting those repeated sentences twice, and gives no signature.
 
-Every checkpoint carries what inference needs under the key "seq2seq" (model config, tokenizer
-proto bytes, language pair), as plain types: it loads with `torch.load(..., weights_only=True)`.
+Every checkpoint carries what inference needs under the key "seq2seq", written by checkpoint.py
+(model config, tokenizer proto bytes, language pair, a checksum), as plain types: it loads with
+`torch.load(..., weights_only=True)`.
 """
 
 import math
