@@ -8,7 +8,7 @@ import typing
 import pytest
 import torch
 
-from seq2seq.model import Transformer, TransformerConfig, transformer_base, transformer_big
+from seq2seq.model import ConfigError, Transformer, TransformerConfig, transformer_base, transformer_big
 from seq2seq.model.config import transformer_small
 from seq2seq.model.layers import Dropout
 from seq2seq.model.transformer import deepnorm_constants
@@ -257,14 +257,41 @@ def test_too_long_input_is_a_clear_error():
         model.encode(torch.randint(4, 23, (1, 65)))
 
 
-def test_bad_config_is_a_clear_error():
-    with pytest.raises(ValueError, match="divisible by num_heads"):
-        TransformerConfig(vocab_size=10, d_model=10, num_heads=3)
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"d_model": 10, "num_heads": 3}, "num_heads: d_model (10) must be divisible by it, got 3"),
+        ({"positions": "rotery"}, "positions: expected one of ['sinusoidal', 'learned', 'relative', 'rotary'], got 'rotery'"),
+        ({"norm": "rms"}, "norm: expected one of ['layernorm', 'rmsnorm'], got 'rms'"),  # was RMSNorm by fall-through
+        ({"norm_placement": "Pre"}, "norm_placement: expected one of ['post', 'pre', 'sandwich', 'deepnorm'], got 'Pre'"),
+        ({"activation": "silu"}, "activation: expected one of ['relu', 'gelu', 'swish', 'glu', 'swiglu', 'geglu']"),
+        ({"tie_embeddings": True}, "tie_embeddings: expected one of ['none', 'decoder', 'all'], got True"),
+        ({"d_model": "512"}, "d_model: expected int, got '512'"),
+        ({"num_encoder_layers": 0}, "num_encoder_layers: must be >= 1, got 0"),
+        ({"dropout": 1.0}, "dropout: must be >= 0 and < 1, got 1.0"),
+        ({"dropout": float("nan")}, "dropout: must be a finite number, got nan"),
+        ({"norm_eps": 0.0}, "norm_eps: must be > 0, got 0.0"),
+        ({"pad_id": 10}, "pad_id: must be a token id below vocab_size (10), got 10"),
+        ({"d_model": 12, "num_heads": 4, "positions": "rotary"}, "positions: 'rotary' needs an even head size, got 3"),
+    ],
+)
+def test_bad_config_is_a_clear_error(options, message):
+    with pytest.raises(ConfigError) as caught:
+        TransformerConfig(vocab_size=10, **options)
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_config_from_a_dict_names_unknown_and_missing_keys():
+    assert TransformerConfig.from_dict(TransformerConfig(vocab_size=10).to_dict()) == TransformerConfig(vocab_size=10)
+    with pytest.raises(ConfigError, match="^d_modle: is not a TransformerConfig field"):
+        TransformerConfig.from_dict({"vocab_size": 10, "d_modle": 8})
+    with pytest.raises(ConfigError, match="^vocab_size: is missing"):
+        TransformerConfig.from_dict({"d_model": 8})
 
 
 COPY_REVERSE_TARGET = 0.99  # greedy token accuracy on held-out sentences
 COPY_REVERSE_EVERY = 25  # training steps between two measurements
-COPY_REVERSE_MAX_STEPS = 1500  # 300-450 steps reach the target here, over seeds and thread counts
+COPY_REVERSE_MAX_STEPS = 2000  # 250-575 steps reached it here, over seeds, thread counts and kernel sets
 
 
 def train_copy_and_reverse(*, seed: int = 0, max_steps: int = COPY_REVERSE_MAX_STEPS) -> tuple[int, list[float]]:
@@ -329,10 +356,11 @@ def test_learns_copy_and_reverse():
     """Gradients flow through cross-attention: the decoder can only solve this by reading the source.
 
     Trained to a criterion under a step cap, not for a fixed number of steps: float32 kernels differ
-    between CPUs (AVX2, AVX-512, AMX; even seeded initial weights differ in their last bits), and so
-    does the thread count, so one seed's accuracy after a fixed 400 steps is not portable (0.979 on an
-    AVX-512 machine, >= 0.99 on an AVX2 one). The cap is over 3x the steps any seed or thread count
-    needed here.
+    between CPUs (AVX2, AVX-512, AMX; even seeded random weights can differ in their last bits), and
+    so does the thread count, so one seed's accuracy after a fixed 400 steps is not portable (0.979 on
+    an AVX-512 machine; on one AVX2 machine >= 0.99 with two threads, 0.985 with one). Seed 0 needs
+    ~425 steps here; the cap is over 3x the most that any seed, thread count or kernel set (AVX2 or
+    scalar) needed.
 
     One intra-op thread, whatever the machine: its matrices are tiny, and on a busy two-core machine
     two threads handing off each operation make the run several times slower.
@@ -346,7 +374,8 @@ def test_learns_copy_and_reverse():
         torch.set_num_threads(threads)
     assert accuracies[-1] >= COPY_REVERSE_TARGET, (
         f"greedy token accuracy {accuracies[-1]:.3f} < {COPY_REVERSE_TARGET} after {steps} steps "
-        f"({time.monotonic() - start:.0f}s); every {COPY_REVERSE_EVERY} steps: {[round(a, 2) for a in accuracies]}"
+        f"({time.monotonic() - start:.0f}s); best {max(accuracies):.3f}, "
+        f"the last ones (every {COPY_REVERSE_EVERY} steps): {[round(a, 3) for a in accuracies[-8:]]}"
     )
 
 

@@ -98,7 +98,7 @@ def python_env() -> dict[str, str]:
 # Translating: batches, odd lines, the search paths.
 
 
-def test_batch_equals_one_by_one(model64: Translator):
+def test_batch_equals_one_by_one(model64: Translator, request: pytest.FixtureRequest):
     """Padding, length-sorted batching and dropping finished sentences must not change any result."""
     texts = ["", *SENTENCES, "   ", SENTENCES[0]]
     batched = model64.translate_nbest(texts, SearchConfig(beam_size=4, nbest=2), max_tokens=80)  # 3 batches, out of order
@@ -109,7 +109,8 @@ def test_batch_equals_one_by_one(model64: Translator):
         assert [h.text for h in together] == [h.text for h in by_itself]
         assert [h.score for h in together] == pytest.approx([h.score for h in by_itself], abs=1e-5)
     lengths = {len(hyps[0].tokens) for hyps in batched if hyps}
-    assert len(lengths) >= 3  # the outputs differ, so a mix-up between rows would show
+    if request.node.callspec.params["model64"] == "random":  # seeded float64: the same on every CPU
+        assert len(lengths) >= 3  # the outputs differ, so a mix-up between rows would show
     assert batched[0] == batched[-2] == [] and batched[1] == batched[-1]
 
 
