@@ -94,6 +94,7 @@ def save_atomic(checkpoint: dict[str, Any], path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600: give the mode any new file would have
         with os.fdopen(fd, "wb") as f:
             torch.save(checkpoint, f)
             f.flush()
@@ -109,6 +110,12 @@ def save_atomic(checkpoint: dict[str, Any], path: str | Path) -> None:
         os.close(directory)
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 # ---- reading -----------------------------------------------------------------------------------
 
 
@@ -122,8 +129,10 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a folder; give a .ckpt file in it (best.ckpt or last.ckpt)")
-    if not path.is_file():
+    if not path.exists():  # also a dangling link or a loop of links
         raise CheckpointError(f"checkpoint {path} does not exist; training writes them under checkpoints/<run>/")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} is not a regular file (a device or a pipe); give a .ckpt file")
     not_ours = f"{path} is not a seq2seq training checkpoint; use a .ckpt written by `python -m seq2seq.fit`"
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path} is empty (0 bytes): a save was interrupted; use another checkpoint")
@@ -138,8 +147,8 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     except Exception as error:  # noqa: BLE001 - torch.load raises anything on bytes it did not write
         # A text file, a truncated zip, flipped bytes in the archive's index: IndexError, EOFError,
         # RuntimeError, KeyError... all mean the same to the user.
-        raise CheckpointError(f"{not_ours} (torch.load cannot read it: {type(error).__name__}; "
-                              "damaged or not written by torch.save)") from error
+        raise CheckpointError(f"{path} cannot be read as a checkpoint (torch.load: {type(error).__name__}): "
+                              "damaged, e.g. a copy cut short, or not written by torch.save") from error
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(CHECKPOINT_KEY), dict) or (
         not isinstance(checkpoint.get("state_dict"), dict)
     ):
@@ -166,6 +175,7 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
     except (ValueError, TypeError) as error:
         raise CheckpointError(f"{path}: its model_config is invalid: {error}") from error
     weights = model_weights(checkpoint["state_dict"])
+    _check_layer_counts(path, config, weights)
     _check_shapes(path, config, weights)
     if "sha256" not in expected:
         warnings.warn(f"{path}: checkpoint format 1 has no checksum, so damage cannot be detected; "
@@ -177,7 +187,21 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
         if actual != stored:
             raise CheckpointError(f"{path} is damaged: its weights or tokenizer do not match the checksum stored "
                                   "when it was written; copy it again or use another checkpoint")
+    bad = next((name for name, t in weights.items() if t.is_floating_point() and not t.isfinite().all()), None)
+    if bad is not None:  # a run that diverged: it would translate every sentence into nothing
+        raise CheckpointError(f"{path}: its weight '{bad}' holds NaN or infinite values (the training run "
+                              "diverged); use an earlier checkpoint")
     return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"])
+
+
+def _check_layer_counts(path: str | Path, config: TransformerConfig, weights: dict[str, Tensor]) -> None:
+    """Before even the meta skeleton: a config asking for a million layers would take an hour to build."""
+    for stack, wanted in (("encoder", config.num_encoder_layers), ("decoder", config.num_decoder_layers)):
+        prefix = f"{stack}.layers."
+        stored = {name[len(prefix):].split(".")[0] for name in weights if name.startswith(prefix)}
+        if stored != {str(i) for i in range(wanted)}:
+            raise CheckpointError(f"{path}: its model_config does not match its weights: num_{stack}_layers is "
+                                  f"{wanted} but the file holds {len(stored)} {stack} layers")
 
 
 def _check_shapes(path: str | Path, config: TransformerConfig, weights: dict[str, Tensor]) -> None:
@@ -188,9 +212,10 @@ def _check_shapes(path: str | Path, config: TransformerConfig, weights: dict[str
     missing = sorted(set(wanted) - set(weights))
     unexpected = sorted(set(weights) - set(wanted))
     if missing or unexpected:
-        what = f"lacks the weight '{missing[0]}'" if missing else f"has a weight '{unexpected[0]}'"
-        raise CheckpointError(f"{path}: its model_config does not match its weights: the file {what} "
-                              f"that the config does not describe ({len(missing)} missing, {len(unexpected)} extra)")
+        what = (f"the config describes a weight '{missing[0]}' that the file lacks" if missing
+                else f"the file has a weight '{unexpected[0]}' that the config does not describe")
+        raise CheckpointError(f"{path}: its model_config does not match its weights: {what} "
+                              f"({len(missing)} missing, {len(unexpected)} extra)")
     for name, shape in wanted.items():
         if tuple(weights[name].shape) != shape:
             raise CheckpointError(f"{path}: its model_config does not match its weights: '{name}' is stored as "

@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from itertools import zip_longest
 from pathlib import Path
@@ -112,9 +113,7 @@ def _load_files(files: list[str], *, option: str, cache_dir: str | None) -> data
     """A split from local files: `src`/`tgt` columns, or Hub-layout columns for parquet/json."""
     for path in files:
         if not Path(path).is_file():
-            raise FileNotFoundError(
-                f"{option}: {path} does not exist (relative to {os.getcwd()}); fix the path"
-            )
+            raise DataError(f"{option}: {path} does not exist (relative to {os.getcwd()}); fix the path")
     empty = [path for path in files if _is_empty(path)]
     if empty and len(empty) == len(files):  # one empty side of two: the line-count check names both
         raise DataError(f"{option}: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty; "
@@ -300,17 +299,15 @@ class TranslationDataModule(L.LightningDataModule):
         if self._tokenizer is None:
             path = Path(self.tokenizer_path)
             if not path.is_file():
-                try:
+                with self._writing_tokenizer(path):  # errors writing there; reading the data's are its own
                     path.parent.mkdir(parents=True, exist_ok=True)
                     lock = FileLock(f"{path}.lock")
-                    with lock:
-                        if not path.is_file():  # unless another process trained it while we waited
-                            self._train_tokenizer(path)
-                except OSError as error:
-                    raise DataError(
-                        f"data.tokenizer_path: cannot write {path} ({os_reason(error)}); "
-                        "choose a folder you can write to, or fix its permissions"
-                    ) from None
+                    lock.acquire()
+                try:
+                    if not path.is_file():  # unless another process trained it while we waited
+                        self._train_tokenizer(path)
+                finally:
+                    lock.release()
             try:
                 self._tokenizer = Tokenizer.from_file(path)
             except (OSError, RuntimeError, ValueError) as error:
@@ -335,9 +332,18 @@ class TranslationDataModule(L.LightningDataModule):
             reason = str(error).strip().split("\n")[0]
             raise DataError(f"cannot train the tokenizer on {where}: {reason}") from None
         partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        tokenizer.save(partial_path)
-        os.replace(partial_path, path)  # atomic: nobody reads a half-written model
+        with self._writing_tokenizer(path):
+            tokenizer.save(partial_path)
+            os.replace(partial_path, path)  # atomic: nobody reads a half-written model
         _info(f"trained {path} on {raw.num_rows} pairs in {time.perf_counter() - start:.1f}s")
+
+    @contextmanager
+    def _writing_tokenizer(self, path: Path) -> Iterator[None]:
+        try:
+            yield
+        except OSError as error:
+            raise DataError(f"data.tokenizer_path: cannot write {path} ({os_reason(error)}); choose a folder "
+                            "you can write to, or fix its permissions") from None
 
     @property
     def vocab_size(self) -> int:

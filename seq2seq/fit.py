@@ -13,6 +13,7 @@ beside their target and a failed write ends the run. A bad input ends with one `
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference, save_atomic
 from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
-from seq2seq.module import TranslationModule, check_hyperparameters
+from seq2seq.module import TrainingDiverged, TranslationModule, check_hyperparameters
 from seq2seq.search import SearchConfig
 
 
@@ -39,9 +40,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError("AtomicCheckpointIO takes no storage_options")
         try:
             save_atomic(checkpoint, path)
-        except OSError as error:
-            raise CheckpointError(f"cannot write checkpoint {path}: {os_reason(error)}; "
-                                  "free space or fix the folder's permissions, then resume with --ckpt_path last") from error
+        except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as a RuntimeError
+            reason = os_reason(error) if isinstance(error, OSError) else "the disk may be full"
+            free = shutil.disk_usage(Path(path).parent).free / 2**20 if Path(path).parent.is_dir() else float("nan")
+            raise CheckpointError(f"cannot write checkpoint {path}: {reason} ({free:.0f} MiB free there); "
+                                  "free space or fix the folder, then resume with --ckpt_path last") from error
 
 
 class TranslationCLI(LightningCLI):
@@ -64,6 +67,9 @@ class TranslationCLI(LightningCLI):
 
 def check_model_section(model: Any) -> None:
     """The parsed `model:` section's values, checked as construction will check them; errors name the key."""
+    for section in ("transformer", "val_search"):
+        if getattr(model, section, None) is None:  # `val_search:` with every key commented out is YAML null
+            raise ConfigError(f"model.{section}", "is empty; give its fields, or leave the key out for the defaults")
     transformer = {key: value for key, value in vars(model.transformer).items() if key != "vocab_size"}
     try:
         # vocab_size comes from the tokenizer later; any value that passes stands in for it here.
@@ -99,8 +105,21 @@ def check_output_folders(trainer: Trainer) -> None:
             check_writable(callback.dirpath, option="ModelCheckpoint dirpath")
 
 
-def resolve_resume(trainer: Trainer, ckpt_path: str | None) -> str | None:
-    """The checkpoint to resume from, checked; 'last' with none to find is an error, not a fresh start."""
+def check_lengths(model: TranslationModule, data: TranslationDataModule) -> None:
+    """Training pairs may have max_tokens_per_sentence tokens, + 1 for BOS or EOS: the model must take them."""
+    if model.config.max_positions < data.max_tokens_per_sentence + 1:
+        raise ConfigError("model.transformer.max_positions", f"{model.config.max_positions} cannot hold a pair of "
+                          f"data.max_tokens_per_sentence={data.max_tokens_per_sentence} tokens (+1 for BOS/EOS); "
+                          "raise one or lower the other")
+
+
+def resolve_resume(trainer: Trainer, ckpt_path: str | None, *, model: TranslationModule,
+                   data: TranslationDataModule) -> str | None:
+    """The checkpoint to resume from, checked; 'last' with none to find is an error, not a fresh start.
+
+    It must hold this run's model (every TransformerConfig field) and tokenizer: weights trained with
+    another tokenizer of the same size would load without a word and read every id as another piece.
+    """
     if ckpt_path is None or ckpt_path in ("hpc", "registry"):
         return ckpt_path
     if ckpt_path == "last":
@@ -115,17 +134,26 @@ def resolve_resume(trainer: Trainer, ckpt_path: str | None) -> str | None:
     else:
         path = Path(ckpt_path)
     try:
-        read_inference(path, load_checkpoint(path))
+        stored = read_inference(path, load_checkpoint(path))
     except CheckpointError as error:
-        raise CheckpointError(f"--ckpt_path {ckpt_path}: {error}. Resume from another checkpoint "
-                              "(e.g. best.ckpt beside it) or leave out --ckpt_path to start afresh") from None
+        raise CheckpointError(f"--ckpt_path {ckpt_path}: {error}; or leave out --ckpt_path to start afresh") from None
+    ours = model.config.to_dict()
+    differ = [key for key, value in stored.config.to_dict().items() if ours.get(key) != value]
+    if differ:
+        key = differ[0]
+        raise ConfigError(f"model.transformer.{key}", f"is {ours.get(key)!r} but the checkpoint to resume "
+                          f"({path}) was trained with {getattr(stored.config, key)!r}; set it back, or leave out "
+                          "--ckpt_path to train a new model")
+    if stored.tokenizer != data.tokenizer.to_bytes():
+        raise CheckpointError(f"--ckpt_path {ckpt_path}: {path} was trained with another tokenizer than "
+                              f"data.tokenizer_path={data.tokenizer_path}; point it at that run's spm.model")
     return str(path)
 
 
 def main(args: list[str] | None = None) -> TranslationCLI:
     try:
         return fit(args)
-    except (ConfigError, DataError, CheckpointError) as error:
+    except (ConfigError, DataError, CheckpointError, TrainingDiverged) as error:
         raise SystemExit(f"error: {error}") from None
 
 
@@ -141,8 +169,9 @@ def fit(args: list[str] | None) -> TranslationCLI:
     trainer = cli.trainer
     if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # keep a CheckpointIO the user chose
         trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+    check_lengths(cli.model, cli.datamodule)
     check_output_folders(trainer)
-    ckpt_path = resolve_resume(trainer, cli.config.get("ckpt_path"))
+    ckpt_path = resolve_resume(trainer, cli.config.get("ckpt_path"), model=cli.model, data=cli.datamodule)
     trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     checkpoint = trainer.checkpoint_callback
     if trainer.is_global_zero and isinstance(checkpoint, ModelCheckpoint):

@@ -50,6 +50,10 @@ def inverse_sqrt_schedule(step: int, *, warmup_steps: int) -> float:
     return math.sqrt(warmup_steps / step)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite: the run stops rather than train (and checkpoint) garbage."""
+
+
 def check_hyperparameters(*, label_smoothing: float, lr: float, warmup_steps: int, weight_decay: float,
                           adam_betas: tuple[float, float], adam_eps: float) -> None:
     """ConfigError naming the config key (`model.lr`) for a value that would train wrongly or not at all."""
@@ -184,6 +188,13 @@ class TranslationModule(L.LightningModule):
         self._step_tokens = int(tokens)
         batch_size = batch["src"].size(0)
         loss, nll = loss / tokens, nll / tokens  # normalised per target token
+        # One device sync per step (free on a CPU): a run that diverged must not go on and overwrite
+        # best.ckpt / last.ckpt with NaN weights that translate every sentence into nothing.
+        if not torch.isfinite(loss):
+            raise TrainingDiverged(
+                f"the training loss is {loss.item()} at step {self.global_step}: the run diverged; lower model.lr "
+                "or raise model.warmup_steps, then resume from the last good checkpoint (--ckpt_path last)"
+            )
         self.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
         self.log("train_nll", nll, batch_size=batch_size)
         return loss

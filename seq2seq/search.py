@@ -71,13 +71,13 @@ class SearchConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         check_range(self, "beam_size", low=1)
-        check_range(self, "length_penalty", low=0)
+        check_range(self, "length_penalty", low=0, high=10)  # ((5 + n) / 6) ** alpha overflows beyond
         # Bounded above too: a huge float would overflow the int64 length to 0 (every output empty).
         check_range(self, "max_len_a", low=0, high=1000)
         check_range(self, "max_len_b", low=0, high=1_000_000)
         check_range(self, "min_len", low=0)
         check_range(self, "no_repeat_ngram_size", low=0)
-        check_range(self, "temperature", low=0, low_open=True)
+        check_range(self, "temperature", low=1e-4, high=1e4)  # beyond, log_probs / T overflows into NaN
         check_range(self, "top_k", low=0)
         check_range(self, "top_p", low=0, high=1, low_open=True)
         check_range(self, "seed", low=0, high=2**63 - 1)

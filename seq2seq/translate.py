@@ -31,7 +31,7 @@ from seq2seq.translator import Translation, Translator, resolve_device
 WINDOW = 1000  # input lines decoded (and sorted by length) at a time before their output is written
 
 
-def read_lines(path: str) -> list[str]:
+def read_lines(path: str, *, option: str = "--input") -> list[str]:
     """The lines of a UTF-8 file, or of stdin for "-", without their line ends.
 
     Lines end at "\n" only (a "\r" before it goes too): str.splitlines would also split at
@@ -44,9 +44,9 @@ def read_lines(path: str) -> list[str]:
     try:
         data = read_stdin() if path == "-" else Path(path).read_bytes()
     except FileNotFoundError:
-        raise SystemExit(f"error: {path} does not exist") from None
+        raise SystemExit(f"error: {option} {path} does not exist") from None
     except OSError as error:
-        raise SystemExit(f"error: cannot read {path}: {error.strerror}") from None
+        raise SystemExit(f"error: {option}: cannot read {path}: {error.strerror}") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
@@ -144,18 +144,31 @@ def one_line_warnings() -> None:
     warnings.simplefilter("always", UserWarning)
 
 
-def check_output_path(path: str) -> None:
+def check_output_path(path: str, *, inputs: list[str]) -> None:
     """Refuse an output that cannot be written now, not after the whole input has been translated."""
     if path == "-":
         return
     target = Path(path)
     folder = target.parent
+    if not path:
+        raise SystemExit("error: --output is empty; give a file path, or - for stdout")
     if target.is_dir():
         raise SystemExit(f"error: --output {path} is a folder; give a file path")
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"error: --output {path}: {folder} is a file, not a folder")
     if not folder.is_dir():
         raise SystemExit(f"error: --output {path}: the folder {folder} does not exist; create it first")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise SystemExit(f"error: --output {path} cannot be written (permission denied)")
+    for other in inputs:
+        if other != "-" and target.exists() and Path(other).exists() and target.samefile(other):
+            raise SystemExit(f"error: --output {path} is the input file {other}: it would be overwritten")
+    existed = target.exists()
+    try:
+        with open(target, "a", encoding="utf-8"):  # "a": an existing file is not emptied by the check
+            pass
+    except OSError as error:
+        raise SystemExit(f"error: --output {path} cannot be written ({error.strerror})") from None
+    if not existed:
+        target.unlink()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,11 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     add_search_arguments(parser)
     args = parser.parse_args(argv)
     search = search_config(parser, args)
-    check_output_path(args.output)
+    check_output_path(args.output, inputs=[args.input] + ([args.ref] if args.ref else []))
     one_line_warnings()
 
     sources = read_lines(args.input)
-    references = read_lines(args.ref) if args.ref else None
+    references = read_lines(args.ref, option="--ref") if args.ref else None
     if references is not None and len(references) != len(sources):
         source_name = "stdin" if args.input == "-" else args.input
         raise SystemExit(
@@ -186,17 +199,29 @@ def main(argv: list[str] | None = None) -> None:
         write_translations(translator.translate_stream(sources, search, max_tokens=args.max_tokens, window=WINDOW),
                            output, nbest=search.nbest, best=best)
     except KeyboardInterrupt:
-        where = "stdout" if args.output == "-" else args.output
-        print(f"\ninterrupted: {where} holds the translations of the first {len(best)} lines", file=sys.stderr)
+        print(f"\ninterrupted: {where(args)} holds the translations of the first {len(best)} lines", file=sys.stderr)
         raise SystemExit(130) from None
+    except BrokenPipeError:  # `... | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        raise SystemExit(141) from None
+    except OSError as error:  # a full disk, /dev/full
+        raise SystemExit(f"error: cannot write {where(args)} ({error.strerror}); it holds the translations of "
+                         f"at most the first {len(best)} lines") from None
     finally:
         if output is not sys.stdout:
-            output.close()
+            try:
+                output.close()
+            except OSError:
+                pass  # reported above
     print(f"translated {len(sources)} lines in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     if references is not None:
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
         print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
+
+
+def where(args: argparse.Namespace) -> str:
+    return "stdout" if args.output == "-" else f"--output {args.output}"
 
 
 def write_translations(results, output: TextIO, *, nbest: int, best: list[str]) -> None:

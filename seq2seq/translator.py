@@ -103,7 +103,10 @@ class Translator:
         search then holds beam_size times as many decoder rows. `first_line` is the number warnings
         give the first text (a caller translating a file in pieces passes each piece's position).
         """
-        lines = as_lines(texts)
+        lines = as_lines(texts, first_line=first_line)
+        if not isinstance(search, SearchConfig):
+            raise TypeError(f"search must be a SearchConfig, e.g. SearchConfig(beam_size=5), not a "
+                            f"{type(search).__name__}")
         search.check_vocabulary(self.model.config.vocab_size)  # before any work, even for no sentence
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
@@ -131,6 +134,8 @@ class Translator:
         """
         if isinstance(texts, str | bytes):
             as_lines(texts)  # the same TypeError as translate_nbest
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive number of lines, got {window!r}")
         iterator, done = iter(texts), 0
         while chunk := list(islice(iterator, window)):
             yield from self.translate_nbest(chunk, search, max_tokens=max_tokens, first_line=done + 1)
@@ -153,14 +158,17 @@ class Translator:
         return ids
 
 
-def as_lines(texts: Iterable[str]) -> list[str]:
-    """Any iterable of str as a list; a bare string (which would translate character by character) is refused."""
+def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:
+    """Any iterable of str as a list; a bare string (which would translate character by character) is refused.
+
+    A bad item is named by its index in the whole input (`first_line` is the first text's number).
+    """
     if isinstance(texts, str | bytes):
         raise TypeError("texts is a single string; pass a list of sentences, e.g. [text]")
     lines = list(texts)
     for i, text in enumerate(lines):
         if not isinstance(text, str):
-            raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a str")
+            raise TypeError(f"texts[{first_line - 1 + i}] is a {type(text).__name__}, not a str")
     return lines
 
 

@@ -3,6 +3,7 @@
 Every damaged or hostile file must give a CheckpointError: one line that names the file.
 """
 
+import os
 import re
 import shutil
 import struct
@@ -105,7 +106,8 @@ def test_files_that_are_not_checkpoints_are_refused_in_one_line(kind: str, tmp_p
     path = tmp_path / f"{kind}.ckpt"
     write_not_ours(path, kind)  # "text": a text file renamed .ckpt gave a bare IndexError
     message = load_error(path)
-    expected = "is empty (0 bytes)" if kind == "empty" else "is not a seq2seq training checkpoint"
+    expected = {"empty": "is empty (0 bytes)", "text": "cannot be read as a checkpoint (torch.load: "}.get(
+        kind, "is not a seq2seq training checkpoint")
     assert expected in message
 
 
@@ -119,7 +121,32 @@ def test_missing_file_folder_and_newer_format(checkpoint: Path, tmp_path: Path):
 def test_truncated_file_is_refused(checkpoint: Path, tmp_path: Path):
     path = tmp_path / "truncated.ckpt"
     path.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])  # a copy cut short
-    assert "damaged or not written by torch.save" in load_error(path)
+    assert "cannot be read as a checkpoint (torch.load: RuntimeError): damaged, e.g. a copy cut short" in load_error(path)
+
+
+@pytest.mark.parametrize("special", ["/dev/null", "fifo", "loop"])
+def test_a_checkpoint_path_that_is_not_a_regular_file(special: str, tmp_path: Path):
+    path = Path(special)
+    if special == "fifo":
+        path = tmp_path / "pipe.ckpt"
+        os.mkfifo(path)
+    elif special == "loop":
+        path = tmp_path / "loop.ckpt"
+        path.symlink_to(path)
+    expected = "does not exist" if special == "loop" else "is not a regular file (a device or a pipe)"
+    assert expected in load_error(path)
+
+
+def test_non_finite_weights_are_refused(checkpoint: Path, tmp_path: Path):
+    """What a diverged run saved: it translated every sentence into an empty line, exit 0."""
+    def poison(loaded: dict) -> None:
+        loaded["state_dict"]["model.decoder.embed.tokens.weight"][5, 3] = float("nan")
+        resign(loaded)
+
+    path = rewrite(checkpoint, tmp_path / "nan.ckpt", poison)
+    message = load_error(path)  # the embedding is tied: it may be named by any of its three names
+    assert re.search(r"its weight '\w+\.(embed\.tokens|output_projection)\.weight' holds NaN or infinite values "
+                     r"\(the training run diverged\)", message), message
 
 
 # ---- damaged contents --------------------------------------------------------------------------
@@ -161,7 +188,8 @@ def test_corrupted_tokenizer_bytes_with_a_matching_checksum(checkpoint: Path, tm
         (lambda e: e.update(src_lang=7), "'src_lang' is a int, not a str"),
         (lambda e: e["model_config"].update(d_modle=32), "model_config is invalid: d_modle: is not a TransformerConfig field"),
         (lambda e: e["model_config"].update(norm="rms"), "model_config is invalid: norm: expected one of ['layernorm', 'rmsnorm'], got 'rms'"),
-        (lambda e: e["model_config"].update(num_encoder_layers=2), "the file lacks the weight 'encoder.layers.1."),
+        (lambda e: e["model_config"].update(num_encoder_layers=2), "num_encoder_layers is 2 but the file holds 1 encoder"),
+        (lambda e: e["model_config"].update(norm_placement="pre"), "the config describes a weight 'decoder.final_norm."),
         (lambda e: e["model_config"].update(d_ff=65), "is stored as (64, 32) but the config makes it (65, 32)"),
     ],
 )
@@ -197,7 +225,7 @@ def test_a_hostile_config_is_refused_before_anything_is_allocated(checkpoint: Pa
 
     monkeypatch.setattr(Transformer, "__init__", spy)
     assert "its model_config does not match its weights" in load_error(path)
-    assert built_on == ["meta"]  # only the skeleton that costs no memory was built
+    assert built_on == []  # refused on its layer count, before even the skeleton that costs no memory
 
     def long_positions(loaded: dict) -> None:  # the sinusoid table is computed, not stored: 2e9 x 32 floats
         loaded[CHECKPOINT_KEY]["model_config"]["max_positions"] = 2_000_000_000
@@ -205,6 +233,15 @@ def test_a_hostile_config_is_refused_before_anything_is_allocated(checkpoint: Pa
 
     path = rewrite(checkpoint, tmp_path / "positions.ckpt", long_positions)
     assert re.search(r"asks for [\d.]+ GiB of position tables \(max_positions=2000000000\); refusing", load_error(path))
+
+    def many_layers(loaded: dict) -> None:  # even the meta skeleton of a million layers takes an hour
+        loaded[CHECKPOINT_KEY]["model_config"]["num_decoder_layers"] = 1_000_000
+        resign(loaded)
+
+    path = rewrite(checkpoint, tmp_path / "layers.ckpt", many_layers)
+    built_on.clear()
+    assert "num_decoder_layers is 1000000 but the file holds 1 decoder layers" in load_error(path)
+    assert built_on == []
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -229,6 +266,13 @@ def test_save_atomic_replaces_whole_or_not_at_all(tmp_path: Path, monkeypatch: p
     assert torch.load(target, weights_only=True) == {"step": 1}  # the old checkpoint, whole
     assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]  # no partial file left
     assert list(elsewhere.iterdir()) == []
+    monkeypatch.undo()
+    mask = os.umask(0o022)
+    try:
+        save_atomic({"step": 3}, target)
+    finally:
+        os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o644  # as any new file (mkstemp alone makes it 0600)
 
 
 def test_save_atomic_raises_when_it_cannot_write(tmp_path: Path):

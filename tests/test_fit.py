@@ -16,8 +16,9 @@ import pytest
 import torch
 from conftest import MULTI30K, write_tiny_run
 
+from seq2seq.checkpoint import CheckpointError
 from seq2seq.data import TranslationDataModule
-from seq2seq.fit import TranslationCLI, main
+from seq2seq.fit import AtomicCheckpointIO, TranslationCLI, main
 from seq2seq.model import TransformerConfig
 from seq2seq.module import TranslationModule, inverse_sqrt_schedule
 from seq2seq.search import SearchConfig
@@ -220,3 +221,52 @@ def test_a_checkpoint_write_failing_mid_run_ends_the_run_loudly(tmp_path: Path, 
     ):
         main(["--config", str(config)])
     assert not list((tmp_path / "checkpoints").iterdir())  # and no partial file
+
+
+def test_a_run_that_diverges_stops_instead_of_saving_nan_weights(tmp_path: Path):
+    config = write_tiny_run(tmp_path, max_steps=30, train_pairs=200, val_pairs=4)
+    with pytest.raises(SystemExit, match=r"^error: the training loss is (nan|inf) at step \d+: the run diverged; lower "
+                                         r"model\.lr"):
+        main(["--config", str(config), "--model.lr=1e6", "--model.warmup_steps=1"])
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # no NaN checkpoint over the good ones
+
+
+def test_resuming_a_checkpoint_of_another_model_or_tokenizer_is_refused(tiny_run, tmp_path: Path):
+    _, checkpoints = tiny_run
+    config = write_tiny_run(tmp_path, max_steps=14)
+    shutil.copytree(checkpoints, tmp_path / "checkpoints")
+    shutil.copy(checkpoints.parent / "spm.model", tmp_path / "spm.model")
+    resume = ["--config", str(config), "--ckpt_path", "last"]
+    with pytest.raises(SystemExit, match=r"^error: model\.transformer\.d_model: is 64 but the checkpoint to resume "
+                                         r"\(.*last\.ckpt\) was trained with 32; set it back"):
+        main([*resume, "--model.transformer.d_model=64"])
+    (tmp_path / "spm.model").unlink()  # retrained on the same data with another seed: same size, other pieces
+    with pytest.raises(SystemExit, match=r"^error: --ckpt_path last: .*last\.ckpt was trained with another tokenizer "
+                                         r"than data\.tokenizer_path="):
+        main([*resume, "--data.vocab_size=600", "--data.seed=1", "--data.tokenizer_model_type=unigram"])
+
+
+def test_empty_sections_missing_files_and_short_positions_are_named(tmp_path: Path):
+    config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
+    empty = tmp_path / "empty_section.yaml"
+    empty.write_text(config.read_text().replace("  val_search:\n    beam_size: 1\n    max_len_b: 5\n",
+                                                "  val_search:\n"))  # every key commented out: YAML null
+    with pytest.raises(SystemExit, match=r"^error: model\.val_search: is empty; give its fields, or leave the key out"):
+        main(["--config", str(empty)])
+    with pytest.raises(SystemExit, match=r"^error: valid_files: .*nowhere\.en does not exist .*; fix the path"):
+        main(["--config", str(config), f"--data.valid_files=[{tmp_path}/data/val.de, {tmp_path}/nowhere.en]"])
+    with pytest.raises(SystemExit, match=r"^error: model\.transformer\.max_positions: 16 cannot hold a pair of "
+                                         r"data\.max_tokens_per_sentence=64 tokens"):
+        main(["--config", str(config), "--model.transformer.max_positions=16"])
+
+
+def test_a_full_disk_during_a_checkpoint_write_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    def disk_full(obj, f):  # what torch's zip writer raises when the disk fills up
+        f.write(b"PK\x03\x04")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 166912 vs 166800")
+
+    monkeypatch.setattr("seq2seq.checkpoint.torch.save", disk_full)
+    with pytest.raises(CheckpointError, match=r"^cannot write checkpoint .*last\.ckpt: the disk may be full \(\d+ MiB "
+                                              r"free there\); free space"):
+        AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    assert list(tmp_path.iterdir()) == []

@@ -186,6 +186,12 @@ def test_texts_any_iterable_of_str_but_not_a_bare_string(translator: Translator)
         translator.translate([b"Ein Hund."])
     with pytest.raises(TypeError, match="single string"):
         list(translator.translate_stream("Ein Hund."))
+    with pytest.raises(TypeError, match=r"^search must be a SearchConfig, e\.g\. SearchConfig\(beam_size=5\), not a dict"):
+        translator.translate([SENTENCES[0]], {"beam_size": 5})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="window must be a positive number of lines, got 0"):
+        list(translator.translate_stream([SENTENCES[0]], window=0))  # gave [] for 1 line in
+    with pytest.raises(TypeError, match=r"texts\[4\] is a int, not a str"):  # its index in the whole input
+        list(translator.translate_stream(["a", "b", "c", "d", 5], window=3))
 
 
 def test_translate_stream_equals_translate_and_numbers_lines_across_windows(trained64: Translator):
@@ -331,7 +337,9 @@ def test_cli_explains_bad_checkpoints(tmp_path: Path):
         (["--max-len-a", "0", "--max-len-b", "0"], "--max-len-a and --max-len-b are both 0"),
         (["--min-len", "-1"], "--min-len: must be >= 0, got -1"),
         (["--sampling", "--temperature", "nan"], "--temperature: must be a finite number, got nan"),
-        (["--sampling", "--temperature", "0"], "--temperature: must be > 0, got 0.0"),
+        (["--sampling", "--temperature", "0"], "--temperature: must be >= 0.0001 and <= 10000.0, got 0.0"),
+        (["--sampling", "--temperature", "1e-38"], "--temperature: must be >= 0.0001 and <= 10000.0, got 1e-38"),
+        (["--length-penalty", "300"], "--length-penalty: must be >= 0 and <= 10, got 300.0"),
         (["--sampling", "--top-p", "0"], "--top-p: must be > 0 and <= 1, got 0.0"),
         (["--sampling", "--top-k", "-1"], "--top-k: must be >= 0, got -1"),
         (["--sampling", "--nbest", "2"], "--nbest: --sampling draws one translation per sentence: must be 1, got 2"),
@@ -363,10 +371,39 @@ def test_cli_checks_the_output_path_before_translating(where: str, tmp_path: Pat
     (tmp_path / "a_file").write_text("x", encoding="utf-8")
     output = {"missing_folder": tmp_path / "nope" / "out.en", "folder": tmp_path,
               "under_a_file": tmp_path / "a_file" / "out.en"}[where]
-    expected = "is a folder; give a file path" if where == "folder" else "does not exist; create it first"
+    expected = {"folder": "is a folder; give a file path", "missing_folder": "does not exist; create it first",
+                "under_a_file": "a_file is a file, not a folder"}[where]
     # No checkpoint either: the output is checked first, before the model loads and the input is translated.
     with pytest.raises(SystemExit, match=rf"^error: --output {re.escape(str(output))}.*{expected}"):
         main(["--checkpoint", "unused.ckpt", "--input", str(tmp_path / "in.de"), "--output", str(output)])
+
+
+def test_cli_refuses_to_overwrite_its_input_and_names_a_missing_ref(tmp_path: Path):
+    source = tmp_path / "in.de"
+    source.write_text("Ein Hund.\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"^error: --output .*in\.de is the input file .*in\.de: it would be overwritten"):
+        main(["--checkpoint", "unused.ckpt", "--input", str(source), "--output", str(source)])
+    assert source.read_text(encoding="utf-8") == "Ein Hund.\n"
+    with pytest.raises(SystemExit, match=r"^error: --output is empty"):
+        main(["--checkpoint", "unused.ckpt", "--input", str(source), "--output", ""])
+    with pytest.raises(SystemExit, match=r"^error: --ref .*nope\.en does not exist"):
+        main(["--checkpoint", "unused.ckpt", "--input", str(source), "--ref", str(tmp_path / "nope.en")])
+
+
+def test_cli_write_errors_are_one_line_and_a_closed_pipe_is_quiet(checkpoint: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch):
+    (tmp_path / "in.de").write_text("Ein Hund.\nZwei.\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"^error: cannot write --output /dev/full \(No space left on device\); it "
+                                         "holds the translations of at most the first"):
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", "/dev/full"])
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head -0`: nobody reads
+    with open(write_end, "w", encoding="utf-8") as closed_pipe:
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+        with pytest.raises(SystemExit) as caught:
+            main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de")])
+        assert caught.value.code == 141  # what `cat` gives in a shell: 128 + SIGPIPE, and no traceback
+        monkeypatch.undo()
 
 
 def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(checkpoint: Path, tmp_path: Path,
