@@ -133,6 +133,10 @@ class Tokenizer:
         """Token ids of each text; no BOS/EOS added."""
         return self._sp.encode(list(texts), out_type=int)
 
+    def pieces(self) -> list[str]:
+        """Every piece, in id order (what another engine's vocabulary file lists)."""
+        return [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
+
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text of each id sequence; stops at the first EOS, drops PAD and BOS.
 

@@ -166,8 +166,8 @@ def test_resume_from_a_damaged_last_checkpoint_is_explained(tmp_path: Path):
     config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")  # what a kill during Lightning's copy from TMPDIR left
-    with pytest.raises(SystemExit, match=r"^error: --ckpt_path last: .*last\.ckpt is empty \(0 bytes\).*Resume from "
-                                         "another checkpoint"):
+    with pytest.raises(SystemExit, match=r"^error: --ckpt_path last: .*last\.ckpt is empty \(0 bytes\): a save was "
+                                         r"interrupted; use another checkpoint; or leave out --ckpt_path to start afresh$"):
         main(["--config", str(config), "--ckpt_path", "last"])
 
 

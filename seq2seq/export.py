@@ -1,0 +1,199 @@
+"""Export a trained checkpoint to CTranslate2, so it runs (fp32, int8, ...) with no seq2seq installed.
+
+    python -m seq2seq.export --checkpoint checkpoints/multi30k/best.ckpt --to ctranslate2 --output ct2/ \
+        [--quantization int8]
+
+The checkpoint is read and checked by checkpoint.py; CTranslate2's own `Converter` writes the model
+from a `TransformerSpec` that `_load` fills (no hand-written binary files). The folder gets the
+sentencepiece model too (`source.spm`, `target.spm`: the same joint model), so that
+`ctranslate2.Translator` + `sentencepiece` translate with it alone (README).
+
+How our model maps onto the spec, and why each choice:
+- Positions: our sinusoid table interleaves sin and cos (even and odd channels); CTranslate2's
+  default puts them in two halves. The table is passed explicitly (as learned positions are).
+- Attention: our `kv_proj` holds keys then values, which is CTranslate2's fused layout; self-
+  attention's query, key and value projections are fused into one as it expects.
+- The GLU family: our fused `w_in` holds the gate then the linear half: `linear_0` (with the
+  activation) and `linear_0_noact`.
+- Vocabulary: the sentencepiece pieces in id order, byte-fallback pieces (`<0x0A>`) included, so
+  ids and pieces map one to one in both directions; BOS `<s>` starts the decoder, as in ours.
+- What the spec cannot express is refused, naming the option: DeepNorm (its residual scale has no
+  place in the spec), sandwich norms, T5 relative bias and rotary positions (not yet verified
+  against CTranslate2's numbers; refused rather than exported wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from seq2seq.checkpoint import CheckpointError, InferenceCheckpoint, load_checkpoint, read_inference
+from seq2seq.model import TransformerConfig
+from seq2seq.tokenizer import Tokenizer
+
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
+                 "float32")
+
+
+class ExportError(ValueError):
+    """The model cannot be exported to the asked engine; the message names the option and why."""
+
+
+def ctranslate2_refusal(config: TransformerConfig) -> str | None:
+    """Why CTranslate2 cannot run this model exactly, naming the config field; None when it can."""
+    if config.norm_placement == "deepnorm":
+        return ("norm_placement='deepnorm': its residual scale alpha (LN(alpha * x + f(x))) has no place in "
+                "CTranslate2's TransformerSpec; use post or pre")
+    if config.norm_placement == "sandwich":
+        return "norm_placement='sandwich': CTranslate2's encoder-decoder spec has no norm after each sub-layer"
+    if config.positions in ("relative", "rotary"):
+        return (f"positions='{config.positions}': not yet verified to give CTranslate2 the same numbers as ours; "
+                "sinusoidal and learned positions export")
+    return None
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to(torch.float32).cpu().numpy()
+
+
+def _linear(spec: Any, weights: dict[str, torch.Tensor], name: str) -> None:
+    spec.weight = _array(weights[f"{name}.weight"])
+    if f"{name}.bias" in weights:
+        spec.bias = _array(weights[f"{name}.bias"])
+
+
+def _norm(spec: Any, weights: dict[str, torch.Tensor], name: str) -> None:
+    spec.gamma = _array(weights[f"{name}.weight"])
+    if f"{name}.bias" in weights:  # RMSNorm has none
+        spec.beta = _array(weights[f"{name}.bias"])
+
+
+def _attention(spec: Any, weights: dict[str, torch.Tensor], name: str, *, self_attention: bool) -> None:
+    q_w, kv_w = weights[f"{name}.q_proj.weight"], weights[f"{name}.kv_proj.weight"]
+    q_b, kv_b = weights.get(f"{name}.q_proj.bias"), weights.get(f"{name}.kv_proj.bias")
+    if self_attention:  # one fused (3D, D) projection: queries, keys, values
+        spec.linear[0].weight = _array(torch.cat((q_w, kv_w)))
+        if q_b is not None and kv_b is not None:
+            spec.linear[0].bias = _array(torch.cat((q_b, kv_b)))
+    else:  # queries from the decoder; keys and values (2D, D) from the encoder's output
+        _linear(spec.linear[0], weights, f"{name}.q_proj")
+        _linear(spec.linear[1], weights, f"{name}.kv_proj")
+    _linear(spec.linear[-1], weights, f"{name}.out_proj")
+
+
+def _ffn(spec: Any, weights: dict[str, torch.Tensor], name: str, *, gated: bool) -> None:
+    if gated:  # w_in = [gate; linear]: act(gate(x)) * linear(x)
+        gate_w, linear_w = weights[f"{name}.w_in.weight"].chunk(2)
+        spec.linear_0.weight, spec.linear_0_noact.weight = _array(gate_w), _array(linear_w)
+        if f"{name}.w_in.bias" in weights:
+            gate_b, linear_b = weights[f"{name}.w_in.bias"].chunk(2)
+            spec.linear_0.bias, spec.linear_0_noact.bias = _array(gate_b), _array(linear_b)
+    else:
+        _linear(spec.linear_0, weights, f"{name}.w_in")
+    _linear(spec.linear_1, weights, f"{name}.w_out")
+
+
+def _positions(spec: Any, config: TransformerConfig, weights: dict[str, torch.Tensor], stack: str) -> None:
+    from seq2seq.model.positions import sinusoidal_table
+
+    if config.positions == "learned":
+        spec.position_encodings.encodings = _array(weights[f"{stack}.embed.positions.embedding.weight"])
+    else:
+        table = sinusoidal_table(max_positions=config.max_positions, d_model=config.d_model)
+        spec.position_encodings.encodings = _array(table)
+
+
+def ctranslate2_spec(loaded: InferenceCheckpoint, tokenizer: Tokenizer) -> Any:
+    """The TransformerSpec of a checked checkpoint (ExportError if CTranslate2 cannot express it)."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    config, weights = loaded.config, loaded.weights
+    refusal = ctranslate2_refusal(config)
+    if refusal is not None:
+        raise ExportError(f"cannot export to CTranslate2: {refusal}")
+    gated = config.activation in ("glu", "swiglu", "geglu")
+    activation = {
+        "relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU, "swish": common_spec.Activation.SWISH,
+        "glu": common_spec.Activation.Sigmoid, "swiglu": common_spec.Activation.SWISH, "geglu": common_spec.Activation.GELU,
+    }[config.activation]
+    spec = transformer_spec.TransformerSpec.from_config(
+        (config.num_encoder_layers, config.num_decoder_layers), config.num_heads,
+        pre_norm=config.norm_placement == "pre", activation=activation, ffn_glu=gated,
+        rms_norm=config.norm == "rmsnorm",
+    )
+    spec.config.layer_norm_epsilon = config.norm_eps
+    pre = config.norm_placement == "pre"
+    for stack, stack_spec in (("encoder", spec.encoder), ("decoder", spec.decoder)):
+        stack_spec.scale_embeddings = config.scale_embeddings
+        embeddings = stack_spec.embeddings[0] if isinstance(stack_spec.embeddings, list) else stack_spec.embeddings
+        embeddings.weight = _array(weights[f"{stack}.embed.tokens.weight"])
+        _positions(stack_spec, config, weights, stack)
+        if pre:
+            _norm(stack_spec.layer_norm, weights, f"{stack}.final_norm")
+        for i, layer in enumerate(stack_spec.layer):
+            prefix = f"{stack}.layers.{i}"
+            _attention(layer.self_attention, weights, f"{prefix}.self_attn", self_attention=True)
+            _norm(layer.self_attention.layer_norm, weights, f"{prefix}.self_attn_residual.norm")
+            if stack == "decoder":
+                _attention(layer.attention, weights, f"{prefix}.cross_attn", self_attention=False)
+                _norm(layer.attention.layer_norm, weights, f"{prefix}.cross_attn_residual.norm")
+            _ffn(layer.ffn, weights, f"{prefix}.ffn", gated=gated)
+            _norm(layer.ffn.layer_norm, weights, f"{prefix}.ffn_residual.norm")
+    spec.decoder.projection.weight = _array(weights["output_projection.weight"])
+    pieces = tokenizer.pieces()
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = pieces[2], pieces[3], pieces[1]
+    spec.config.decoder_start_token = pieces[2]
+    return spec
+
+
+def export_ctranslate2(checkpoint: str | Path, output: str | Path, *, quantization: str | None = None,
+                       force: bool = False) -> Path:
+    """Write a CTranslate2 model folder (model.bin, vocabularies, config, source.spm / target.spm)."""
+    import ctranslate2
+
+    checkpoint, output = Path(checkpoint), Path(output)
+    loaded = read_inference(checkpoint, load_checkpoint(checkpoint))
+    tokenizer = Tokenizer.from_bytes(loaded.tokenizer)
+    spec = ctranslate2_spec(loaded, tokenizer)
+
+    class _Converter(ctranslate2.converters.Converter):
+        def _load(self) -> Any:
+            return spec
+
+    _Converter().convert(str(output), quantization=quantization, force=force)
+    for name in ("source.spm", "target.spm"):
+        (output / name).write_bytes(loaded.tokenizer)
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m seq2seq.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
+    parser.add_argument("--to", required=True, choices=["ctranslate2"], help="the engine to export to")
+    parser.add_argument("--output", required=True, help="the folder to write (must not exist, unless --force)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="CTranslate2 weight type (default: float32 as trained)")
+    parser.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+    args = parser.parse_args(argv)
+    output = Path(args.output)
+    if output.exists() and not args.force:
+        parser.error(f"--output {output} exists; choose another folder or pass --force")
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: --to ctranslate2 needs the ctranslate2 package: pip install -e '.[export]'") from None
+    try:
+        export_ctranslate2(args.checkpoint, output, quantization=args.quantization, force=args.force)
+    except (CheckpointError, ExportError) as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"wrote {output} (CTranslate2{', ' + args.quantization if args.quantization else ''})")
+
+
+if __name__ == "__main__":
+    main()
