@@ -172,10 +172,124 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, *, quantizati
     return output
 
 
+# ---- Hugging Face: MarianMTModel ------------------------------------------------------------
+
+
+def marian_refusal(config: TransformerConfig) -> str | None:
+    """Why MarianMTModel cannot host this model exactly, naming the config field; None when it can."""
+    if config.norm_placement != "post":
+        return f"norm_placement='{config.norm_placement}': Marian is post-norm only"
+    if config.norm != "layernorm" or config.norm_eps != 1e-5:
+        return "norm: Marian uses LayerNorm with eps 1e-5 only"
+    if config.positions != "sinusoidal":
+        return f"positions='{config.positions}': Marian has sinusoidal positions only"
+    if config.activation not in ("relu", "gelu", "swish"):
+        return f"activation='{config.activation}': Marian's feed-forward has no gated (GLU) variant"
+    return None
+
+
+def marian_channel_order(d_model: int) -> torch.Tensor:
+    """Marian's sinusoids put every sin in the first half of the channels and every cos in the second;
+    ours interleave them. Reordering the residual stream's channels the same way in every tensor that
+    reads or writes it (embeddings, projections, norms) leaves the model's function unchanged."""
+    return torch.cat((torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)))
+
+
+def marian_state_dict(loaded: InferenceCheckpoint) -> dict[str, torch.Tensor]:
+    """Our weights under MarianMTModel's names, channels reordered (see marian_channel_order)."""
+    from seq2seq.model.positions import sinusoidal_table
+
+    config, weights = loaded.config, loaded.weights
+    order = marian_channel_order(config.d_model)
+    out: dict[str, torch.Tensor] = {}
+
+    def reads(name: str, ours: str) -> None:  # a Linear whose input is the residual stream
+        out[f"{name}.weight"] = weights[f"{ours}.weight"][:, order]
+        if f"{ours}.bias" in weights:
+            out[f"{name}.bias"] = weights[f"{ours}.bias"]
+
+    def writes(name: str, ours: str) -> None:  # a Linear whose output is added to the residual stream
+        out[f"{name}.weight"] = weights[f"{ours}.weight"][order]
+        out[f"{name}.bias"] = weights[f"{ours}.bias"][order]
+
+    def norm(name: str, ours: str) -> None:
+        out[f"{name}.weight"], out[f"{name}.bias"] = weights[f"{ours}.weight"][order], weights[f"{ours}.bias"][order]
+
+    def attention(name: str, ours: str) -> None:
+        d = config.d_model
+        reads(f"{name}.q_proj", f"{ours}.q_proj")
+        kv_w, kv_b = weights[f"{ours}.kv_proj.weight"][:, order], weights[f"{ours}.kv_proj.bias"]
+        out[f"{name}.k_proj.weight"], out[f"{name}.v_proj.weight"] = kv_w[:d], kv_w[d:]
+        out[f"{name}.k_proj.bias"], out[f"{name}.v_proj.bias"] = kv_b[:d], kv_b[d:]
+        writes(f"{name}.out_proj", f"{ours}.out_proj")
+
+    table = sinusoidal_table(max_positions=config.max_positions, d_model=config.d_model)[:, order]
+    for stack in ("encoder", "decoder"):
+        out[f"model.{stack}.embed_tokens.weight"] = weights[f"{stack}.embed.tokens.weight"][:, order]
+        out[f"model.{stack}.embed_positions.weight"] = table
+        layers = config.num_encoder_layers if stack == "encoder" else config.num_decoder_layers
+        for i in range(layers):
+            hf, ours = f"model.{stack}.layers.{i}", f"{stack}.layers.{i}"
+            attention(f"{hf}.self_attn", f"{ours}.self_attn")
+            norm(f"{hf}.self_attn_layer_norm", f"{ours}.self_attn_residual.norm")
+            if stack == "decoder":
+                attention(f"{hf}.encoder_attn", f"{ours}.cross_attn")
+                norm(f"{hf}.encoder_attn_layer_norm", f"{ours}.cross_attn_residual.norm")
+            reads(f"{hf}.fc1", f"{ours}.ffn.w_in")
+            writes(f"{hf}.fc2", f"{ours}.ffn.w_out")
+            norm(f"{hf}.final_layer_norm", f"{ours}.ffn_residual.norm")
+    if config.tie_embeddings == "all":  # one matrix for both stacks: Marian's `shared`
+        out["model.shared.weight"] = out["model.encoder.embed_tokens.weight"]
+    out["lm_head.weight"] = weights["output_projection.weight"][:, order]
+    out["final_logits_bias"] = torch.zeros(1, config.vocab_size)
+    return {name: tensor.detach().float().contiguous() for name, tensor in out.items()}
+
+
+def export_huggingface(checkpoint: str | Path, output: str | Path) -> Path:
+    """Write a MarianMTModel folder (config, safetensors weights, MarianTokenizer files)."""
+    import json
+    import tempfile
+
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    checkpoint, output = Path(checkpoint), Path(output)
+    loaded = read_inference(checkpoint, load_checkpoint(checkpoint))
+    config = loaded.config
+    refusal = marian_refusal(config)
+    if refusal is not None:
+        raise ExportError(f"cannot export to Hugging Face (MarianMTModel): {refusal}")
+    hf_config = MarianConfig(
+        vocab_size=config.vocab_size, decoder_vocab_size=config.vocab_size, d_model=config.d_model,
+        encoder_layers=config.num_encoder_layers, decoder_layers=config.num_decoder_layers,
+        encoder_attention_heads=config.num_heads, decoder_attention_heads=config.num_heads,
+        encoder_ffn_dim=config.d_ff, decoder_ffn_dim=config.d_ff, activation_function=config.activation,
+        max_position_embeddings=config.max_positions, scale_embedding=config.scale_embeddings,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=0, eos_token_id=3, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=3,
+        share_encoder_decoder_embeddings=config.tie_embeddings == "all",
+        tie_word_embeddings=config.tie_embeddings != "none",
+    )
+    model = MarianMTModel(hf_config).eval()
+    state = marian_state_dict(loaded)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [name for name in missing if name not in state]:
+        raise ExportError(f"MarianMTModel's weights do not match ours: missing {missing}, unexpected {unexpected}")
+    model.generation_config.bad_words_ids = [[0], [2]]  # PAD and BOS are never generated, as in ours
+    model.save_pretrained(output)
+    tokenizer = Tokenizer.from_bytes(loaded.tokenizer)
+    with tempfile.TemporaryDirectory() as scratch:
+        spm_path, vocab_path = Path(scratch) / "spm.model", Path(scratch) / "vocab.json"
+        spm_path.write_bytes(loaded.tokenizer)
+        vocab_path.write_text(json.dumps({piece: i for i, piece in enumerate(tokenizer.pieces())}), encoding="utf-8")
+        MarianTokenizer(source_spm=str(spm_path), target_spm=str(spm_path), vocab=str(vocab_path),
+                        source_lang=loaded.src_lang, target_lang=loaded.tgt_lang).save_pretrained(output)
+    return output
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m seq2seq.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
-    parser.add_argument("--to", required=True, choices=["ctranslate2"], help="the engine to export to")
+    parser.add_argument("--to", required=True, choices=["ctranslate2", "huggingface"], help="the engine to export to")
     parser.add_argument("--output", required=True, help="the folder to write (must not exist, unless --force)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="CTranslate2 weight type (default: float32 as trained)")
@@ -184,15 +298,21 @@ def main(argv: list[str] | None = None) -> None:
     output = Path(args.output)
     if output.exists() and not args.force:
         parser.error(f"--output {output} exists; choose another folder or pass --force")
+    package = {"ctranslate2": "ctranslate2", "huggingface": "transformers"}[args.to]
     try:
-        import ctranslate2  # noqa: F401
+        __import__(package)
     except ImportError:
-        raise SystemExit("error: --to ctranslate2 needs the ctranslate2 package: pip install -e '.[export]'") from None
+        raise SystemExit(f"error: --to {args.to} needs the {package} package: pip install -e '.[export]'") from None
+    if args.to == "huggingface" and args.quantization:
+        parser.error("--quantization is for --to ctranslate2")
     try:
-        export_ctranslate2(args.checkpoint, output, quantization=args.quantization, force=args.force)
+        if args.to == "ctranslate2":
+            export_ctranslate2(args.checkpoint, output, quantization=args.quantization, force=args.force)
+        else:
+            export_huggingface(args.checkpoint, output)
     except (CheckpointError, ExportError) as error:
         raise SystemExit(f"error: {error}") from None
-    print(f"wrote {output} (CTranslate2{', ' + args.quantization if args.quantization else ''})")
+    print(f"wrote {output} ({args.to}{', ' + args.quantization if args.quantization else ''})")
 
 
 if __name__ == "__main__":

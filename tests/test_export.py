@@ -1,4 +1,5 @@
-"""Tests for seq2seq.export: a checkpoint exported to CTranslate2 computes what ours computes.
+"""Tests for seq2seq.export: a checkpoint exported to CTranslate2 or to Hugging Face Marian computes
+what ours computes.
 
 Two checks, each where it cannot be flaky:
 - every exportable variant: CTranslate2's teacher-forced log-probabilities (score_batch) of real
@@ -17,7 +18,7 @@ import torch
 from conftest import write_tiny_run
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
-from seq2seq.export import ExportError, ctranslate2_refusal, export_ctranslate2, main
+from seq2seq.export import ExportError, ctranslate2_refusal, export_ctranslate2, export_huggingface, main
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import BOS_ID, EOS_ID, Tokenizer
@@ -106,8 +107,8 @@ DEMO_DATA = REPO / "seq2seq/demo/data"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small pre-norm model trained 300 steps on the demo corpus (~35 s; val BLEU ~55): it ends its
-    sentences and is sure of its choices, so rounding cannot flip one."""
+    """A small post-norm model (so that Marian can host it too) trained 300 steps on the demo corpus
+    (~40 s; val BLEU ~56): it ends its sentences and is sure of its choices, so rounding cannot flip one."""
     from seq2seq.fit import main as fit
 
     root = tmp_path_factory.mktemp("export_run")
@@ -122,7 +123,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         fit(["--config", str(config), "--model.transformer.d_model=64", "--model.transformer.num_heads=4",
              "--model.transformer.d_ff=256", "--model.transformer.num_encoder_layers=2",
-             "--model.transformer.num_decoder_layers=2", "--model.transformer.norm_placement=pre",
+             "--model.transformer.num_decoder_layers=2", "--model.transformer.norm_placement=post",
              "--model.warmup_steps=50", "--data.max_tokens=1024", "--trainer.limit_val_batches=0"])
     finally:
         torch.set_num_threads(threads)
@@ -161,3 +162,56 @@ def test_greedy_and_beam_equal_ours_and_int8_nearly(trained: Path, tmp_path: Pat
         int8 = ct2_translate(tmp_path / "int8", translator, sources, beam_size=beam_size, compute_type="float32")
         same = sum(a == b for a, b in zip(int8, ours, strict=True))
         assert same >= 0.95 * len(sources), f"int8 weights: {same} of {len(sources)} identical (beam {beam_size})"
+
+
+# ---- Hugging Face: MarianMTModel ------------------------------------------------------------
+
+MARIAN_VARIANTS = {"relu-tied": {}, "gelu-untied": {"activation": "gelu", "tie_embeddings": "none"},
+                   "swish-decoder-tied": {"activation": "swish", "tie_embeddings": "decoder"}}
+
+
+@pytest.mark.parametrize("variant", MARIAN_VARIANTS)
+def test_marian_computes_as_ours(variant: str, tokenizer: Tokenizer, pairs, tmp_path: Path):
+    """Teacher-forced log-probabilities in float64, with Marian's sin-then-cos channel order."""
+    from transformers import MarianMTModel
+
+    model = random_model(tokenizer, **MARIAN_VARIANTS[variant])
+    folder = export_huggingface(write_checkpoint(tmp_path / "m.ckpt", model, tokenizer), tmp_path / "hf")
+    marian = MarianMTModel.from_pretrained(folder).eval().double()
+    src = torch.tensor(tokenizer.encode([pairs[0][0]]))
+    tgt_in = torch.tensor([[BOS_ID, *tokenizer.encode([pairs[0][1]])[0]]])
+    with torch.no_grad():
+        ours = torch.log_softmax(model.double()(src, tgt_in), dim=-1)
+        theirs = torch.log_softmax(marian(input_ids=src, decoder_input_ids=tgt_in).logits, dim=-1)
+    assert torch.allclose(theirs, ours, atol=1e-9)
+
+
+@pytest.mark.parametrize(("options", "field"), [({"norm_placement": "pre"}, "norm_placement='pre'"),
+                                                ({"activation": "swiglu"}, "activation='swiglu'"),
+                                                ({"positions": "learned"}, "positions='learned'"),
+                                                ({"norm": "rmsnorm"}, "norm: Marian uses LayerNorm")])
+def test_what_marian_cannot_host_is_refused_by_name(options, field: str, tokenizer: Tokenizer, tmp_path: Path):
+    checkpoint = write_checkpoint(tmp_path / "m.ckpt", random_model(tokenizer, **options), tokenizer)
+    with pytest.raises(SystemExit, match=f"^error: cannot export to Hugging Face .MarianMTModel.: {field}"):
+        main(["--checkpoint", str(checkpoint), "--to", "huggingface", "--output", str(tmp_path / "hf")])
+
+
+def test_marian_generates_what_ours_decodes(trained: Path, tmp_path: Path):
+    from transformers import MarianMTModel, MarianTokenizer
+
+    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
+        sources = f.read().split("\n")[:60]
+    translator = Translator.from_checkpoint(trained)
+    main(["--checkpoint", str(trained), "--to", "huggingface", "--output", str(tmp_path / "hf")])
+    marian, hf_tokenizer = MarianMTModel.from_pretrained(tmp_path / "hf"), MarianTokenizer.from_pretrained(tmp_path / "hf")
+    # Our models read the source without EOS: add_special_tokens=False (MarianTokenizer appends one).
+    batch = hf_tokenizer(sources, add_special_tokens=False, padding=True, return_tensors="pt")
+    assert [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask, strict=True)] == (
+        translator.tokenizer.encode(sources))
+    for beam_size in (1, 4):
+        search = SearchConfig(beam_size=beam_size, length_penalty=0.0, max_len_a=0.0, max_len_b=126)
+        ours = translator.translate_nbest(sources, search)
+        with torch.no_grad():
+            generated = marian.eval().generate(**batch, num_beams=beam_size, max_new_tokens=127, do_sample=False,
+                                             length_penalty=0.0, early_stopping=True)  # ranked by log-prob, as ours
+        assert hf_tokenizer.batch_decode(generated, skip_special_tokens=True) == [hyps[0].text for hyps in ours]
