@@ -1,0 +1,110 @@
+"""Our decoder against CTranslate2 (fp32 and int8) on the same exported weights, in one run.
+
+    python bench/decode_vs_ct2.py --checkpoint checkpoints/multi30k/best.ckpt [--beams 5 1] [--threads 1 2]
+
+Translates the Multi30k test set (test_2016_flickr, in the checkpoint's source language) with our
+Translator and with CTranslate2 running the same checkpoint exported by seq2seq.export, fp32 and
+int8. Equal work for all three: the same sentences, beam, length limit (a fixed number of tokens,
+as CTranslate2 has no per-sentence a * length + b), ranking by raw log-probability (length penalty
+0: CTranslate2's normalisation is not GNMT's), PAD and BOS never generated, batches of at most
+--max-tokens source tokens sorted by length. For each thread count and beam the engines take turns,
+--repeats times, and the fastest run of each counts, so a burst of load hits all alike.
+
+Prints target tokens per second (tokens + EOS of the best hypotheses), each engine's ratio to the
+fastest CTranslate2, and how many outputs equal ours token for token. Run by hand, not in CI.
+"""
+
+import argparse
+import gzip
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from train_throughput import time_alternating
+
+from seq2seq.export import export_ctranslate2
+from seq2seq.search import SearchConfig
+from seq2seq.translator import Translator
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def main() -> None:
+    import ctranslate2
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--data", default=str(REPO.parent / "shared/data/multi30k"))
+    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--beams", type=int, nargs="+", default=[5, 1])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--max-len", type=int, default=100, help="output tokens at most, EOS excluded")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    translator = Translator.from_checkpoint(args.checkpoint)
+    max_len = min(args.max_len, translator.model.config.max_positions - 1)
+    with gzip.open(Path(args.data) / f"test_2016_flickr.{translator.src_lang}.gz", "rt", encoding="utf-8") as f:
+        sources = f.read().split("\n")[: args.sentences]
+    sources = [s for s in sources if s.strip()]
+    pieces = translator.tokenizer.pieces()
+    source_pieces = [[pieces[i] for i in ids] for ids in translator.tokenizer.encode(sources)]
+    scratch = Path(tempfile.mkdtemp(prefix="decode_vs_ct2."))
+    folders = {"ct2 fp32": export_ctranslate2(args.checkpoint, scratch / "fp32"),
+               "ct2 int8": export_ctranslate2(args.checkpoint, scratch / "int8", quantization="int8")}
+    print(f"{cpu_model()}; torch {torch.__version__}, ctranslate2 {ctranslate2.__version__}; "
+          f"{len(sources)} sentences, max {max_len} tokens, batches <= {args.max_tokens} source tokens")
+    print("| threads | search | engine | tgt tok/s | vs fastest CTranslate2 | identical to ours |")
+    print("|---|---|---|---|---|---|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        engines = {name: ctranslate2.Translator(str(folder), device="cpu", intra_threads=threads, inter_threads=1)
+                   for name, folder in folders.items()}
+        for beam in args.beams:
+            compare(translator, engines, sources, source_pieces, beam=beam, threads=threads, max_len=max_len,
+                    max_tokens=args.max_tokens, repeats=args.repeats)
+
+
+def compare(translator: Translator, engines: dict, sources: list[str], source_pieces: list[list[str]], *,
+            beam: int, threads: int, max_len: int, max_tokens: int, repeats: int) -> None:
+    """One table row per engine: the engines take turns `repeats` times; the fastest run of each counts."""
+    search = SearchConfig(beam_size=beam, length_penalty=0.0, max_len_a=0.0, max_len_b=max_len)
+    index = {piece: i for i, piece in enumerate(translator.tokenizer.pieces())}
+    outputs: dict[str, list[list[int]]] = {}
+
+    def ours(_: object) -> None:
+        nbest = translator.translate_nbest(sources, search, max_tokens=max_tokens)
+        outputs["ours"] = [hyps[0].tokens for hyps in nbest]
+
+    def ct2(name: str):
+        def run(_: object) -> None:
+            results = engines[name].translate_batch(
+                source_pieces, beam_size=beam, length_penalty=0.0, max_decoding_length=max_len + 1,
+                max_batch_size=max_tokens, batch_type="tokens", suppress_sequences=[["<pad>"], ["<s>"]])
+            outputs[name] = [[index[p] for p in r.hypotheses[0] if p != "</s>"] for r in results]
+        return run
+
+    steps = {"ours": ours, **{name: ct2(name) for name in engines}}
+    times = time_alternating(steps, [None] * repeats)
+    speed = {name: sum(len(tokens) + 1 for tokens in outputs[name]) / min(seconds) for name, seconds in times.items()}
+    fastest = max(speed["ct2 fp32"], speed["ct2 int8"])
+    for name in steps:
+        same = sum(a == b for a, b in zip(outputs[name], outputs["ours"], strict=True))
+        label = "greedy" if beam == 1 else f"beam {beam}"
+        print(f"| {threads} | {label} | {name} | {speed[name]:,.0f} | {speed[name] / fastest:.2f}x | "
+              f"{same}/{len(sources)} |", flush=True)
+
+if __name__ == "__main__":
+    sys.exit(main())
