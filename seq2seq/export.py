@@ -17,9 +17,14 @@ How our model maps onto the spec, and why each choice:
   activation) and `linear_0_noact`.
 - Vocabulary: the sentencepiece pieces in id order, byte-fallback pieces (`<0x0A>`) included, so
   ids and pieces map one to one in both directions; BOS `<s>` starts the decoder, as in ours.
+- T5 relative bias: our per-stack table (buckets, heads) goes to every self-attention layer, with
+  its max distance; queries keep the 1/sqrt(head size) scale (CTranslate2's T5 converter turns it
+  off because T5 folds it into its weights; we do not). Rotary: ours rotates the two halves of each
+  head, CTranslate2's `rotary_interleave=False`; its encoder spec always adds a position table, so
+  it gets a zero one.
 - What the spec cannot express is refused, naming the option: DeepNorm (its residual scale has no
-  place in the spec), sandwich norms, T5 relative bias and rotary positions (not yet verified
-  against CTranslate2's numbers; refused rather than exported wrong).
+  place in the spec) and sandwich norms (CTranslate2's `pre_post_layer_norm` not yet checked
+  against ours: refused rather than exported wrong).
 """
 
 from __future__ import annotations
@@ -50,9 +55,6 @@ def ctranslate2_refusal(config: TransformerConfig) -> str | None:
                 "CTranslate2's TransformerSpec; use post or pre")
     if config.norm_placement == "sandwich":
         return "norm_placement='sandwich': CTranslate2's encoder-decoder spec has no norm after each sub-layer"
-    if config.positions in ("relative", "rotary"):
-        return (f"positions='{config.positions}': not yet verified to give CTranslate2 the same numbers as ours; "
-                "sinusoidal and learned positions export")
     return None
 
 
@@ -100,7 +102,14 @@ def _ffn(spec: Any, weights: dict[str, torch.Tensor], name: str, *, gated: bool)
 def _positions(spec: Any, config: TransformerConfig, weights: dict[str, torch.Tensor], stack: str) -> None:
     from seq2seq.model.positions import sinusoidal_table
 
-    if config.positions == "learned":
+    if config.positions == "relative":  # T5's bias table (buckets, heads), shared by every self-attention
+        for layer in spec.layer:
+            layer.self_attention.relative_attention_bias = _array(weights[f"{stack}.relative_bias.bias.weight"])
+            layer.self_attention.relative_attention_max_distance = np.int32(config.relative_max_distance)
+    elif config.positions == "rotary":
+        if hasattr(spec, "position_encodings"):  # the encoder spec always adds a table: a zero one adds nothing
+            spec.position_encodings.encodings = np.zeros((config.max_positions, config.d_model), np.float32)
+    elif config.positions == "learned":
         spec.position_encodings.encodings = _array(weights[f"{stack}.embed.positions.embedding.weight"])
     else:
         table = sinusoidal_table(max_positions=config.max_positions, d_model=config.d_model)
@@ -120,10 +129,16 @@ def ctranslate2_spec(loaded: InferenceCheckpoint, tokenizer: Tokenizer) -> Any:
         "relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU, "swish": common_spec.Activation.SWISH,
         "glu": common_spec.Activation.Sigmoid, "swiglu": common_spec.Activation.SWISH, "geglu": common_spec.Activation.GELU,
     }[config.activation]
-    spec = transformer_spec.TransformerSpec.from_config(
-        (config.num_encoder_layers, config.num_decoder_layers), config.num_heads,
-        pre_norm=config.norm_placement == "pre", activation=activation, ffn_glu=gated,
-        rms_norm=config.norm == "rmsnorm",
+    options: dict[str, Any] = {"pre_norm": config.norm_placement == "pre", "activation": activation,
+                               "ffn_glu": gated, "rms_norm": config.norm == "rmsnorm"}
+    if config.positions == "relative":
+        options["relative_attention_bias"] = True
+    elif config.positions == "rotary":  # ours rotates the two halves of each head (not interleaved pairs)
+        options.update(rotary_dim=config.d_model // config.num_heads, rotary_interleave=False,
+                       rotary_base=config.rotary_base)
+    spec = transformer_spec.TransformerSpec(
+        transformer_spec.TransformerEncoderSpec(config.num_encoder_layers, config.num_heads, **options),
+        transformer_spec.TransformerDecoderSpec(config.num_decoder_layers, config.num_heads, **options),
     )
     spec.config.layer_norm_epsilon = config.norm_eps
     pre = config.norm_placement == "pre"
