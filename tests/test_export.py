@@ -67,6 +67,10 @@ def our_log_probs(model: Transformer, src: list[int], tgt: list[int]) -> list[fl
     return result
 
 
+def pieces_of(tokenizer: Tokenizer, ids: list[int]) -> list[bool]:
+    return [tokenizer.pieces()[i].startswith("<0x") for i in ids]
+
+
 @pytest.fixture(scope="module")
 def pairs(multi30k_lines) -> list[tuple[str, str]]:
     return list(zip(multi30k_lines("test_2016_flickr", "de", 60), multi30k_lines("test_2016_flickr", "en", 60),
@@ -79,8 +83,11 @@ def test_every_exportable_variant_scores_as_ours(variant: str, tokenizer: Tokeni
     assert ctranslate2_refusal(model.config) is None
     folder = export_ctranslate2(write_checkpoint(tmp_path / "m.ckpt", model, tokenizer), tmp_path / "ct2")
     engine = ctranslate2.Translator(str(folder), device="cpu", intra_threads=1)
-    sources = [tokenizer.encode([de])[0][:60] for de, _ in pairs[:20]]
-    targets = [tokenizer.encode([en])[0][:60] for _, en in pairs[:20]]
+    # The last pair has characters outside the vocabulary: byte-fallback pieces (<0xE2>...) on both sides.
+    texts = [*pairs[:20], ("Ein ☃ und ½ Kuchen.", "A ☃ and ½ cake.")]
+    sources = [tokenizer.encode([de])[0][:60] for de, _ in texts]
+    targets = [tokenizer.encode([en])[0][:60] for _, en in texts]
+    assert any(pieces_of(tokenizer, targets[-1]))
     pieces = tokenizer.pieces()
     results = engine.score_batch([[pieces[i] for i in s] for s in sources], [[pieces[i] for i in t] for t in targets])
     for src, tgt, result in zip(sources, targets, results, strict=True):
