@@ -29,7 +29,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev,export]'
 	touch $@
 
-demo: train-demo translate-demo ## train the demo (~5 min on 2 cores), then translate its test set
+demo: train-demo ## train the demo (~5 min on 2 cores), then translate its test set
+	$(MAKE) translate-demo  # after training, even under make -j
 
 train-demo: setup ## train on configs/demo.yaml: checkpoints/demo/best.ckpt
 	$(BIN)/python -m seq2seq.fit --config configs/demo.yaml

@@ -41,7 +41,6 @@ def cpu_model() -> str:
 
 
 def main() -> None:
-    import ctranslate2
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True)
@@ -61,7 +60,14 @@ def main() -> None:
     sources = [s for s in sources if s.strip()]
     pieces = translator.tokenizer.pieces()
     source_pieces = [[pieces[i] for i in ids] for ids in translator.tokenizer.encode(sources)]
-    scratch = Path(tempfile.mkdtemp(prefix="decode_vs_ct2."))
+    with tempfile.TemporaryDirectory(prefix="decode_vs_ct2.") as scratch_dir:
+        run(args, translator, sources, source_pieces, max_len, Path(scratch_dir))
+
+
+def run(args: argparse.Namespace, translator: Translator, sources: list[str], source_pieces: list[list[str]],
+        max_len: int, scratch: Path) -> None:
+    import ctranslate2
+
     folders = {"ct2 fp32": export_ctranslate2(args.checkpoint, scratch / "fp32"),
                "ct2 int8": export_ctranslate2(args.checkpoint, scratch / "int8", quantization="int8")}
     print(f"{cpu_model()}; torch {torch.__version__}, ctranslate2 {ctranslate2.__version__}; "

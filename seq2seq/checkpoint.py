@@ -94,8 +94,8 @@ def save_atomic(checkpoint: dict[str, Any], path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600: give the mode any new file would have
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp makes 0600: give the mode any new file would have
             torch.save(checkpoint, f)
             f.flush()
             os.fsync(f.fileno())
@@ -110,10 +110,13 @@ def save_atomic(checkpoint: dict[str, Any], path: str | Path) -> None:
         os.close(directory)
 
 
-def _umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it: done once, at import, not beside other threads
     os.umask(mask)
     return mask
+
+
+_UMASK = _read_umask()
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -172,9 +175,12 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
             raise CheckpointError(f"{path}: its '{CHECKPOINT_KEY}' entry is damaged: '{key}' {problem}")
     try:
         config = TransformerConfig.from_dict(entry["model_config"])
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, ArithmeticError) as error:
         raise CheckpointError(f"{path}: its model_config is invalid: {error}") from error
     weights = model_weights(checkpoint["state_dict"])
+    not_tensor = next((name for name, value in weights.items() if not isinstance(value, Tensor)), None)
+    if not_tensor is not None:
+        raise CheckpointError(f"{path}: its weight '{not_tensor}' is not a tensor; the file is damaged")
     _check_layer_counts(path, config, weights)
     _check_shapes(path, config, weights)
     if "sha256" not in expected:

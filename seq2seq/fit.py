@@ -28,6 +28,7 @@ from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.module import TrainingDiverged, TranslationModule, check_hyperparameters
 from seq2seq.search import SearchConfig
+from seq2seq.tokenizer import PAD_ID
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -40,7 +41,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError("AtomicCheckpointIO takes no storage_options")
         try:
             save_atomic(checkpoint, path)
-        except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as a RuntimeError
+        except (OSError, RuntimeError) as error:
+            if isinstance(error, RuntimeError) and "unexpected pos" not in str(error):
+                raise  # not a write error (a CUDA error while saving, say): keep its own message
+            # torch's zip writer reports a full disk as "unexpected pos" (a RuntimeError)
             reason = os_reason(error) if isinstance(error, OSError) else "the disk may be full"
             free = shutil.disk_usage(Path(path).parent).free / 2**20 if Path(path).parent.is_dir() else float("nan")
             raise CheckpointError(f"cannot write checkpoint {path}: {reason} ({free:.0f} MiB free there); "
@@ -76,10 +80,15 @@ def check_model_section(model: Any) -> None:
         TransformerConfig(vocab_size=max(transformer.get("pad_id", 0), 0) + 1, **transformer)
     except ConfigError as error:
         raise ConfigError(f"model.transformer.{error.field}", error.problem) from None
+    if transformer.get("pad_id", PAD_ID) != PAD_ID:
+        raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {PAD_ID}, got "
+                                                      f"{transformer['pad_id']}")
     try:
-        SearchConfig(**vars(model.val_search))
+        val_search = SearchConfig(**vars(model.val_search))
     except ConfigError as error:
         raise ConfigError(f"model.val_search.{error.field}", error.problem) from None
+    if val_search.sampling:
+        raise ConfigError("model.val_search.sampling", "validation BLEU needs a deterministic search: set it false")
     check_hyperparameters(label_smoothing=model.label_smoothing, lr=model.lr, warmup_steps=model.warmup_steps,
                           weight_decay=model.weight_decay, adam_betas=tuple(model.adam_betas), adam_eps=model.adam_eps)
 
@@ -97,8 +106,7 @@ def check_writable(folder: str | Path, *, option: str) -> None:
 
 
 def check_output_folders(trainer: Trainer) -> None:
-    if not trainer.is_global_zero:
-        return
+    # On every rank: harmless when repeated, and then all ranks stop alike instead of some waiting.
     check_writable(trainer.default_root_dir, option="trainer.default_root_dir")
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
@@ -120,7 +128,7 @@ def resolve_resume(trainer: Trainer, ckpt_path: str | None, *, model: Translatio
     It must hold this run's model (every TransformerConfig field) and tokenizer: weights trained with
     another tokenizer of the same size would load without a word and read every id as another piece.
     """
-    if ckpt_path is None or ckpt_path in ("hpc", "registry"):
+    if ckpt_path is None or ckpt_path == "hpc" or ckpt_path.lower().startswith("registry"):
         return ckpt_path
     if ckpt_path == "last":
         folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks

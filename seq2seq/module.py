@@ -188,16 +188,27 @@ class TranslationModule(L.LightningModule):
         self._step_tokens = int(tokens)
         batch_size = batch["src"].size(0)
         loss, nll = loss / tokens, nll / tokens  # normalised per target token
-        # One device sync per step (free on a CPU): a run that diverged must not go on and overwrite
-        # best.ckpt / last.ckpt with NaN weights that translate every sentence into nothing.
-        if not torch.isfinite(loss):
-            raise TrainingDiverged(
-                f"the training loss is {loss.item()} at step {self.global_step}: the run diverged; lower model.lr "
-                "or raise model.warmup_steps, then resume from the last good checkpoint (--ckpt_path last)"
-            )
         self.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
         self.log("train_nll", nll, batch_size=batch_size)
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Stop a run that diverged before the step makes its weights NaN and a checkpoint saves them.
+
+        Here, not on the loss: the gradients are already averaged across DDP ranks, so every rank sees
+        the same norm and stops together (a loss check would stop one rank and hang the others), and an
+        infinite gradient under a finite loss is caught too. One device sync per step. Not under fp16,
+        whose loss scaler expects an occasional infinite gradient and skips that step itself.
+        """
+        if "16-mixed" in str(self.trainer.precision) and "bf16" not in str(self.trainer.precision):
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads and not torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()):
+            raise TrainingDiverged(
+                f"the gradients are NaN or infinite at step {self.global_step}: the run diverged (checkpoints "
+                "written before are kept). Start a new run with a lower model.lr or a longer model.warmup_steps: "
+                "a resume would restore the same learning rate and schedule"
+            )
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         elapsed = time.perf_counter() - self._step_started

@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         write_translations(translator.translate_stream(sources, search, max_tokens=args.max_tokens, window=WINDOW),
                            output, nbest=search.nbest, best=best)
+        if output is not sys.stdout:
+            output.close()  # inside the try: a close that fails (quota, NFS) is a write error too
     except KeyboardInterrupt:
         print(f"\ninterrupted: {where(args)} holds the translations of the first {len(best)} lines", file=sys.stderr)
         raise SystemExit(130) from None
@@ -208,11 +210,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: cannot write {where(args)} ({error.strerror}); it holds the translations of "
                          f"at most the first {len(best)} lines") from None
     finally:
-        if output is not sys.stdout:
+        if output is not sys.stdout and not output.closed:
             try:
                 output.close()
             except OSError:
-                pass  # reported above
+                pass  # an error is already being reported
     print(f"translated {len(sources)} lines in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     if references is not None:
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()

@@ -95,13 +95,14 @@ class Translator:
 
     def translate_nbest(
         self, texts: Iterable[str], search: SearchConfig = DEFAULT_SEARCH, *, max_tokens: int = 8192,
-        first_line: int = 1,
+        first_line: int = 1, generator: torch.Generator | None = None,
     ) -> list[list[Translation]]:
         """Per input line its translations, best first (`search.nbest`, one for greedy and sampling); "" gets [].
 
         `max_tokens` bounds each batch: rows x (longest source) <= max_tokens, in source tokens; beam
         search then holds beam_size times as many decoder rows. `first_line` is the number warnings
-        give the first text (a caller translating a file in pieces passes each piece's position).
+        give the first text (a caller translating a file in pieces passes each piece's position), and
+        `generator` the random draws of sampling (default: a new one seeded with `search.seed`).
         """
         lines = as_lines(texts, first_line=first_line)
         if not isinstance(search, SearchConfig):
@@ -112,9 +113,8 @@ class Translator:
             raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
         ids = self._truncate(self.tokenizer.encode([text.strip() for text in lines]), first_line=first_line)
         results: list[list[Translation]] = [[] for _ in lines]
-        generator = None
-        if search.sampling and search.seed is not None:  # one generator: batches draw different numbers
-            generator = torch.Generator(device=self.device).manual_seed(search.seed)
+        if generator is None and search.sampling and search.seed is not None:  # one for all the batches
+            generator = self._generator(search)
         for batch in length_sorted_batches(ids, max_tokens=max_tokens):
             src = pad_batch([ids[i] for i in batch], device=self.device)  # (B, S)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
@@ -137,9 +137,16 @@ class Translator:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive number of lines, got {window!r}")
         iterator, done = iter(texts), 0
+        # One generator for the whole stream: a new one per window would replay the same draws.
+        generator = self._generator(search) if search.sampling and search.seed is not None else None
         while chunk := list(islice(iterator, window)):
-            yield from self.translate_nbest(chunk, search, max_tokens=max_tokens, first_line=done + 1)
+            yield from self.translate_nbest(chunk, search, max_tokens=max_tokens, first_line=done + 1,
+                                            generator=generator)
             done += len(chunk)
+
+    def _generator(self, search: SearchConfig) -> torch.Generator:
+        assert search.seed is not None
+        return torch.Generator(device=self.device).manual_seed(search.seed)
 
     def _detokenize(self, hyps: list[Hypothesis]) -> list[Translation]:
         texts = self.tokenizer.decode([h.tokens for h in hyps])

@@ -147,7 +147,9 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_warns(has_bf16: bool, tmp_path: Path
 
 @pytest.mark.parametrize(("override", "message"), [("--model.lr=-0.001", "model.lr: must be > 0, got -0.001"),
                                                    ("--model.warmup_steps=0", "model.warmup_steps: must be >= 1, got 0"),
-                                                   ("--model.transformer.dropout=1.5", "model.transformer.dropout: must be >= 0 and < 1")])
+                                                   ("--model.transformer.dropout=1.5", "model.transformer.dropout: must be >= 0 and < 1"),
+                                                   ("--model.transformer.pad_id=5", "model.transformer.pad_id: must be the tokenizer's pad id 0, got 5"),
+                                                   ("--model.val_search.sampling=true", "model.val_search.sampling: validation BLEU needs")])
 def test_bad_hyperparameters_fail_before_any_data_work(override: str, message: str, tmp_path: Path):
     config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
     with pytest.raises(SystemExit, match=f"^error: {re.escape(message)}"):
@@ -225,8 +227,8 @@ def test_a_checkpoint_write_failing_mid_run_ends_the_run_loudly(tmp_path: Path, 
 
 def test_a_run_that_diverges_stops_instead_of_saving_nan_weights(tmp_path: Path):
     config = write_tiny_run(tmp_path, max_steps=30, train_pairs=200, val_pairs=4)
-    with pytest.raises(SystemExit, match=r"^error: the training loss is (nan|inf) at step \d+: the run diverged; lower "
-                                         r"model\.lr"):
+    with pytest.raises(SystemExit, match=r"^error: the gradients are NaN or infinite at step \d+: the run diverged "
+                                         r"\(checkpoints written before are kept\)\. Start a new run with a lower model\.lr"):
         main(["--config", str(config), "--model.lr=1e6", "--model.warmup_steps=1"])
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # no NaN checkpoint over the good ones
 

@@ -513,6 +513,7 @@ def test_cached_decoding_matches_recomputing_the_prefix():
         ({"top_p": 1.5}, "top_p: must be > 0 and <= 1, got 1.5"),
         ({"seed": -1}, "seed: must be >= 0 and <= 9223372036854775807, got -1"),
         ({"seed": "7"}, "seed: expected int or None, got '7'"),
+        ({"seed": 10**400}, f"seed: must be >= 0 and <= 9223372036854775807, got {10**400}"),  # no OverflowError
         ({"sampling": True, "nbest": 2}, "nbest: sampling draws one translation per sentence: must be 1, got 2"),
         ({"sampling": "yes"}, "sampling: expected bool, got 'yes'"),
     ],

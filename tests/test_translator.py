@@ -202,6 +202,15 @@ def test_translate_stream_equals_translate_and_numbers_lines_across_windows(trai
         streamed = list(translator.translate_stream(iter(texts), SearchConfig(beam_size=3), window=3))
     assert [hyps[0].text if hyps else "" for hyps in streamed] == translator.translate(texts, SearchConfig(beam_size=3))
     assert [str(w.message).split(" has ")[0] for w in caught] == ["input line 8"]  # its line in the whole input
+    # Sampling with a seed: one random stream for the whole input. A generator seeded anew per window
+    # replayed the same draws: two identical windows came out identical.
+    sampling, same_windows = SearchConfig(sampling=True, seed=5, temperature=2.0), SENTENCES[:3] * 2
+
+    def draw() -> list[list[int]]:
+        return [h[0].tokens for h in translator.translate_stream(same_windows, sampling, window=3)]
+
+    drawn = draw()
+    assert drawn[:3] != drawn[3:] and draw() == drawn  # different draws, reproducible by the seed
 
 
 def test_length_sorted_batches_respect_the_budget_and_cover_every_sentence_once():

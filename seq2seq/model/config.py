@@ -59,7 +59,7 @@ def check_range(config: Any, name: str, *, low: float | None = None, high: float
     value = getattr(config, name)
     if value is None:
         return
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # ints are finite (isfinite overflows on 10**400)
         raise ConfigError(name, f"must be a finite number, got {value}")
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and (value >= high if high_open else value > high)
