@@ -75,14 +75,14 @@ def check_model_section(model: Any) -> None:
         if getattr(model, section, None) is None:  # `val_search:` with every key commented out is YAML null
             raise ConfigError(f"model.{section}", "is empty; give its fields, or leave the key out for the defaults")
     transformer = {key: value for key, value in vars(model.transformer).items() if key != "vocab_size"}
-    try:
-        # vocab_size comes from the tokenizer later; any value that passes stands in for it here.
-        TransformerConfig(vocab_size=max(transformer.get("pad_id", 0), 0) + 1, **transformer)
-    except ConfigError as error:
-        raise ConfigError(f"model.transformer.{error.field}", error.problem) from None
     if transformer.get("pad_id", PAD_ID) != PAD_ID:
         raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {PAD_ID}, got "
-                                                      f"{transformer['pad_id']}")
+                                                      f"{transformer['pad_id']!r}")
+    try:
+        # vocab_size comes from the tokenizer later; any value that passes stands in for it here.
+        TransformerConfig(vocab_size=PAD_ID + 1, **transformer)
+    except ConfigError as error:
+        raise ConfigError(f"model.transformer.{error.field}", error.problem) from None
     try:
         val_search = SearchConfig(**vars(model.val_search))
     except ConfigError as error:
