@@ -310,9 +310,8 @@ class TranslationDataModule(L.LightningDataModule):
                     lock.release()
             try:
                 self._tokenizer = Tokenizer.from_file(path)
-            except (OSError, RuntimeError, ValueError) as error:
-                reason = str(error).strip().split("\n")[0]
-                raise DataError(f"data.tokenizer_path: {path} is not a usable sentencepiece model ({reason}); "
+            except (OSError, ValueError) as error:
+                raise DataError(f"data.tokenizer_path: {path} is not a usable sentencepiece model ({error}); "
                                 "delete it to train a new one") from None
         return self._tokenizer
 
@@ -327,10 +326,9 @@ class TranslationDataModule(L.LightningDataModule):
                 max_sentences=self.tokenizer_max_sentences,
                 seed=self.seed,
             )
-        except (ValueError, RuntimeError) as error:  # no text, or sentencepiece refusing the options
+        except ValueError as error:  # no text, or sentencepiece refusing the options
             where = f"train_files={self.files['train']}" if self.files["train"] else f"hf_name={self.hf_name!r}"
-            reason = str(error).strip().split("\n")[0]
-            raise DataError(f"cannot train the tokenizer on {where}: {reason}") from None
+            raise DataError(f"cannot train the tokenizer on {where}: {error}") from None
         partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")
         with self._writing_tokenizer(path):
             tokenizer.save(partial_path)

@@ -91,7 +91,8 @@ class Tokenizer:
             )
         except (RuntimeError, ValueError) as e:  # in sentencepiece's words, e.g. "Vocabulary size too high"
             raise ValueError(
-                f"training a {model_type} tokenizer of vocab_size={vocab_size} on {len(sample)} lines failed: {e}"
+                f"training a {model_type} tokenizer of vocab_size={vocab_size} on {len(sample)} lines failed: "
+                f"{_first_line(e)}"
             ) from e
         return cls.from_bytes(model.getvalue())
 
@@ -99,7 +100,10 @@ class Tokenizer:
     def from_bytes(cls, b: bytes) -> Tokenizer:
         """Load from a serialized model proto (what `to_bytes` returns; a `.model` file's content)."""
         processor = spm.SentencePieceProcessor()
-        processor.LoadFromSerializedProto(b)
+        try:
+            processor.LoadFromSerializedProto(b)
+        except RuntimeError as e:  # sentencepiece's parse error, several lines of C++ context
+            raise ValueError(_first_line(e)) from e
         return cls(processor)
 
     @classmethod
@@ -173,6 +177,11 @@ class Tokenizer:
     @property
     def eos_id(self) -> int:
         return EOS_ID
+
+
+def _first_line(error: Exception) -> str:
+    """Sentencepiece's errors carry lines of C++ context; the first says what went wrong."""
+    return str(error).strip().split("\n")[0]
 
 
 def _reservoir_sample(texts: Iterable[str], *, k: int, seed: int) -> list[str]:

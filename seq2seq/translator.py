@@ -82,9 +82,8 @@ class Translator:
         model.load_state_dict(loaded.weights)  # names and shapes were checked against the config
         try:
             tokenizer = Tokenizer.from_bytes(loaded.tokenizer)
-        except (RuntimeError, ValueError) as error:  # sentencepiece's parse error, or wrong special ids
-            reason = str(error).strip().split("\n")[0]
-            raise CheckpointError(f"{path}: its stored tokenizer cannot be loaded ({reason})") from None
+        except ValueError as error:  # not a sentencepiece model, or not our special ids
+            raise CheckpointError(f"{path}: its stored tokenizer cannot be loaded ({error})") from None
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
                    device=device, precision=precision)
 
