@@ -75,22 +75,19 @@ def check_model_section(model: Any) -> None:
         if getattr(model, section, None) is None:  # `val_search:` with every key commented out is YAML null
             raise ConfigError(f"model.{section}", "is empty; give its fields, or leave the key out for the defaults")
     transformer = {key: value for key, value in vars(model.transformer).items() if key != "vocab_size"}
-    if transformer.get("pad_id", PAD_ID) != PAD_ID:
-        raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {PAD_ID}, got "
-                                                      f"{transformer['pad_id']!r}")
+    try:
+        val_search = SearchConfig(**vars(model.val_search))
+    except ConfigError as error:
+        raise ConfigError(f"model.val_search.{error.field}", error.problem) from None
+    # The pad id first: the stand-in vocab_size below must not appear in its message.
+    check_hyperparameters(pad_id=transformer.get("pad_id", PAD_ID), val_search=val_search,
+                          label_smoothing=model.label_smoothing, lr=model.lr, warmup_steps=model.warmup_steps,
+                          weight_decay=model.weight_decay, adam_betas=tuple(model.adam_betas), adam_eps=model.adam_eps)
     try:
         # vocab_size comes from the tokenizer later; any value that passes stands in for it here.
         TransformerConfig(vocab_size=PAD_ID + 1, **transformer)
     except ConfigError as error:
         raise ConfigError(f"model.transformer.{error.field}", error.problem) from None
-    try:
-        val_search = SearchConfig(**vars(model.val_search))
-    except ConfigError as error:
-        raise ConfigError(f"model.val_search.{error.field}", error.problem) from None
-    if val_search.sampling:
-        raise ConfigError("model.val_search.sampling", "validation BLEU needs a deterministic search: set it false")
-    check_hyperparameters(label_smoothing=model.label_smoothing, lr=model.lr, warmup_steps=model.warmup_steps,
-                          weight_decay=model.weight_decay, adam_betas=tuple(model.adam_betas), adam_eps=model.adam_eps)
 
 
 def check_writable(folder: str | Path, *, option: str) -> None:

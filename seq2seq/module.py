@@ -54,9 +54,19 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite: the run stops rather than train (and checkpoint) garbage."""
 
 
-def check_hyperparameters(*, label_smoothing: float, lr: float, warmup_steps: int, weight_decay: float,
-                          adam_betas: tuple[float, float], adam_eps: float) -> None:
-    """ConfigError naming the config key (`model.lr`) for a value that would train wrongly or not at all."""
+def check_hyperparameters(*, pad_id: Any, val_search: SearchConfig, label_smoothing: float, lr: float,
+                          warmup_steps: int, weight_decay: float, adam_betas: tuple[float, float],
+                          adam_eps: float) -> None:
+    """ConfigError naming the config key (`model.lr`) for a value that would train wrongly or not at all.
+
+    What TransformerConfig and SearchConfig accept but training does not: a pad id other than the
+    tokenizer's, sampling for validation. fit.py calls this before any data work, the module again
+    when it is built.
+    """
+    if pad_id != PAD_ID:
+        raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {PAD_ID}, got {pad_id!r}")
+    if val_search.sampling:
+        raise ConfigError("model.val_search.sampling", "validation BLEU needs a deterministic search: set it false")
     values = SimpleNamespace(label_smoothing=label_smoothing, lr=lr, warmup_steps=warmup_steps,
                              weight_decay=weight_decay, beta1=adam_betas[0], beta2=adam_betas[1], adam_eps=adam_eps)
     bounds: dict[str, dict[str, Any]] = {
@@ -111,13 +121,9 @@ class TranslationModule(L.LightningModule):
             val_search: how the validation set is decoded for BLEU (greedy by default: beam_size 1).
         """
         super().__init__()
-        check_hyperparameters(label_smoothing=label_smoothing, lr=lr, warmup_steps=warmup_steps,
-                              weight_decay=weight_decay, adam_betas=adam_betas, adam_eps=adam_eps)
-        if transformer.pad_id != PAD_ID:
-            raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {PAD_ID}, got "
-                                                          f"{transformer.pad_id}")
-        if val_search.sampling:
-            raise ConfigError("model.val_search.sampling", "validation BLEU needs a deterministic search: set it false")
+        check_hyperparameters(pad_id=transformer.pad_id, val_search=val_search, label_smoothing=label_smoothing,
+                              lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, adam_betas=adam_betas,
+                              adam_eps=adam_eps)
         # Plain types in hparams: checkpoints must load with weights_only=True (no dataclass objects).
         self.save_hyperparameters(ignore=["transformer", "val_search"])
         self.hparams["transformer"], self.hparams["val_search"] = transformer.to_dict(), asdict(val_search)
