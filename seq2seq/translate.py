@@ -87,12 +87,20 @@ def format_nbest(hyps: list[Translation], *, nbest: int, prefix: str = "") -> li
     return [f"{prefix}{t.score:.4f}\t{one_line(t.text)}" for t in hyps]
 
 
+def search_flags() -> dict[str, list[str]]:
+    """Each SearchConfig field's CLI flags: its older spelling first where it has one (`--beam`), then its
+    name with dashes (`--beam-size`). The first is the one messages use."""
+    return {f.name: [flag for flag in (f.metadata["flag"], f"--{f.name.replace('_', '-')}") if flag]
+            for f in fields(SearchConfig)}
+
+
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per SearchConfig field (its name with dashes; older spellings kept), and the run's options."""
     group = parser.add_argument_group("search (SearchConfig in seq2seq/search.py)")
     hints = typing.get_type_hints(SearchConfig)
+    all_flags = search_flags()
     for f in fields(SearchConfig):
-        flags = [flag for flag in (f.metadata["flag"], f"--{f.name.replace('_', '-')}") if flag]
+        flags = all_flags[f.name]
         if hints[f.name] is bool:
             group.add_argument(*flags, dest=f.name, action="store_true", help=f.metadata["help"])
         else:
@@ -106,7 +114,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
 
 def flag_message(error: ConfigError) -> str:
     """A SearchConfig error in the CLI's words: `--beam` where the config says `beam_size`."""
-    flags = {f.name: f.metadata["flag"] or f"--{f.name.replace('_', '-')}" for f in fields(SearchConfig)}
+    flags = {name: names[0] for name, names in search_flags().items()}
     problem = re.sub(r"\b[a-z_]+\b", lambda word: flags.get(word[0], word[0]), error.problem)
     return f"{flags.get(error.field, error.field)}: {problem}"
 
