@@ -59,7 +59,7 @@ class PrefixState:
     def length(self) -> int:
         return 0 if self.prefix is None else self.prefix.size(1)
 
-    def reorder(self, indices: Tensor) -> "PrefixState":
+    def reorder(self, indices: Tensor, *, sentences: Tensor | None = None) -> "PrefixState":
         return PrefixState(self.prefix.index_select(0, indices))
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +109,9 @@ class DecoderState(Protocol):
     @property
     def length(self) -> int: ...
 
-    def reorder(self: _Self, indices: Tensor) -> _Self: ...
+    def reorder(self: _Self, indices: Tensor, *, sentences: Tensor | None = None) -> _Self:
+        """Row j becomes row indices[j]; `sentences`, if given, selects the per-sentence rows (memory)."""
+        ...
 
 
 _Self = TypeVar("_Self")
@@ -125,7 +127,11 @@ class ModelConfig(Protocol):
 
 
 class EncoderDecoder(Protocol[State]):
-    """What the searches need of a model; generic in its own state type (the Transformer's DecoderState)."""
+    """What the searches need of a model; generic in its own state type (the Transformer's DecoderState).
+
+    `decode` gets one memory row per sentence (N) and R = N * K target rows, the K hypotheses of a
+    sentence adjacent (K = 1 in greedy search and sampling, and on beam search's first step).
+    """
 
     @property
     def config(self) -> ModelConfig: ...
@@ -141,12 +147,52 @@ class EncoderDecoder(Protocol[State]):
 # Small pure functions: one decoding step, the constraints on it, scoring.
 
 
-def step_log_probs(
+def step_logits(
     model: EncoderDecoder[Any], tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: Any
-) -> Tensor:
-    """Feed one new token per row (R, 1); float32 log-probabilities (R, V) of the next one."""
-    logits = model.decode(tgt_in, memory, src_mask, state=state)  # (R, 1, V), maybe bf16 under autocast
-    return F.log_softmax(logits[:, -1].float(), dim=-1)
+) -> tuple[Tensor, Tensor]:
+    """Feed one new token per row (R, 1); the next token's logits (R, V), float32, and their
+    log-normaliser (R,): log-probabilities are logits - normaliser.
+
+    The searches mask and rank logits and subtract the normaliser from the few they keep, instead of
+    writing and reading a full (R, V) log_softmax.
+    """
+    logits = model.decode(tgt_in, memory, src_mask, state=state)[:, -1].float()  # (R, V)
+    return logits, log_normalizer(logits)
+
+
+def log_normalizer(logits: Tensor) -> Tensor:
+    """(R, V) -> (R,) log(sum(exp(logits))), as log_softmax computes it (max subtracted first).
+
+    `amax` is vectorised where `max` and `logsumexp` are not (on CPU they run ~8x slower here).
+    """
+    peak = logits.amax(dim=-1, keepdim=True)  # (R, 1)
+    return (logits - peak).exp_().sum(dim=-1).log_() + peak[:, 0]
+
+
+def top_k_rows(x: Tensor, k: int, *, chunk: int = 64) -> tuple[Tensor, Tensor]:
+    """Per row of x (R, V) its k largest values, best first, and their columns; k = 1 is argmax.
+
+    torch.topk and argmax over a CPU row of thousands are scalar loops. Here the row is cut into
+    chunks of `chunk` columns whose maxima `amax` finds (vectorised); the k largest values lie in
+    the k chunks with the largest maxima (a chunk holding one of them has a maximum at least as
+    large, and fewer than k values are larger), so only those k * chunk columns are ranked. Equal
+    values may come out in another order than topk's; argmax's first-occurrence rule is kept.
+    """
+    rows, vocab = x.shape
+    if k * chunk * 4 > vocab:
+        return (x.max(dim=-1, keepdim=True) if k == 1 else x.topk(k, dim=-1))  # type: ignore[return-value]
+    x = x.contiguous()
+    body = vocab // chunk * chunk
+    chunk_max = x.as_strided((rows, body // chunk, chunk), (x.stride(0), chunk, 1)).amax(dim=-1)  # (R, V/chunk)
+    best = chunk_max.argmax(dim=-1, keepdim=True) if k == 1 else chunk_max.topk(k, dim=-1).indices  # (R, k)
+    if k > 1:
+        best = best.sort(dim=-1).values  # columns in increasing order, as argmax's tie rule needs for k = 1
+    cols = (best[:, :, None] * chunk + torch.arange(chunk, device=x.device)).view(rows, k * chunk)
+    if body < vocab:  # the last, partial chunk: always a candidate
+        cols = torch.cat((cols, torch.arange(body, vocab, device=x.device).expand(rows, -1)), dim=1)
+    values = x.gather(1, cols)  # (R, k * chunk [+ rest])
+    top = values.max(dim=-1, keepdim=True) if k == 1 else values.topk(k, dim=-1)
+    return top.values, cols.gather(1, top.indices)
 
 
 def length_normalize(log_prob: Tensor | float, length: int, *, alpha: float) -> Tensor | float:
@@ -215,32 +261,35 @@ def repeated_ngram_mask(tokens: Tensor, *, n: int, vocab_size: int) -> Tensor:
     return hits.scatter_add_(-1, followers, matches.int()) > 0
 
 
-def constrain(
-    log_probs: Tensor, tokens: Tensor, limits: Limits, *, bos: int, eos: int, pad: int, min_len: int,
+def constrain_(
+    logits: Tensor, tokens: Tensor, limits: Limits, *, bos: int, eos: int, pad: int, min_len: int,
     no_repeat_ngram_size: int,
 ) -> Tensor:
-    """Mask (-inf) what may not come next. log_probs (N, K, V), tokens (N, K, T) generated so far.
+    """In place, -inf on what may not come next. logits (N, K, V) (or log-probabilities), tokens (N, K, T).
 
-    Allowed values keep the model's log-probability (no renormalisation), so scores stay the model's.
+    Allowed values are left as they are (no renormalisation), so scores stay the model's.
     Precedence: a forced prefix token wins over everything; at max_len only EOS (even below min_len).
+    Constraints that are off cost nothing; the others touch only the columns or rows they ban.
     """
-    step, vocab = tokens.size(-1), log_probs.size(-1)
-    banned = torch.zeros(vocab, dtype=torch.bool, device=log_probs.device)
-    banned[[bos, pad]] = True
-    if step < min_len:
-        banned[eos] = True
-    banned = banned.expand_as(log_probs)  # (N, K, V)
-    if no_repeat_ngram_size > 0:
-        banned = banned | repeated_ngram_mask(tokens, n=no_repeat_ngram_size, vocab_size=vocab)
-    only_eos = torch.ones(vocab, dtype=torch.bool, device=log_probs.device)
-    only_eos[eos] = False
-    banned = torch.where((limits.max_len <= step)[:, None, None], only_eos, banned)
-    out = log_probs.masked_fill(banned, NEG_INF)
+    step = tokens.size(-1)
+    at_max = limits.max_len <= step  # (N,)
+    any_at_max = bool(at_max.any())
+    eos_logits = logits[at_max, :, eos] if any_at_max else None  # (N_max, K), before min_len bans EOS
+    forced = None
     if step < limits.prefix.size(1):
-        forced = (step < limits.prefix_len)[:, None, None]  # (N, 1, 1)
-        not_forced_token = F.one_hot(limits.prefix[:, step], vocab)[:, None, :] == 0  # (N, 1, V)
-        out = torch.where(forced, log_probs.masked_fill(not_forced_token, NEG_INF), out)
-    return out
+        forced = (step < limits.prefix_len).nonzero()[:, 0]  # (N_f,)
+        forced_tokens = limits.prefix[forced, step][:, None, None].expand(-1, logits.size(1), 1)  # (N_f, K, 1)
+        forced_logits = logits[forced].gather(-1, forced_tokens)  # (N_f, K, 1)
+    banned_columns = [bos, pad] + ([eos] if step < min_len else [])
+    logits[..., banned_columns] = NEG_INF
+    if no_repeat_ngram_size > 0:
+        logits.masked_fill_(repeated_ngram_mask(tokens, n=no_repeat_ngram_size, vocab_size=logits.size(-1)), NEG_INF)
+    if eos_logits is not None:
+        logits[at_max] = NEG_INF
+        logits[at_max, :, eos] = eos_logits
+    if forced is not None and forced.numel():
+        logits[forced] = torch.full_like(logits[forced], NEG_INF).scatter_(-1, forced_tokens, forced_logits)
+    return logits
 
 
 def top_k_filter(log_probs: Tensor, k: int) -> Tensor:
@@ -278,8 +327,12 @@ class BeamStep(NamedTuple):
     next_scores: Tensor  # (N, K)
 
 
-def beam_step(scores: Tensor, log_probs: Tensor, *, beam_size: int, eos: int) -> BeamStep:
-    """scores (N, K_cur) cumulative log_prob of the live beams, log_probs (N, K_cur, V) of their next token.
+def beam_step(
+    scores: Tensor, log_probs: Tensor, *, beam_size: int, eos: int, tokens: Tensor | None = None
+) -> BeamStep:
+    """scores (N, K_cur) cumulative log_prob of the live beams, log_probs (N, K_cur, C) of candidates
+    for their next token: the whole vocabulary (C = V, `tokens` None), or each beam's best C >= 2K
+    tokens, whose ids `tokens` (N, K_cur, C) gives (the 2K best over all beams are among them).
 
     fairseq's rule: take the 2K best extensions over all beams, so that up to K of them (at most one
     EOS per beam) can finish while K others still go on. EOS candidates ranked in the top K finish;
@@ -287,13 +340,14 @@ def beam_step(scores: Tensor, log_probs: Tensor, *, beam_size: int, eos: int) ->
     first step (every beam would be the same BOS), K after. Rows at -inf are dead beams (a forced
     prefix leaves one live beam): they go on at -inf and never finish.
     """
-    batch, k_cur, vocab = log_probs.shape
+    batch, k_cur, width = log_probs.shape
     num_cand = 2 * beam_size
-    if num_cand > k_cur * vocab:
-        raise ValueError(f"beam_size {beam_size} needs a vocabulary of at least {num_cand} tokens, got {vocab}")
-    total = (scores[:, :, None] + log_probs).view(batch, k_cur * vocab)
+    if num_cand > k_cur * width:
+        raise ValueError(f"beam_size {beam_size} needs a vocabulary of at least {num_cand} tokens, got {width}")
+    total = (scores[:, :, None] + log_probs).view(batch, k_cur * width)
     cand_scores, flat = total.topk(num_cand, dim=1)  # (N, 2K), best first
-    cand_beams, cand_tokens = flat // vocab, flat % vocab
+    cand_beams = flat // width
+    cand_tokens = flat % width if tokens is None else tokens.reshape(batch, k_cur * width).gather(1, flat)
     is_eos = cand_tokens == eos
     rank = torch.arange(num_cand, device=scores.device)
     finished = is_eos & (rank < beam_size) & cand_scores.isfinite()
@@ -368,36 +422,61 @@ def beam_search(
     tokens = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)  # (N, K_cur, T)
     scores = torch.zeros(batch, 1, device=device)  # (N, K_cur)
     num_finished = torch.zeros(batch, dtype=torch.long, device=device)  # (N,)
+    # (N, nbest) scores of the best finished hypotheses, best first; float64 as Hypothesis.score is.
+    best_finished = torch.full((batch, config.nbest), NEG_INF, dtype=torch.float64, device=device)
     tgt_in = torch.full((batch, 1), bos, dtype=torch.long, device=device)  # (N*K_cur, 1)
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
 
     while True:
         live, k_cur, step = tokens.shape
-        log_probs = step_log_probs(model, tgt_in, memory, src_mask, state).view(live, k_cur, -1)  # (N, K_cur, V)
-        log_probs = constrain(log_probs, tokens, limits, bos=bos, eos=eos, pad=pad, min_len=config.min_len,
-                              no_repeat_ngram_size=config.no_repeat_ngram_size)
-        cand = beam_step(scores, log_probs, beam_size=beam_size, eos=eos)
+        logits, normalizer = step_logits(model, tgt_in, memory, src_mask, state)  # (N*K_cur, V), (N*K_cur,)
+        constrain_(logits.view(live, k_cur, -1), tokens, limits, bos=bos, eos=eos, pad=pad, min_len=config.min_len,
+                   no_repeat_ngram_size=config.no_repeat_ngram_size)
+        top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K): the 2K best are among them
+        cand_log_probs = (top_logits - normalizer[:, None]).view(live, k_cur, -1)
+        cand = beam_step(scores, cand_log_probs, tokens=top_tokens.view(live, k_cur, -1), beam_size=beam_size,
+                         eos=eos)
         _collect_finished(finished, cand, tokens, sentence, beam_size=beam_size, alpha=length_penalty)
 
         num_finished = (num_finished + cand.finished.sum(dim=1)).clamp(max=beam_size)
-        done = (num_finished >= beam_size) | (limits.max_len <= step) | cand.next_scores[:, 0].isneginf()
+        now_finished = cand.cand_scores.double().masked_fill(~cand.finished, NEG_INF)  # (N, 2K)
+        now_finished = cast(Tensor, length_normalize(now_finished, step + 1, alpha=length_penalty))
+        best_finished = torch.cat((best_finished, now_finished), dim=1).topk(config.nbest, dim=1).values
+        done = ((num_finished >= beam_size) | (limits.max_len <= step) | cand.next_scores[:, 0].isneginf()
+                | cannot_be_overtaken(best_finished[:, -1], cand.next_scores[:, 0], limits.max_len,
+                                      alpha=length_penalty))
         keep = (~done).nonzero()[:, 0]  # (N',)
         if keep.numel() == 0:
             break
         rows = (keep[:, None] * k_cur + cand.next_beams.index_select(0, keep)).view(-1)  # (N'*K,) rows to go on
-        state = state.reorder(rows)
-        if keep.numel() < live or k_cur != beam_size:
-            # Rows changed sentence (one dropped, or the beam opened): memory follows. Reordering
-            # beams within a sentence needs nothing: its rows share one memory.
-            memory, src_mask = memory.index_select(0, rows), src_mask.index_select(0, rows)
+        dropped = keep.numel() < live
+        # Only rows of sentences still decoded; memory stays one row per sentence (the beams share it).
+        state = state.reorder(rows, sentences=keep if dropped else None)
+        if dropped:
+            memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
         next_tokens = cand.next_tokens.index_select(0, keep)  # (N', K)
         tokens = torch.cat((tokens.view(live * k_cur, step)[rows], next_tokens.view(-1, 1)), dim=1)
         tokens = tokens.view(keep.numel(), beam_size, step + 1)
         scores = cand.next_scores.index_select(0, keep)
         sentence, num_finished, limits = sentence[keep], num_finished[keep], limits.select(keep)
+        best_finished = best_finished[keep]
         tgt_in = next_tokens.view(-1, 1)
 
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
+
+
+def cannot_be_overtaken(worst_kept: Tensor, best_live: Tensor, max_len: Tensor, *, alpha: float) -> Tensor:
+    """(N,) True where no live hypothesis can still end above the n-best already finished.
+
+    A live hypothesis of log_prob s <= 0 can only lose log-probability, and its normalised score
+    s / ((5 + n) / 6) ** alpha is largest at the longest length it may reach (max_len + 1, EOS
+    counted), so that is its bound; with alpha = 0 the bound is s itself. The best live hypothesis
+    bounds them all. Stopping there returns exactly what searching on would (an equal score later
+    would rank behind, as sorting is stable), as CTranslate2 does for its stopping rule; unlike
+    fairseq's rule alone, which searches on until K hypotheses have finished.
+    """
+    bound = best_live.double() / ((6 + max_len.double()) / 6) ** alpha
+    return worst_kept >= bound
 
 
 def _collect_finished(
@@ -434,8 +513,11 @@ def greedy(
 
     Uses the config's length limits and constraints; beam, n-best and sampling fields do not apply.
     """
-    return _one_per_row(model, src, config, pick=lambda log_probs: log_probs.argmax(dim=-1), bos=bos, eos=eos,
-                        pad=pad, prefix=prefix)
+    def pick(logits: Tensor, normalizer: Tensor) -> tuple[Tensor, Tensor]:  # (R, V), (R,) -> (R,), (R,)
+        best, token = top_k_rows(logits, 1)
+        return token[:, 0], best[:, 0] - normalizer
+
+    return _one_per_row(model, src, config, pick=pick, bos=bos, eos=eos, pad=pad, prefix=prefix)
 
 
 @torch.inference_mode()
@@ -456,10 +538,12 @@ def sample(
     reproduce a draw. `log_prob` is the model's (temperature 1, unfiltered) log-probability.
     """
 
-    def pick(log_probs: Tensor) -> Tensor:  # (R, V) -> (R,)
+    def pick(logits: Tensor, normalizer: Tensor) -> tuple[Tensor, Tensor]:  # (R, V), (R,) -> (R,), (R,)
+        log_probs = logits - normalizer[:, None]  # constrained: banned tokens at -inf
         tempered = F.log_softmax(log_probs / config.temperature, dim=-1)
         filtered = top_p_filter(top_k_filter(tempered, config.top_k), config.top_p)
-        return torch.multinomial(filtered.exp(), 1, generator=generator)[:, 0]
+        token = torch.multinomial(filtered.exp(), 1, generator=generator)[:, 0]
+        return token, log_probs.gather(1, token[:, None])[:, 0]
 
     return _one_per_row(model, src, config, pick=pick, bos=bos, eos=eos, pad=pad, prefix=prefix)
 
@@ -469,13 +553,14 @@ def _one_per_row(
     src: Tensor,
     config: SearchConfig,
     *,
-    pick: Callable[[Tensor], Tensor],
+    pick: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
     bos: int,
     eos: int,
     pad: int,
     prefix: Sequence[Sequence[int]] | None,
 ) -> list[Hypothesis]:
-    """Greedy and sampling: one hypothesis per sentence, `pick` chooses from constrained log-probs."""
+    """Greedy and sampling: one hypothesis per sentence; `pick` chooses from the constrained logits and
+    their normaliser, and gives each row's token and its log-probability."""
     if src.size(0) == 0:
         return []
     src_mask = src != pad  # (B, S)
@@ -491,11 +576,11 @@ def _one_per_row(
     results: dict[int, Hypothesis] = {}
 
     while True:
-        log_probs = step_log_probs(model, tgt_in, memory, src_mask, state)  # (N, V)
-        log_probs = constrain(log_probs[:, None], tokens[:, None], limits, bos=bos, eos=eos, pad=pad,
-                              min_len=config.min_len, no_repeat_ngram_size=config.no_repeat_ngram_size)[:, 0]
-        next_token = pick(log_probs)  # (N,)
-        log_prob = log_prob + log_probs.gather(1, next_token[:, None])[:, 0]
+        logits, normalizer = step_logits(model, tgt_in, memory, src_mask, state)  # (N, V), (N,)
+        constrain_(logits[:, None], tokens[:, None], limits, bos=bos, eos=eos, pad=pad, min_len=config.min_len,
+                   no_repeat_ngram_size=config.no_repeat_ngram_size)
+        next_token, next_log_prob = pick(logits, normalizer)  # (N,), (N,)
+        log_prob = log_prob + next_log_prob
         done = next_token == eos  # at max_len EOS is the only choice left
         if done.any():
             for i, toks, lp in zip(sentence[done].tolist(), tokens[done].tolist(), log_prob[done].tolist(),
@@ -504,7 +589,7 @@ def _one_per_row(
             keep = (~done).nonzero()[:, 0]
             if keep.numel() == 0:
                 break
-            state = state.reorder(keep)
+            state = state.reorder(keep, sentences=keep)
             memory, src_mask, limits = memory[keep], src_mask[keep], limits.select(keep)
             sentence, tokens, log_prob, next_token = sentence[keep], tokens[keep], log_prob[keep], next_token[keep]
         tokens = torch.cat((tokens, next_token[:, None]), dim=1)

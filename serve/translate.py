@@ -22,6 +22,7 @@ from seq2seq.translate import (
     search_config,
     utf8_stdout,
 )
+from seq2seq.translator import keep_freed_memory
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()  # a process of its own: decoding's large blocks are reused, not page-faulted anew
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C at the prompt: leave quietly, as Ctrl-D does

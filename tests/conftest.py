@@ -14,6 +14,16 @@ from seq2seq.tokenizer import Tokenizer  # noqa: E402
 
 # CI clones the project next to shared/, as the working copy is: ../shared/data/multi30k.
 MULTI30K = Path(__file__).resolve().parents[1].parent / "shared/data/multi30k"
+DEMO_DATA = Path(__file__).resolve().parents[1] / "seq2seq/demo/data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def auto_precision_is_fp32():
+    """precision="auto" resolves to fp32 in every test, whatever the CPU: where bf16 matmuls measure
+    faster it would pick bf16, and outputs would depend on the machine. Tests of auto patch it back."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("seq2seq.model.precision.bf16_matmuls_pay", lambda device: False)
+        yield
 
 
 def _multi30k_lines(stem: str, lang: str, limit: int | None = None) -> list[str]:
@@ -161,3 +171,30 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory):
     config = write_tiny_run(root)
     main(["--config", str(config)])
     return config, root / "checkpoints"
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small post-norm model (so that Marian can host it too) trained 300 steps on the demo corpus
+    (~40 s; val BLEU ~56): it ends its sentences and is sure of its choices, so rounding cannot flip one."""
+    import torch
+
+    from seq2seq.fit import main as fit
+
+    root = tmp_path_factory.mktemp("export_run")
+    config = write_tiny_run(root, max_steps=300, train_pairs=10, val_pairs=10)
+    text = config.read_text(encoding="utf-8")
+    text = text.replace(f"[{root}/data/train.de, {root}/data/train.en]", f"[{DEMO_DATA}/train.en.gz, {DEMO_DATA}/train.de.gz]")
+    text = text.replace(f"[{root}/data/val.de, {root}/data/val.en]", f"[{DEMO_DATA}/valid.en.gz, {DEMO_DATA}/valid.de.gz]")
+    text = text.replace("src_lang: de\n  tgt_lang: en", "src_lang: en\n  tgt_lang: de").replace("vocab_size: 600", "vocab_size: 1000")
+    config.write_text(text, encoding="utf-8")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fit(["--config", str(config), "--model.transformer.d_model=64", "--model.transformer.num_heads=4",
+             "--model.transformer.d_ff=256", "--model.transformer.num_encoder_layers=2",
+             "--model.transformer.num_decoder_layers=2", "--model.transformer.norm_placement=post",
+             "--model.warmup_steps=50", "--data.max_tokens=1024", "--trainer.limit_val_batches=0"])
+    finally:
+        torch.set_num_threads(threads)
+    return root / "checkpoints" / "last.ckpt"

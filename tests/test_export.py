@@ -15,7 +15,7 @@ from pathlib import Path
 import ctranslate2
 import pytest
 import torch
-from conftest import write_tiny_run
+from conftest import DEMO_DATA
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
 from seq2seq.export import ExportError, ctranslate2_refusal, export_ctranslate2, export_huggingface, main
@@ -106,35 +106,6 @@ def test_what_ctranslate2_cannot_express_is_refused_by_name(options, field: str,
     with pytest.raises(SystemExit, match=f"^error: cannot export to CTranslate2: {field}"):
         main(["--checkpoint", str(checkpoint), "--to", "ctranslate2", "--output", str(tmp_path / "cli")])
     assert not (tmp_path / "cli").exists()
-
-
-REPO = Path(__file__).resolve().parents[1]
-DEMO_DATA = REPO / "seq2seq/demo/data"
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small post-norm model (so that Marian can host it too) trained 300 steps on the demo corpus
-    (~40 s; val BLEU ~56): it ends its sentences and is sure of its choices, so rounding cannot flip one."""
-    from seq2seq.fit import main as fit
-
-    root = tmp_path_factory.mktemp("export_run")
-    config = write_tiny_run(root, max_steps=300, train_pairs=10, val_pairs=10)
-    text = config.read_text(encoding="utf-8")
-    text = text.replace(f"[{root}/data/train.de, {root}/data/train.en]", f"[{DEMO_DATA}/train.en.gz, {DEMO_DATA}/train.de.gz]")
-    text = text.replace(f"[{root}/data/val.de, {root}/data/val.en]", f"[{DEMO_DATA}/valid.en.gz, {DEMO_DATA}/valid.de.gz]")
-    text = text.replace("src_lang: de\n  tgt_lang: en", "src_lang: en\n  tgt_lang: de").replace("vocab_size: 600", "vocab_size: 1000")
-    config.write_text(text, encoding="utf-8")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        fit(["--config", str(config), "--model.transformer.d_model=64", "--model.transformer.num_heads=4",
-             "--model.transformer.d_ff=256", "--model.transformer.num_encoder_layers=2",
-             "--model.transformer.num_decoder_layers=2", "--model.transformer.norm_placement=post",
-             "--model.warmup_steps=50", "--data.max_tokens=1024", "--trainer.limit_val_batches=0"])
-    finally:
-        torch.set_num_threads(threads)
-    return root / "checkpoints" / "last.ckpt"
 
 
 def ct2_translate(folder: Path, translator: Translator, sources: list[str], *, beam_size: int,

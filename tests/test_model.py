@@ -110,7 +110,7 @@ def decode_step_by_step(model, src, tgt_in, *, reorder_at=None, indices=None):
     outputs = []
     for t in range(tgt_in.size(1)):
         if t == reorder_at:
-            state = state.reorder(indices)
+            state = state.reorder(indices, sentences=indices)
             memory, src_mask, tgt_in = memory[indices], src_mask[indices], tgt_in[indices]
             outputs = [out[indices] for out in outputs]
         outputs.append(model.decode(tgt_in[:, t : t + 1], memory, src_mask, state=state))
@@ -152,7 +152,56 @@ def test_cross_attention_is_computed_once_per_source():
         for _ in range(6):
             model.decode(torch.full((2, 1), 2), memory, src_mask, state=state)
     assert len(calls) == 1
-    assert state.self_keys[0].shape == (2, 2, 6, 8)  # grown one position per step
+    assert (state.length, state.rows) == (6, 2)  # grown one position per step
+
+
+@pytest.mark.parametrize("placement,positions,norm", MASK_COMBINATIONS)
+def test_beams_sharing_one_memory_row_equal_copied_memory(placement, positions, norm):
+    """Beam search keeps one memory row per sentence for its K hypotheses (folded into the
+    cross-attention's queries): the logits equal those of a batch where every row has its own copy."""
+    model = tiny_model(norm_placement=placement, positions=positions, norm=norm)
+    gen = torch.Generator().manual_seed(5)
+    src = pad_rows(random_tokens(2, 7, generator=gen), [7, 3])
+    beams = 3
+    tgt_in = random_tokens(2 * beams, 5, generator=gen)  # sentence-major: rows 0-2 sentence 0, 3-5 sentence 1
+    copied = src.repeat_interleave(beams, dim=0)
+    with torch.no_grad():
+        memory, src_mask = model.encode(src), model.src_mask(src)
+        shared = model.decode(tgt_in, memory, src_mask)  # no cache: the teacher-forced path folds too
+        state = model.new_state()
+        stepwise = torch.cat([model.decode(tgt_in[:, t : t + 1], memory, src_mask, state=state)
+                              for t in range(tgt_in.size(1))], dim=1)
+        reference = model(copied, tgt_in)
+    assert_relative_close(shared, reference)
+    assert_relative_close(stepwise, reference)
+    with pytest.raises(ValueError, match="cannot share the keys of 2 sentences"):
+        model.decode(tgt_in[:5], memory, src_mask)
+
+
+def test_cache_grows_past_its_capacity_and_follows_reorders_of_any_size():
+    """The preallocated cache doubles when full and is gathered into its spare buffer on a reorder;
+    rows that open (1 -> 3 beams), shrink (a sentence done) and shuffle must all keep their prefixes."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(9)
+    src = pad_rows(random_tokens(2, 6, generator=gen), [6, 4])
+    tgt_in = random_tokens(6, 40, generator=gen)  # 40 steps: beyond the first capacity (16), twice
+    with torch.no_grad():
+        memory, src_mask = model.encode(src), model.src_mask(src)
+        state = model.new_state()
+        model.decode(tgt_in[[0, 3], :20], memory, src_mask, state=state)  # 2 rows, one per sentence
+        state.reorder(torch.tensor([0, 0, 0, 1, 1, 1]))  # the beams open: 3 rows per sentence
+        prefix = tgt_in[[0, 0, 0, 3, 3, 3], :20]
+        out = model.decode(tgt_in[:, 20:30], memory, src_mask, state=state)
+        reference = model(src.repeat_interleave(3, dim=0), torch.cat((prefix, tgt_in[:, 20:30]), dim=1))
+        assert_relative_close(out, reference[:, 20:])
+        # Sentence 0 is done; sentence 1's rows shuffle.
+        rows = torch.tensor([5, 3, 4])
+        state.reorder(rows, sentences=torch.tensor([1]))
+        done_prefix = torch.cat((prefix, tgt_in[:, 20:30]), dim=1)[rows]
+        out = model.decode(tgt_in[rows, 30:], memory[1:], src_mask[1:], state=state)
+        reference = model(src[[1, 1, 1]], torch.cat((done_prefix, tgt_in[rows, 30:]), dim=1))
+    assert_relative_close(out, reference[:, 30:])
+    assert (state.length, state.rows) == (40, 3)
 
 
 def test_decoding_step_cost_grows_linearly():

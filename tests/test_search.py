@@ -10,16 +10,20 @@ import torch
 from seq2seq.model import ConfigError
 from seq2seq.search import (
     Hypothesis,
+    Limits,
     SearchConfig,
     beam_search,
     beam_step,
+    constrain_,
     decode,
     greedy,
     length_normalize,
+    log_normalizer,
     max_lengths,
     repeated_ngram_mask,
     sample,
     top_k_filter,
+    top_k_rows,
     top_p_filter,
 )
 
@@ -27,6 +31,7 @@ PAD, UNK, BOS, EOS = 0, 1, 2, 3
 A, B, C, D = 4, 5, 6, 7
 IDS = {"bos": BOS, "eos": EOS, "pad": PAD}
 INF = float("inf")
+NEG = float("-inf")
 
 
 def log(*probs: float) -> float:
@@ -58,11 +63,18 @@ class PrefixState:
     def length(self) -> int:
         return 0 if self.fed is None else self.fed.size(1)
 
-    def reorder(self, indices: torch.Tensor) -> "PrefixState":
+    def reorder(self, indices: torch.Tensor, *, sentences=None) -> "PrefixState":
         return PrefixState(self.fed.index_select(0, indices))
 
     def grow(self, tgt_in: torch.Tensor) -> None:
         self.fed = tgt_in if self.fed is None else torch.cat((self.fed, tgt_in), dim=1)
+
+
+def per_row(x: torch.Tensor, src_mask: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+    """The searches pass one memory row per sentence and K adjacent target rows per sentence."""
+    sentences, rows = src_mask.size(0), tgt_in.size(0)
+    assert x.size(0) == sentences and rows % sentences == 0, (x.shape, src_mask.shape, tgt_in.shape)
+    return x.repeat_interleave(rows // sentences, dim=0)
 
 
 class TableModel:
@@ -87,7 +99,7 @@ class TableModel:
 
     def decode(self, tgt_in, memory, src_mask, state=None):
         assert state is not None and tgt_in.size(1) == 1
-        assert memory.size(0) == src_mask.size(0) == tgt_in.size(0)
+        memory = per_row(memory, src_mask, tgt_in)
         state.grow(tgt_in)
         self.rows_per_step.append(tgt_in.size(0))
         probs = torch.zeros(tgt_in.size(0), self.vocab_size)
@@ -131,6 +143,16 @@ def test_beam_search_table_exact_tokens_and_scores_in_a_shrinking_batch():
     assert model.encode_calls == 1
     # 3 sentences, then 3 x 2 beams; sentence 1 leaves after step 2, sentence 0 after step 3.
     assert model.rows_per_step == [3, 6, 4, 2]
+
+
+def test_beam_search_stops_once_no_live_hypothesis_can_win():
+    """nbest 1, raw log-probs: sentence A's EOS|A (.35) beats its best live BA (.315), which can only
+    lose probability: A is done after one step (fairseq's rule alone would decode BA's EOS too)."""
+    model = table_model()
+    hyps = beam_search(model, SOURCES, SearchConfig(beam_size=2, length_penalty=0.0, **LONG), **IDS)
+    assert [h[0].tokens for h in hyps] == [[A], [B], [A, A, A]]
+    # Step 2: only sentence C goes on (its live AAA, .504, beats EOS|AA, .216); fairseq's rule: [3, 6, 4, 2].
+    assert model.rows_per_step == [3, 6, 2, 2]
 
 
 def test_beam_search_batch_equals_each_sentence_alone():
@@ -251,6 +273,73 @@ def test_beam_step_candidates():
         beam_step(torch.zeros(1, 1), torch.zeros(1, 1, 5), beam_size=3, eos=EOS)
 
 
+@pytest.mark.parametrize("vocab,k", [(8000, 10), (8000, 1), (3001, 6), (3001, 1), (64 * 40 + 63, 10), (50, 4)])
+def test_top_k_rows_equals_topk_and_argmax(vocab, k):
+    gen = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(37, vocab, generator=gen)
+    x[3, :] = NEG  # a fully banned row
+    x[4, 100:] = NEG  # fewer allowed tokens than chunks
+    x[5, -5:] = 9.0 + torch.arange(5.0)  # the best in the last, partial chunk
+    values, cols = top_k_rows(x, k)
+    expected = x.topk(k, dim=-1)
+    assert torch.equal(values, expected.values)
+    finite = expected.values.isfinite()
+    assert torch.equal(cols[finite], expected.indices[finite])  # random values: no ties among them
+    assert torch.equal(x.gather(1, cols), values)
+    # argmax's rule on ties: the first column of the maximum.
+    tied = torch.zeros(4, vocab)
+    tied[0, [7, vocab - 1]] = 2.0
+    tied[1, [vocab // 2, vocab // 2 + 1]] = 2.0
+    tied[2, [vocab - 2, vocab - 1]] = 2.0
+    assert torch.equal(top_k_rows(tied, 1)[1][:, 0], tied.argmax(dim=-1))
+
+
+def test_log_normalizer_equals_float64_logsumexp():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 5000, generator=gen) * 8 + 40
+    logits[1, 2000:] = NEG  # banned tokens, as the table model's log(0)
+    assert torch.allclose(log_normalizer(logits).double(), torch.logsumexp(logits.double(), dim=-1), atol=1e-4)
+
+
+def constrain_reference(log_probs, tokens, limits, *, bos, eos, pad, min_len, no_repeat_ngram_size):
+    """The rules spelled out one entry at a time."""
+    out = log_probs.clone()
+    sentences, beams, vocab = out.shape
+    step = tokens.size(-1)
+    for n in range(sentences):
+        for b in range(beams):
+            for v in range(vocab):
+                history = tokens[n, b].tolist()
+                banned = v in (bos, pad) or (v == eos and step < min_len)
+                m = no_repeat_ngram_size
+                if m and len(history) >= m:
+                    grams = {tuple(history[i : i + m]) for i in range(len(history) - m + 1)}
+                    banned |= (*history[len(history) - m + 1 :], v) in grams
+                if limits.max_len[n] <= step:
+                    banned = v != eos
+                if step < limits.prefix_len[n]:
+                    banned = v != limits.prefix[n, step]
+                if banned:
+                    out[n, b, v] = NEG
+    return out
+
+
+@pytest.mark.parametrize("step,min_len,ngram", [(0, 0, 0), (2, 3, 0), (3, 0, 2), (4, 5, 1)])
+def test_constrain_in_place_follows_the_rules(step, min_len, ngram):
+    gen = torch.Generator().manual_seed(step)
+    vocab = 9
+    log_probs = torch.randn(4, 3, vocab, generator=gen).log_softmax(-1)
+    tokens = torch.randint(4, vocab, (4, 3, step), generator=gen)
+    # sentence 0 free, 1 at its max_len, 2 forced (prefix longer than step), 3 forced and at max_len
+    limits = Limits(max_len=torch.tensor([9, step, 9, step + 2]),
+                    prefix=torch.tensor([[PAD] * 6, [PAD] * 6, [5, 6, 7, 8, 5, 6], [8] * 6]),
+                    prefix_len=torch.tensor([0, 0, 6, step + 1]))
+    options = {"bos": BOS, "eos": EOS, "pad": PAD, "min_len": min_len, "no_repeat_ngram_size": ngram}
+    expected = constrain_reference(log_probs, tokens, limits, **options)
+    out = constrain_(log_probs.clone(), tokens, limits, **options)
+    assert torch.equal(out, expected)
+
+
 def test_repeated_ngram_mask():
     def banned(tokens, n):
         mask = repeated_ngram_mask(torch.tensor([[tokens]]), n=n, vocab_size=8)[0, 0]
@@ -309,7 +398,7 @@ class SumState:
     def __init__(self, total=None, context=None, length=0):
         self.total, self.context, self.length = total, context, length
 
-    def reorder(self, indices):
+    def reorder(self, indices, *, sentences=None):
         return SumState(self.total.index_select(0, indices), self.context.index_select(0, indices), self.length)
 
 
@@ -333,7 +422,7 @@ class RunningSumModel:
 
     def decode(self, tgt_in, memory, src_mask, state=None):
         own = state if state is not None else SumState()  # state=None: a full pass over tgt_in
-        assert memory.size(0) == src_mask.size(0) == tgt_in.size(0)
+        memory, src_mask = per_row(memory, src_mask, tgt_in), per_row(src_mask, src_mask, tgt_in)
         if own.context is None:
             weights = src_mask[..., None].float()
             own.context = (memory * weights).sum(1) / weights.sum(1)  # (R, D)
@@ -367,6 +456,34 @@ def test_beam_size_1_equals_greedy():
     assert [b[0].tokens for b in beam] == [h.tokens for h in best]
     assert [b[0].log_prob for b in beam] == pytest.approx([h.log_prob for h in best], abs=1e-5)
     assert len({len(h.tokens) for h in best}) > 1  # the batch did shrink
+
+
+@pytest.mark.parametrize("vocab_size", [12, 3000])
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+@pytest.mark.parametrize("nbest", [1, 3])
+def test_early_stopping_and_chunked_top_k_change_no_result(monkeypatch, vocab_size, alpha, nbest):
+    """Stopping a sentence once no live hypothesis can overtake its n-best, and ranking only each
+    row's best 2K tokens (found chunk by chunk), return exactly what searching on with plain topk
+    over the whole vocabulary returns."""
+    import seq2seq.search as search
+
+    model = RunningSumModel(seed=5, vocab_size=vocab_size)
+    config = SearchConfig(beam_size=3, nbest=nbest, length_penalty=alpha, **MEDIUM)
+    calls = []
+    decode_calls = model.decode
+    model.decode = lambda tgt_in, *args, **kwargs: calls.append(tgt_in.size(0)) or decode_calls(tgt_in, *args, **kwargs)
+    fast = beam_search(model, RANDOM_SOURCES, config, **IDS)
+    fast_rows = sum(calls)
+    monkeypatch.setattr(search, "cannot_be_overtaken", lambda worst, best, max_len, alpha: torch.zeros_like(best, dtype=torch.bool))
+    monkeypatch.setattr(search, "top_k_rows", lambda x, k: x.topk(k, dim=-1))
+    calls.clear()
+    reference = beam_search(model, RANDOM_SOURCES, config, **IDS)
+    for got, want in zip(fast, reference, strict=True):
+        assert [h.tokens for h in got] == [h.tokens for h in want]
+        assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=1e-6)
+    assert fast_rows <= sum(calls)
+    if alpha == 0.0 and nbest == 1 and vocab_size == 12:
+        assert fast_rows < sum(calls)  # it did stop earlier
 
 
 def test_sampling_top_k_1_equals_greedy():
@@ -441,7 +558,7 @@ class RecomputeState:
     def length(self) -> int:
         return 0 if self.fed is None else self.fed.size(1)
 
-    def reorder(self, indices):
+    def reorder(self, indices, *, sentences=None):
         return RecomputeState(self.fed.index_select(0, indices))
 
 

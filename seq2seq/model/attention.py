@@ -6,8 +6,6 @@ the kernel unchanged. Shapes broadcast to (B, H, Tq, Tk): a source padding mask 
 the decoder's causal-and-padding mask is (B, 1, T, T).
 """
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -42,6 +40,11 @@ class MultiHeadAttention(nn.Module):
     Keys and values are projected by `keys_values()` separately from the attention itself, so the
     decoder can cache them: its self-attention appends one position per step, its cross-attention
     projects the source once per sentence.
+
+    Keys may have fewer rows than the queries: beam search keeps one row of cross-attention keys per
+    sentence (N) and K query rows per sentence (R = N * K, sentence-major). The K beams then attend
+    as K queries against their sentence's keys (beams folded into the query length), so the source
+    keys are never copied per beam.
     """
 
     def __init__(self, *, d_model: int, num_heads: int, attention_dropout: float, bias: bool = True):
@@ -78,7 +81,15 @@ class MultiHeadAttention(nn.Module):
         offset: int = 0,
     ) -> Tensor:
         # x: (B, Tq, D); keys, values: (B, H, Tk, Dh); mask: bool, broadcastable to (B, H, Tq, Tk)
-        queries = self.split_heads(self.q_proj(x))  # (B, H, Tq, Dh)
+        queries = self.split_heads(self.q_proj(x))  # (R, H, Tq, Dh)
+        rows, _, length, _ = queries.shape
+        sentences = keys.size(0)
+        beams = rows // sentences if sentences else 1
+        if beams != 1:
+            if rows != beams * sentences or position_bias is not None or rotary is not None:
+                raise ValueError(f"{rows} query rows cannot share the keys of {sentences} sentences"
+                                 + (" with relative positions" if rows == beams * sentences else ""))
+            queries = fold_beams(queries, sentences=sentences)  # (N, H, K*Tq, Dh)
         if rotary is not None:
             queries = rotary(queries, offset=offset)
         attn_mask = mask
@@ -93,40 +104,95 @@ class MultiHeadAttention(nn.Module):
             values,
             attn_mask=attn_mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
-        )  # (B, H, Tq, Dh)
-        batch, _, length, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))  # (B, Tq, D)
+        )  # (N, H, K*Tq, Dh)
+        if beams != 1:
+            out = unfold_beams(out, beams=beams)  # (R, H, Tq, Dh)
+        return self.out_proj(out.transpose(1, 2).reshape(rows, length, -1))  # (R, Tq, D)
 
 
-@dataclass
+def fold_beams(queries: Tensor, *, sentences: int) -> Tensor:
+    """(N*K, H, Tq, Dh), the K rows of a sentence adjacent -> (N, H, K*Tq, Dh)."""
+    rows, heads, length, head_dim = queries.shape
+    folded = queries.view(sentences, rows // sentences, heads, length, head_dim).transpose(1, 2)
+    return folded.reshape(sentences, heads, -1, head_dim)
+
+
+def unfold_beams(out: Tensor, *, beams: int) -> Tensor:
+    """(N, H, K*Tq, Dh) -> (N*K, H, Tq, Dh): the inverse of fold_beams."""
+    sentences, heads, _, head_dim = out.shape
+    return out.view(sentences, heads, beams, -1, head_dim).transpose(1, 2).reshape(sentences * beams, heads, -1,
+                                                                                   head_dim)
+
+
 class DecoderState:
-    """What incremental decoding keeps between steps, per decoder layer.
+    """What incremental decoding keeps between steps: per decoder layer, the self-attention keys and
+    values of every target position fed so far, and the cross-attention keys and values of the source.
 
-    `self_keys`/`self_values` grow by the number of new target positions at every `decode` call;
-    `cross_keys`/`cross_values` are the projected encoder output, filled on the first call and
-    reused unchanged. All are (B, H, T, Dh). Rows are hypotheses: `reorder` selects, shuffles and
-    duplicates them (beam search), or drops finished ones.
+    Rows are hypotheses (R); `reorder` selects, shuffles and duplicates them (beam search) or drops
+    finished ones. The self-attention cache is one preallocated buffer for all layers,
+    (layers, keys|values, R, H, capacity, Dh): each step writes its position in place, its capacity
+    doubles when full, and a reorder gathers the filled part into a second buffer of the same shape
+    that then takes its place, so that a step neither concatenates nor allocates.
+
+    Cross-attention keys and values, (N, H, S, Dh), have one row per *sentence*, shared by its
+    K = R / N hypotheses (see MultiHeadAttention): a reorder within sentences leaves them alone, and
+    `reorder(..., sentences=)` drops the rows of finished sentences.
     """
 
-    self_keys: list[Tensor] = field(default_factory=list)
-    self_values: list[Tensor] = field(default_factory=list)
-    cross_keys: list[Tensor] = field(default_factory=list)
-    cross_values: list[Tensor] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
+    def __init__(self) -> None:
+        self.length = 0
         """Number of target positions cached so far."""
-        return self.self_keys[0].size(2) if self.self_keys else 0
+        self.rows = 0
+        self.cross_keys: list[Tensor] = []
+        self.cross_values: list[Tensor] = []
+        self._cache: Tensor | None = None  # (L, 2, rows capacity, H, capacity, Dh)
+        self._spare: Tensor | None = None  # the same shape: where the next reorder writes
 
-    def reorder(self, indices: Tensor) -> "DecoderState":
-        """New state whose row j is this state's row indices[j]."""
+    def extend(self, layer: int, keys: Tensor, values: Tensor, *, num_layers: int) -> tuple[Tensor, Tensor]:
+        """Write `layer`'s keys/values of the new positions, (R, H, T, Dh) each, after the `length`
+        cached ones; return all of them, (R, H, length + T, Dh), as views of the cache.
 
-        def select(tensors: list[Tensor]) -> list[Tensor]:
-            return [t.index_select(0, indices) for t in tensors]
+        The decoder calls this for every layer, then `advance(T)`.
+        """
+        rows, heads, new, head_dim = keys.shape
+        end = self.length + new
+        cache = self._cache
+        if cache is None or end > cache.size(4) or rows > cache.size(2) or cache.dtype != keys.dtype:
+            cache = self._resize(num_layers=num_layers, rows=rows, heads=heads, capacity=end, head_dim=head_dim,
+                                 dtype=keys.dtype, device=keys.device)
+        self.rows = rows
+        cache[layer, 0, :rows, :, self.length : end] = keys
+        cache[layer, 1, :rows, :, self.length : end] = values
+        return cache[layer, 0, :rows, :, :end], cache[layer, 1, :rows, :, :end]
 
-        return DecoderState(
-            self_keys=select(self.self_keys),
-            self_values=select(self.self_values),
-            cross_keys=select(self.cross_keys),
-            cross_values=select(self.cross_values),
-        )
+    def advance(self, new: int) -> None:
+        self.length += new
+
+    def _resize(self, *, num_layers: int, rows: int, heads: int, capacity: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device) -> Tensor:
+        old = self._cache
+        if old is not None:
+            rows, capacity = max(rows, old.size(2)), max(capacity, 2 * old.size(4))
+        cache = torch.empty(num_layers, 2, rows, heads, max(capacity, 16), head_dim, dtype=dtype, device=device)
+        if old is not None and self.length:
+            cache[:, :, : self.rows, :, : self.length] = old[:, :, : self.rows, :, : self.length]
+        self._cache, self._spare = cache, None
+        return cache
+
+    def reorder(self, indices: Tensor, *, sentences: Tensor | None = None) -> "DecoderState":
+        """In place: row j becomes what row indices[j] was; `sentences` likewise selects the
+        cross-attention rows (None: the sentences are unchanged). Returns the state itself."""
+        if sentences is not None:
+            self.cross_keys = [t.index_select(0, sentences) for t in self.cross_keys]
+            self.cross_values = [t.index_select(0, sentences) for t in self.cross_values]
+        cache = self._cache
+        if cache is None:
+            return self
+        rows = indices.numel()
+        spare = self._spare
+        if spare is None or spare.size(2) < rows or spare.shape[4:] != cache.shape[4:]:
+            spare = cache.new_empty(cache.size(0), 2, max(rows, cache.size(2)), *cache.shape[3:])
+        filled = slice(0, self.length)
+        torch.index_select(cache[:, :, : self.rows, :, filled], 2, indices, out=spare[:, :, :rows, :, filled])
+        self._cache, self._spare, self.rows = spare, cache, rows
+        return self

@@ -18,6 +18,9 @@ from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.model.config import TransformerConfig
 from seq2seq.model.positions import Rotary
 
+CacheExtender = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+"""(new keys, new values) -> (all keys, all values) of one layer's self-attention (DecoderState.extend)."""
+
 GATED: dict[str, Callable[[Tensor], Tensor]] = {"glu": F.sigmoid, "swiglu": F.silu, "geglu": F.gelu}
 PLAIN: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
 
@@ -145,26 +148,24 @@ class DecoderLayer(nn.Module):
         self,
         x: Tensor,
         *,
-        self_kv: tuple[Tensor, Tensor] | None,
+        extend_cache: CacheExtender | None,
         cross_kv: tuple[Tensor, Tensor],
         self_mask: Tensor | None,
         cross_mask: Tensor,
         position_bias: Tensor | None = None,
         rotary: Rotary | None = None,
         offset: int = 0,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    ) -> Tensor:
         """One layer over the new target positions offset..offset+T-1.
 
-        x: (B, T, D); self_kv: the cached keys/values of positions 0..offset-1, (B, H, offset, Dh) each,
-        or None; cross_kv: the projected source, (B, H, S, Dh) each. Returns the output and the
-        self-attention keys/values of positions 0..offset+T-1, for the cache.
+        x: (R, T, D); extend_cache: stores these positions' self-attention keys/values after the
+        cached ones of positions 0..offset-1 and returns them all (None: no cache, offset 0);
+        cross_kv: the projected source, (N, H, S, Dh) each, N = R or R / beams (see MultiHeadAttention).
         """
         h = self.self_attn_residual.before(x)
-        keys, values = self.self_attn.keys_values(h, rotary=rotary, offset=offset)  # (B, H, T, Dh)
-        if self_kv is not None:
-            # Appending costs O(t) per step, as a decoding step must; nothing before `offset` is recomputed.
-            keys = torch.cat((self_kv[0], keys), dim=2)  # (B, H, offset+T, Dh)
-            values = torch.cat((self_kv[1], values), dim=2)
+        keys, values = self.self_attn.keys_values(h, rotary=rotary, offset=offset)  # (R, H, T, Dh)
+        if extend_cache is not None:
+            keys, values = extend_cache(keys, values)  # (R, H, offset+T, Dh); nothing before offset recomputed
         h = self.self_attn(
             h, keys=keys, values=values, mask=self_mask, position_bias=position_bias, rotary=rotary, offset=offset
         )
@@ -174,5 +175,4 @@ class DecoderLayer(nn.Module):
         h = self.cross_attn(h, keys=cross_kv[0], values=cross_kv[1], mask=cross_mask)
         x = self.cross_attn_residual.after(x, h)
 
-        x = self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
-        return x, (keys, values)
+        return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))

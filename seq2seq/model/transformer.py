@@ -16,6 +16,7 @@ Initialisation (as fairseq's transformer, with the paper's embedding scale in mi
 """
 
 import math
+from functools import partial
 from typing import cast
 
 import torch
@@ -115,7 +116,7 @@ class Decoder(nn.Module):
         self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
 
     def forward(self, tgt_in: Tensor, *, memory: Tensor, src_mask: Tensor, state: DecoderState | None) -> Tensor:
-        # tgt_in: (B, T) new target tokens; memory: (B, S, D); src_mask: (B, 1, 1, S)
+        # tgt_in: (R, T) new target tokens; memory: (N, S, D); src_mask: (N, 1, 1, S); R = N or N * beams
         offset = state.length if state is not None else 0
         length = tgt_in.size(1)
         x = self.embed(tgt_in, offset=offset)  # (B, T, D)
@@ -125,19 +126,20 @@ class Decoder(nn.Module):
         if self.relative_bias is not None:
             bias = self.relative_bias(length, offset + length, offset=offset)  # (1, H, T, offset+T)
         first_call = state is None or not state.cross_keys
-        for i, layer in enumerate(cast(list[DecoderLayer], self.layers)):
+        layers = cast(list[DecoderLayer], self.layers)
+        for i, layer in enumerate(layers):
             if first_call:
-                cross_kv = layer.cross_attn.keys_values(memory)
+                cross_kv = layer.cross_attn.keys_values(memory)  # (N, H, S, Dh) each
                 if state is not None:
                     state.cross_keys.append(cross_kv[0])
                     state.cross_values.append(cross_kv[1])
             else:
                 assert state is not None  # not the first call: the state holds every layer's cross keys/values
                 cross_kv = (state.cross_keys[i], state.cross_values[i])
-            self_kv = (state.self_keys[i], state.self_values[i]) if state is not None and offset else None
-            x, (keys, values) = layer(
+            extend_cache = partial(state.extend, i, num_layers=len(layers)) if state is not None else None
+            x = layer(
                 x,
-                self_kv=self_kv,
+                extend_cache=extend_cache,
                 cross_kv=cross_kv,
                 self_mask=self_mask,
                 cross_mask=src_mask,
@@ -145,12 +147,8 @@ class Decoder(nn.Module):
                 rotary=self.rotary,
                 offset=offset,
             )
-            if state is not None:
-                if offset:
-                    state.self_keys[i], state.self_values[i] = keys, values
-                else:
-                    state.self_keys.append(keys)
-                    state.self_values.append(values)
+        if state is not None:
+            state.advance(length)
         return self.final_norm(x) if self.final_norm is not None else x
 
 
@@ -207,9 +205,11 @@ class Transformer(nn.Module):
         return self.encoder(src, src_mask=padding_mask(src, pad_id=self.config.pad_id))
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: DecoderState | None = None) -> Tensor:
-        """Logits (B, T, V) for the target tokens `tgt_in` (B, T).
+        """Logits (R, T, V) for the target tokens `tgt_in` (R, T).
 
-        src_mask: (B, S) bool, True at real source tokens (`src_mask(src)`).
+        memory: (N, S, D) from `encode`; src_mask: (N, S) bool, True at real source tokens
+        (`src_mask(src)`). R = N, or R = N * K for K hypotheses per sentence, each sentence's K rows
+        adjacent: they share its memory (no copies per beam).
         Without `state`, `tgt_in` is the whole (right-padded) target prefix. With a state (start from
         `new_state()`), `tgt_in` holds only the tokens after the `state.length` already cached ones; the
         state grows by T positions and holds the cross-attention keys/values after its first call.
