@@ -6,8 +6,10 @@ N empty translations with score 0). With --ref, sacreBLEU and chrF (with their s
 stderr, so stdout stays the translations. Input, references and output are UTF-8 (a byte-order
 mark at the start of a file is dropped).
 
-Every option, the output path and the checkpoint are checked before any sentence is translated;
-translations are written as each window of input lines is done, so an interrupted run keeps them.
+Every option, the output path and the checkpoint are checked before any sentence is translated.
+Each translation is written (and flushed) as soon as it and every line before it are done, so an
+interrupted run keeps them; lines are batched by length within windows of 1,000. On a terminal,
+stderr shows a progress bar (not when stderr is piped or redirected).
 """
 
 import argparse
@@ -23,6 +25,7 @@ from typing import TextIO
 
 import sacrebleu
 import torch
+from tqdm import tqdm
 
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.model import ConfigError
@@ -30,7 +33,7 @@ from seq2seq.model.precision import PRECISIONS
 from seq2seq.search import SearchConfig
 from seq2seq.translator import Translation, Translator, keep_freed_memory, resolve_device
 
-WINDOW = 1000  # input lines decoded (and sorted by length) at a time before their output is written
+WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
 
 
 def read_lines(path: str, *, option: str = "--input") -> list[str]:
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     output = utf8_stdout() if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     try:
         write_translations(translator.translate_stream(sources, search, max_tokens=args.max_tokens, window=WINDOW),
-                           output, nbest=search.nbest, best=best)
+                           output, nbest=search.nbest, best=best, total=len(sources))
         if output is not sys.stdout:
             output.close()  # inside the try: a close that fails (quota, NFS) is a write error too
     except KeyboardInterrupt:
@@ -239,18 +242,23 @@ def where(args: argparse.Namespace) -> str:
     return "stdout" if args.output == "-" else f"--output {args.output}"
 
 
-def write_translations(results, output: TextIO, *, nbest: int, best: list[str]) -> None:
-    """Write each line's translation(s) as it comes, flushing after each window; `best` collects the 1-bests."""
-    for i, hyps in enumerate(results):
-        best.append(one_line(hyps[0].text) if hyps else "")
-        if nbest > 1:
-            text = "".join(f"{line}\n" for line in format_nbest(hyps, nbest=nbest, prefix=f"{i}\t"))
-        else:
-            text = best[-1] + "\n"
-        output.write(text)
-        if (i + 1) % WINDOW == 0:
-            output.flush()
-    output.flush()
+def write_translations(results, output: TextIO, *, nbest: int, best: list[str], total: int | None = None,
+                       progress: TextIO | None = None) -> None:
+    """Write each line's translation(s) as soon as it and every line before it are done, flushed at
+    once; `best` collects the 1-bests. A progress bar goes to `progress` if it is a terminal (not
+    when piped or redirected, where it would fill a log)."""
+    progress = progress if progress is not None else sys.stderr
+    with tqdm(total=total, file=progress, unit=" lines", dynamic_ncols=True, leave=False,
+              disable=not progress.isatty()) as bar:
+        for i, hyps in enumerate(results):
+            best.append(one_line(hyps[0].text) if hyps else "")
+            if nbest > 1:
+                text = "".join(f"{line}\n" for line in format_nbest(hyps, nbest=nbest, prefix=f"{i}\t"))
+            else:
+                text = best[-1] + "\n"
+            output.write(text)
+            output.flush()  # one line at a time: a reader (or an interrupted run) has every line done
+            bar.update()
 
 
 if __name__ == "__main__":

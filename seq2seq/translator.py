@@ -105,6 +105,17 @@ class Translator:
         `generator` the random draws of sampling (default: a new one seeded with `search.seed`).
         """
         lines = as_lines(texts, first_line=first_line)
+        results: list[list[Translation]] = [[] for _ in lines]
+        for i, translations in self._translate_batches(lines, search, max_tokens=max_tokens, first_line=first_line,
+                                                       generator=generator):
+            results[i] = translations
+        return results
+
+    def _translate_batches(
+        self, lines: list[str], search: SearchConfig, *, max_tokens: int, first_line: int,
+        generator: torch.Generator | None,
+    ) -> Iterator[tuple[int, list[Translation]]]:
+        """(index, translations) of every line: the empty ones ([]) first, then batch by batch (longest first)."""
         if not isinstance(search, SearchConfig):
             raise TypeError(f"search must be a SearchConfig, e.g. SearchConfig(beam_size=5), not a "
                             f"{type(search).__name__}")
@@ -112,24 +123,24 @@ class Translator:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
         ids = self._truncate(self.tokenizer.encode([text.strip() for text in lines]), first_line=first_line)
-        results: list[list[Translation]] = [[] for _ in lines]
         if generator is None and search.sampling and search.seed is not None:  # one for all the batches
             generator = self._generator(search)
+        yield from ((i, []) for i, sentence in enumerate(ids) if not sentence)
         for batch in length_sorted_batches(ids, max_tokens=max_tokens):
             src = pad_batch([ids[i] for i in batch], device=self.device)  # (B, S)
             nbest = decode(self.model, src, search, bos=BOS_ID, eos=EOS_ID, pad=PAD_ID, generator=generator)
             for i, sentence_hyps in zip(batch, nbest, strict=True):
-                results[i] = self._detokenize(sentence_hyps)
-        return results
+                yield i, self._detokenize(sentence_hyps)
 
     def translate_stream(
         self, texts: Iterable[str], search: SearchConfig = DEFAULT_SEARCH, *, max_tokens: int = 8192,
         window: int = 1000,
     ) -> Iterator[list[Translation]]:
-        """translate_nbest's results, one line at a time and in order, decoding `window` lines at a time.
+        """translate_nbest's results, one line at a time and in order, as soon as a line and all lines
+        before it are done; `window` lines are read and batched (sorted by length) at a time.
 
-        Length-sorted batching works within each window, so memory stays bounded and a caller can
-        write each window's lines before the next is decoded (an interrupted run keeps them).
+        Memory stays bounded, and a caller can write each line while the rest of its window is
+        decoded (an interrupted run keeps what was written).
         """
         if isinstance(texts, str | bytes):
             as_lines(texts)  # the same TypeError as translate_nbest
@@ -139,8 +150,16 @@ class Translator:
         # One generator for the whole stream: a new one per window would replay the same draws.
         generator = self._generator(search) if search.sampling and search.seed is not None else None
         while chunk := list(islice(iterator, window)):
-            yield from self.translate_nbest(chunk, search, max_tokens=max_tokens, first_line=done + 1,
-                                            generator=generator)
+            ready: dict[int, list[Translation]] = {}
+            next_line = 0
+            for i, translations in self._translate_batches(as_lines(chunk, first_line=done + 1), search,
+                                                           max_tokens=max_tokens, first_line=done + 1,
+                                                           generator=generator):
+                ready[i] = translations
+                while next_line in ready:
+                    yield ready.pop(next_line)
+                    next_line += 1
+            assert next_line == len(chunk), "every line of the window is yielded"
             done += len(chunk)
 
     def _generator(self, search: SearchConfig) -> torch.Generator:

@@ -26,7 +26,7 @@ from conftest import DEMO_DATA, write_not_ours
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.search import SearchConfig, beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from seq2seq.translate import format_nbest, main, one_line, read_lines
+from seq2seq.translate import format_nbest, main, one_line, read_lines, write_translations
 from seq2seq.translator import Translation, Translator, length_sorted_batches, pad_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,6 +213,39 @@ def test_translate_stream_equals_translate_and_numbers_lines_across_windows(trai
 
     drawn = draw()
     assert drawn[:3] != drawn[3:] and draw() == drawn  # different draws, reproducible by the seed
+
+
+def test_translate_stream_yields_each_line_once_it_and_those_before_are_done(trained64: Translator, monkeypatch):
+    """Within a window, batches run longest first: the longest line 0 comes out after the first
+    batch, and the rest as the batches holding them (and every line before them) are done."""
+    import seq2seq.translator as translator_module
+
+    calls = []
+    real = translator_module.decode
+    monkeypatch.setattr(translator_module, "decode", lambda model, src, *a, **k: calls.append(len(src)) or real(model, src, *a, **k))
+    texts = [" ".join(SENTENCES[:3]), "", SENTENCES[3], SENTENCES[0], SENTENCES[1]]
+    stream = trained64.translate_stream(texts, SearchConfig(beam_size=2), max_tokens=40, window=100)
+    first, second = next(stream), next(stream)
+    assert len(calls) == 1  # line 0 (the longest, in the first batch) and the empty line 1: no wait for the rest
+    assert first and second == []
+    rest = list(stream)
+    assert len(calls) > 2 and len(rest) == 3
+    expected = trained64.translate_nbest(texts, SearchConfig(beam_size=2))
+    assert [first, second, *rest] == expected
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_bar_only_on_a_terminal(terminal: bool):
+    class Stream(io.StringIO):
+        def isatty(self) -> bool:
+            return terminal
+
+    progress, output, best = Stream(), io.StringIO(), []
+    hyps = [[Translation(text=f"line {i}", score=-1.0, tokens=[4])] for i in range(3)]
+    write_translations(iter(hyps), output, nbest=1, best=best, total=3, progress=progress)
+    assert output.getvalue() == "line 0\nline 1\nline 2\n" and best == ["line 0", "line 1", "line 2"]
+    assert ("/3 [" in progress.getvalue()) == terminal  # the bar ("0/3 [00:00<?, ...]"); nothing when piped
+    assert terminal or progress.getvalue() == ""
 
 
 def test_length_sorted_batches_respect_the_budget_and_cover_every_sentence_once():
@@ -443,21 +476,21 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(checkpoint
     sources = [SENTENCES[i % len(SENTENCES)] for i in range(7)]
     (tmp_path / "in.de").write_text("\n".join(sources) + "\n", encoding="utf-8")
     monkeypatch.setattr("seq2seq.translate.WINDOW", 3)
-    real = Translator.translate_nbest
+    real = Translator._translate_batches
     calls = []
 
-    def interrupted_on_the_third_window(self, texts, *args, **kwargs):
-        calls.append(len(texts))
+    def interrupted_on_the_third_window(self, lines, *args, **kwargs):
+        calls.append(len(lines))
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(self, texts, *args, **kwargs)
+        return real(self, lines, *args, **kwargs)
 
-    monkeypatch.setattr(Translator, "translate_nbest", interrupted_on_the_third_window)
+    monkeypatch.setattr(Translator, "_translate_batches", interrupted_on_the_third_window)
     output = tmp_path / "out.en"
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output)])
     assert caught.value.code == 130
-    monkeypatch.setattr(Translator, "translate_nbest", real)
+    monkeypatch.setattr(Translator, "_translate_batches", real)
     expected = Translator.from_checkpoint(checkpoint).translate(sources[:6])
     assert output.read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)  # two whole windows
 
@@ -467,7 +500,8 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(checkpoint
 
 
 def serve(checkpoint: Path, *args: str) -> subprocess.Popen:
-    command = [sys.executable, str(REPO / "serve/translate.py"), "--checkpoint", str(checkpoint), *args]
+    command = [sys.executable, str(REPO / "serve/translate.py"), "--checkpoint", str(checkpoint), *args,
+               "--precision", "fp32"]  # as the in-process Translator it is compared with (see run_cli)
     return subprocess.Popen(command, cwd=REPO, env=python_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 
