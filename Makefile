@@ -26,7 +26,7 @@ $(BIN)/python:
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[dev,export]'
+	$(BIN)/pip install --quiet -e '.[dev,export,serve]'
 	touch $@
 
 demo: train-demo ## train the demo (~5 min on 2 cores), then translate its test set
