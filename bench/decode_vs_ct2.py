@@ -149,7 +149,9 @@ def compare(ours: dict[str, Translator], engines: dict, sources: list[str], sour
             results = engines[name].translate_batch(
                 source_pieces, beam_size=beam, length_penalty=0.0, max_decoding_length=max_len + 1,
                 max_batch_size=max_tokens, batch_type="tokens", suppress_sequences=[["<pad>"], ["<s>"]])
-            outputs[name] = [[index[p] for p in r.hypotheses[0] if p != "</s>"] for r in results]
+            # CTranslate2 does not force EOS at the limit: a hypothesis that reaches it has max_len + 1
+            # tokens where ours has max_len and EOS; count and compare the same max_len.
+            outputs[name] = [[index[p] for p in r.hypotheses[0] if p != "</s>"][:max_len] for r in results]
         return run
 
     steps = {**{name: translate(name) for name in ours}, **{name: ct2(name) for name in engines}}

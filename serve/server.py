@@ -36,6 +36,7 @@ import json
 import signal
 import sys
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -165,7 +166,16 @@ class Batcher:
 async def read_body(request: Request) -> dict[str, Any]:
     """JSON or form fields as a dict; a repeated form field `q` becomes a list."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type in ("application/x-www-form-urlencoded", "multipart/form-data"):
+    if content_type == "application/x-www-form-urlencoded":
+        # Parsed here: Starlette (python-multipart) reads bytes that are not percent-encoded as
+        # latin-1, but `curl -d q=Männer` sends them as raw UTF-8, which LibreTranslate accepts.
+        try:
+            text = (await request.body()).decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest("the form body is not UTF-8; send UTF-8 text (percent-encoded or raw)") from None
+        fields = urllib.parse.parse_qs(text, keep_blank_values=True)
+        return {key: values if len(values) > 1 else values[0] for key, values in fields.items()}
+    if content_type == "multipart/form-data":
         form = await request.form()
         body: dict[str, Any] = {key: form.getlist(key) if len(form.getlist(key)) > 1 else form[key] for key in form}
         return body
@@ -203,6 +213,8 @@ def texts_of(body: dict[str, Any], *, char_limit: int) -> tuple[list[str], bool]
 
 def int_field(body: dict[str, Any], name: str, default: int) -> int:
     value = body.get(name, default)
+    if isinstance(value, bool):
+        raise BadRequest(f"{name} must be a whole number, got {value!r}")
     try:
         number = int(value)
     except (TypeError, ValueError):

@@ -142,6 +142,26 @@ def test_incremental_decoding_equals_full_pass(placement, positions, norm):
         assert_relative_close(torch.cat((first, rest), dim=1), full)
 
 
+@pytest.mark.parametrize("positions", ["sinusoidal", "relative", "rotary"])
+def test_encode_in_length_chunks_equals_each_sentence_alone(positions):
+    """encode() cuts a batch of mixed lengths into chunks of similar length (less padding): every
+    row's memory must be what encoding that sentence alone gives, and padding must stay masked."""
+    model = tiny_model(positions=positions).double()
+    gen = torch.Generator().manual_seed(4)
+    lengths = [30, 3, 5, 28, 1, 12, 7, 30, 2, 9]
+    src = pad_rows(random_tokens(len(lengths), 30, generator=gen), lengths)
+    with torch.no_grad():
+        chunked = model.encode(src, chunk_tokens=40)  # 10 rows of up to 30: chunks of 1 to 13 rows
+        whole = model.encode(src, chunk_tokens=10**6)
+        for i, n in enumerate(lengths):
+            alone = model.encode(src[i : i + 1, :n])[0]
+            assert_relative_close(chunked[i, :n], alone)
+            assert_relative_close(whole[i, :n], alone)
+            assert (chunked[i, n:] == 0).all() and (whole[i, n:] == 0).all()
+        tgt_in = random_tokens(len(lengths), 6, generator=gen)
+        assert_relative_close(model.decode(tgt_in, chunked, model.src_mask(src)), model(src, tgt_in))
+
+
 def test_cross_attention_is_computed_once_per_source():
     model = tiny_model()
     calls = []
@@ -184,7 +204,7 @@ def test_cache_grows_past_its_capacity_and_follows_reorders_of_any_size():
     model = tiny_model()
     gen = torch.Generator().manual_seed(9)
     src = pad_rows(random_tokens(2, 6, generator=gen), [6, 4])
-    tgt_in = random_tokens(6, 40, generator=gen)  # 40 steps: beyond the first capacity (16), twice
+    tgt_in = random_tokens(6, 40, generator=gen)  # 40 positions: beyond the first capacity (32)
     with torch.no_grad():
         memory, src_mask = model.encode(src), model.src_mask(src)
         state = model.new_state()

@@ -86,6 +86,11 @@ def test_json_and_form_bodies_lists_and_alternatives(server: Running, translator
     form = httpx.post(url, data={"q": SENTENCES[1], "source": "auto", "target": "de", "format": "text"})
     assert form.json() == {"translatedText": alone(translator, SENTENCES[1]),
                            "detectedLanguage": {"confidence": 100.0, "language": "en"}}
+    raw = "q=Caf\u00e9 ?&source=en&target=de".encode()  # raw UTF-8, not percent-encoded, as `curl -d` sends it
+    reply = httpx.post(url, content=raw, headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert reply.json() == {"translatedText": alone(translator, "Caf\u00e9 ?")}
+    multipart = httpx.post(url, files={"q": (None, SENTENCES[3]), "source": (None, "en"), "target": (None, "de")})
+    assert multipart.json() == {"translatedText": alone(translator, SENTENCES[3])}
     repeated = httpx.post(url, data={"q": SENTENCES[:2], "source": "en", "target": "de"})
     assert repeated.json()["translatedText"] == [alone(translator, s) for s in SENTENCES[:2]]
     nbest = httpx.post(url, json={"q": SENTENCES[2], "source": "en", "target": "de", "alternatives": 2}).json()
@@ -136,6 +141,9 @@ def test_bad_requests_get_400_and_a_message(server: Running, body, message: str)
 
 def test_bad_bodies_and_options_get_400_and_the_server_keeps_serving(server: Running, translator: Translator):
     url = server.url + "/translate"
+    bad_form = httpx.post(url, content=b"q=\xff&source=en&target=de",
+                          headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert bad_form.status_code == 400 and "not UTF-8" in bad_form.json()["error"]
     for content in (b"{not json", b"", "\udcff".encode("utf-8", "surrogatepass")):
         reply = httpx.post(url, content=content, headers={"Content-Type": "application/json"})
         assert reply.status_code == 400 and "error" in reply.json(), reply.text

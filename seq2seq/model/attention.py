@@ -124,15 +124,19 @@ def unfold_beams(out: Tensor, *, beams: int) -> Tensor:
                                                                                    head_dim)
 
 
+CACHE_GROWTH = 32  # positions added to the self-attention cache when it is full
+
+
 class DecoderState:
     """What incremental decoding keeps between steps: per decoder layer, the self-attention keys and
     values of every target position fed so far, and the cross-attention keys and values of the source.
 
     Rows are hypotheses (R); `reorder` selects, shuffles and duplicates them (beam search) or drops
     finished ones. The self-attention cache is one preallocated buffer for all layers,
-    (layers, keys|values, R, H, capacity, Dh): each step writes its position in place, its capacity
-    doubles when full, and a reorder gathers the filled part into a second buffer of the same shape
-    that then takes its place, so that a step neither concatenates nor allocates.
+    (layers, keys|values, R, H, capacity, Dh): each step writes its position in place, the capacity
+    grows by 32 positions when full (a copy every 32 steps, and never more than 32 positions unused),
+    and a reorder gathers the filled part into a second buffer of the same shape that then takes its
+    place, so that a step neither concatenates nor allocates.
 
     Cross-attention keys and values, (N, H, S, Dh), have one row per *sentence*, shared by its
     K = R / N hypotheses (see MultiHeadAttention): a reorder within sentences leaves them alone, and
@@ -172,8 +176,9 @@ class DecoderState:
                 dtype: torch.dtype, device: torch.device) -> Tensor:
         old = self._cache
         if old is not None:
-            rows, capacity = max(rows, old.size(2)), max(capacity, 2 * old.size(4))
-        cache = torch.empty(num_layers, 2, rows, heads, max(capacity, 16), head_dim, dtype=dtype, device=device)
+            rows = max(rows, old.size(2))
+        capacity = (capacity + CACHE_GROWTH - 1) // CACHE_GROWTH * CACHE_GROWTH
+        cache = torch.empty(num_layers, 2, rows, heads, capacity, head_dim, dtype=dtype, device=device)
         if old is not None and self.length:
             cache[:, :, : self.rows, :, : self.length] = old[:, :, : self.rows, :, : self.length]
         self._cache, self._spare = cache, None
