@@ -573,6 +573,7 @@ def _one_per_row(
     tokens = torch.zeros(batch, 0, dtype=torch.long, device=device)  # (N, T)
     log_prob = torch.zeros(batch, device=device)  # (N,)
     live = torch.ones(batch, dtype=torch.bool, device=device)  # (N,) rows not finished yet
+    num_live = batch
     tgt_in = torch.full((batch, 1), bos, dtype=torch.long, device=device)
     results: dict[int, Hypothesis] = {}
 
@@ -580,6 +581,9 @@ def _one_per_row(
         logits, normalizer = step_logits(model, tgt_in, memory, src_mask, state)  # (N, V), (N,)
         constrain_(logits[:, None], tokens[:, None], limits, bos=bos, eos=eos, pad=pad, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
+        if num_live < live.numel():
+            # A finished row's constraints may ban every token, and multinomial cannot draw from none.
+            logits.masked_fill_(~live[:, None], 0.0)
         next_token, next_log_prob = pick(logits, normalizer)  # (N,), (N,)
         log_prob = log_prob + next_log_prob
         done = (next_token == eos) & live  # at max_len EOS is the only choice left

@@ -133,7 +133,12 @@ class Batcher:
         for job in jobs:
             by_search.setdefault(job.search, []).append(job)
         loop = asyncio.get_running_loop()
-        for search, group in by_search.items():
+        groups = [group for search, group in by_search.items() if not (search.sampling and search.seed is not None)]
+        # A seeded draw must not depend on what else arrived: such requests are decoded alone.
+        groups += [[job] for search, group in by_search.items() if search.sampling and search.seed is not None
+                   for job in group]
+        for group in groups:
+            search = group[0].search
             texts = [text for job in group for text in job.texts]
             try:
                 results = await loop.run_in_executor(
@@ -203,6 +208,12 @@ def texts_of(body: dict[str, Any], *, char_limit: int) -> tuple[list[str], bool]
         raise BadRequest("q must be a string or a list of strings")
     if not texts or not any(t.strip() for t in texts):
         raise BadRequest("q is empty: give the text to translate")
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest("q holds a lone surrogate (\\ud800-\\udfff without its pair), which is not text; "
+                             "send valid Unicode") from None
     chars = sum(len(t) for t in texts)
     if chars > char_limit:
         raise BadRequest(f"q has {chars} characters, more than this server's limit of {char_limit}; "
@@ -217,7 +228,7 @@ def int_field(body: dict[str, Any], name: str, default: int) -> int:
         raise BadRequest(f"{name} must be a whole number, got {value!r}")
     try:
         number = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: 1e999 in JSON is infinity
         raise BadRequest(f"{name} must be a whole number, got {value!r}") from None
     if isinstance(value, float) and value != number:
         raise BadRequest(f"{name} must be a whole number, got {value!r}")

@@ -30,6 +30,17 @@ def test_the_measurement_runs_here_and_other_devices_get_no_bf16():
     assert bf16_matmuls_pay(torch.device("meta")) is False
 
 
+@pytest.mark.parametrize("capability,pays", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_auto_on_a_gpu_wants_native_bf16(monkeypatch, capability, pays):
+    """V100 and T4 report bf16 support by emulating it, slowly: only Ampere and later count."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    bf16_matmuls_pay.cache_clear()
+    try:
+        assert bf16_matmuls_pay(torch.device("cuda", 0)) is pays
+    finally:
+        bf16_matmuls_pay.cache_clear()
+
+
 def test_bad_precisions_are_refused_with_the_choices():
     with pytest.raises(ValueError, match="one of auto, fp32, bf16, int8, got 'fp16'"):
         resolve_precision("fp16", CPU)

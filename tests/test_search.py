@@ -513,6 +513,25 @@ def test_beam_search_random_model_batch_equals_alone_with_prefix_and_no_repeat()
         assert [h.score for h in batched[i]] == sorted((h.score for h in batched[i]), reverse=True)
 
 
+def test_sampling_survives_finished_rows_whose_constraints_ban_every_token():
+    """Finished rows stay in the batch until a quarter are done; with no_repeat_ngram_size 1 a
+    finished row can have every token banned, which multinomial cannot draw from (it raised)."""
+    from seq2seq.model import Transformer, TransformerConfig
+
+    config = TransformerConfig(vocab_size=12, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
+                               num_decoder_layers=1, dropout=0.0, max_positions=64, tie_embeddings="none")
+    src = torch.tensor([[5, 6, 7, 8]] * 8)
+    prefix = [[9] * 8] * 7 + [[]]  # seven rows forced on for 8 steps; the free one may finish first and stay
+    for seed in range(10):
+        torch.manual_seed(seed)
+        model = Transformer(config).eval()
+        with torch.no_grad():
+            model.output_projection.weight[EOS].mul_(4)  # EOS likely
+        search = SearchConfig(sampling=True, seed=seed, no_repeat_ngram_size=1, max_len_a=0, max_len_b=30)
+        hyps = decode(model, src, search, prefix=prefix, **IDS)
+        assert all(len(set(h[0].tokens[8:])) == len(h[0].tokens[8:]) for h in hyps[:7])
+
+
 def test_sampling_near_zero_temperature_is_greedy():
     model = RunningSumModel(seed=4)
     best = greedy(model, RANDOM_SOURCES, SearchConfig(**MEDIUM), **IDS)

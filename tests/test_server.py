@@ -119,6 +119,17 @@ def test_concurrent_requests_share_decoder_batches(server: Running, translator: 
     assert after["batches"] - before["batches"] < len(texts) / 2, (before, after)  # measured: 1 to 3 batches
 
 
+def test_seeded_sampling_does_not_depend_on_the_other_requests(server: Running):
+    """Requests with the same seed are decoded alone: one generator over a shared batch would give
+    each request draws that depend on what else arrived."""
+    body = {"q": [SENTENCES[0], SENTENCES[1]], "sampling": True, "seed": 7, "temperature": 1.5}
+    alone = httpx.post(server.url + "/v1/translate", json=body).json()
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda _: httpx.post(server.url + "/v1/translate", json=body, timeout=60).json(),
+                                range(4)))
+    assert all(reply == alone for reply in replies)
+
+
 @pytest.mark.parametrize("body,message", [
     ({"q": "Hello .", "source": "de", "target": "en"}, "translates en to de only"),
     ({"q": "Hello .", "source": "en", "target": "fr"}, "translates en to de only"),
@@ -132,6 +143,7 @@ def test_concurrent_requests_share_decoder_batches(server: Running, translator: 
     ({"q": "Hi .", "source": "en", "target": "de", "format": "html"}, "format 'html' is not supported"),
     ({"q": "Hi .", "source": "en", "target": "de", "alternatives": "two"}, "alternatives must be a whole number"),
     ({"q": "Hi .", "source": "en", "target": "de", "alternatives": 50}, "alternatives must be between 0 and 9"),
+    ({"q": "Hi .", "source": "en", "target": "de", "alternatives": True}, "alternatives must be a whole number"),
     (["q", "source"], "must be an object"),
 ])
 def test_bad_requests_get_400_and_a_message(server: Running, body, message: str):
@@ -144,6 +156,12 @@ def test_bad_bodies_and_options_get_400_and_the_server_keeps_serving(server: Run
     bad_form = httpx.post(url, content=b"q=\xff&source=en&target=de",
                           headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert bad_form.status_code == 400 and "not UTF-8" in bad_form.json()["error"]
+    infinite = httpx.post(url, content=b'{"q": "Hi .", "source": "en", "target": "de", "alternatives": 1e999}',
+                          headers={"Content-Type": "application/json"})  # Python's json reads 1e999 as inf
+    assert infinite.status_code == 400 and "alternatives must be a whole number" in infinite.json()["error"]
+    surrogate = httpx.post(url, content=b'{"q": ["ok", "\\ud800"], "source": "en", "target": "de"}',
+                           headers={"Content-Type": "application/json"})  # valid JSON, not valid text
+    assert surrogate.status_code == 400 and "lone surrogate" in surrogate.json()["error"]
     for content in (b"{not json", b"", "\udcff".encode("utf-8", "surrogatepass")):
         reply = httpx.post(url, content=content, headers={"Content-Type": "application/json"})
         assert reply.status_code == 400 and "error" in reply.json(), reply.text

@@ -44,8 +44,8 @@ def _fastest_linear(dtype: torch.dtype, device: torch.device, *, repeats: int = 
 @cache
 def bf16_matmuls_pay(device: torch.device) -> bool:
     """Whether bf16 linear layers run faster than fp32 ones here (measured once per device)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # native bf16 from Ampere on; older GPUs only emulate it (slowly)
+        return torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type != "cpu":
         return False
     with torch.inference_mode():

@@ -207,7 +207,7 @@ class Transformer(nn.Module):
         (a decoding batch holds a few hundred sentences: at 8 to 40 tokens, 60% of the positions can
         be padding). The rows are therefore encoded longest first in chunks of about `chunk_tokens`
         positions, each chunk cut to its own longest sentence. Every row's memory is what encoding it
-        alone gives; training (`forward`) encodes its already length-bucketed batches whole.
+        alone gives. Training (`forward`, `hidden_states`) encodes its length-bucketed batches whole.
         """
         lengths = (src != self.config.pad_id).sum(dim=1)  # (B,)
         batch, width = src.shape
@@ -250,9 +250,11 @@ class Transformer(nn.Module):
     def hidden_states(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced decoder output (B, T, D), before the output projection.
 
-        Training projects only the non-pad positions, fused with the loss (seq2seq/loss.py).
+        Training projects only the non-pad positions, fused with the loss (seq2seq/loss.py). The
+        batch is encoded whole: training batches are already bucketed by length, and `encode`'s
+        chunking would cost a host sync per step on a GPU.
         """
-        memory = self.encode(src)
+        memory = self.encoder(src, src_mask=padding_mask(src, pad_id=self.config.pad_id))  # (B, S, D)
         src_mask = self.src_mask(src)
         return self.decoder(tgt_in, memory=memory, src_mask=src_mask[:, None, None, :], state=None)
 
