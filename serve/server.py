@@ -17,7 +17,8 @@ Endpoints (JSON or form bodies, as LibreTranslate takes them; errors are `{"erro
 Dynamic batching: a request's sentences join one queue; a batcher task takes whatever has arrived
 within --max-wait-ms of the first (up to --max-tokens source tokens), decodes it as one length-sorted
 batch in a worker thread (the event loop keeps accepting), and hands each request its own results.
-Requests with different search options are decoded in separate batches. The queue is bounded
+Requests with different search options are decoded in separate batches, and seeded sampling
+requests one at a time (a draw must not depend on what else arrived). The queue is bounded
 (--max-queue: a full queue answers 429), a request's text too (--char-limit: 400), and a request
 waits at most --timeout seconds (503). Bad input is a 400 with a one-line message, never a 500.
 SIGTERM or Ctrl-C stops accepting, finishes the requests already in, and exits 0.
