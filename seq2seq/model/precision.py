@@ -5,8 +5,9 @@
     int8   the linear layers' weights in int8, one scale per output row; activations quantised per
            call (dynamic quantisation), on fbgemm's int8 kernels; CPU only. Outputs differ slightly
            from fp32 (as CTranslate2's int8 does), so it is never chosen for you.
-    auto   bf16 on a GPU that has it, and on a CPU whose bf16 matmuls measure faster than fp32 ones
-           (AMX, AVX512-BF16); fp32 elsewhere (AVX2-only CPUs run bf16 matmuls 10-100x slower)
+    auto   bf16 on a GPU with native bf16 (Ampere on), and on a CPU whose bf16 matmuls measure
+           faster than fp32 ones (AMX, AVX512-BF16); fp32 elsewhere (AVX2-only CPUs run bf16
+           matmuls 10-100x slower)
 
 CPU flags alone do not say it: the measurement is what counts, and it takes a few milliseconds.
 """
