@@ -186,7 +186,7 @@ def top_k_rows(x: Tensor, k: int, *, chunk: int = 64) -> tuple[Tensor, Tensor]:
     chunk_max = x.as_strided((rows, body // chunk, chunk), (x.stride(0), chunk, 1)).amax(dim=-1)  # (R, V/chunk)
     best = chunk_max.argmax(dim=-1, keepdim=True) if k == 1 else chunk_max.topk(k, dim=-1).indices  # (R, k)
     if k > 1:
-        best = best.sort(dim=-1).values  # columns in increasing order, as argmax's tie rule needs for k = 1
+        best = best.sort(dim=-1).values  # candidate columns in increasing order, as in the row itself
     cols = (best[:, :, None] * chunk + torch.arange(chunk, device=x.device)).view(rows, k * chunk)
     if body < vocab:  # the last, partial chunk: always a candidate
         cols = torch.cat((cols, torch.arange(body, vocab, device=x.device).expand(rows, -1)), dim=1)
@@ -273,8 +273,7 @@ def constrain_(
     """
     step = tokens.size(-1)
     at_max = limits.max_len <= step  # (N,)
-    any_at_max = bool(at_max.any())
-    eos_logits = logits[at_max, :, eos] if any_at_max else None  # (N_max, K), before min_len bans EOS
+    eos_logits = logits[at_max, :, eos] if bool(at_max.any()) else None  # (N_max, K), before min_len bans EOS
     forced = None
     if step < limits.prefix.size(1):
         forced = (step < limits.prefix_len).nonzero()[:, 0]  # (N_f,)

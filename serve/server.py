@@ -172,6 +172,7 @@ class Batcher:
 async def read_body(request: Request) -> dict[str, Any]:
     """JSON or form fields as a dict; a repeated form field `q` becomes a list."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    fields: dict[str, list[Any]] | None = None
     if content_type == "application/x-www-form-urlencoded":
         # Parsed here: Starlette (python-multipart) reads bytes that are not percent-encoded as
         # latin-1, but `curl -d q=Männer` sends them as raw UTF-8, which LibreTranslate accepts.
@@ -180,11 +181,11 @@ async def read_body(request: Request) -> dict[str, Any]:
         except UnicodeDecodeError:
             raise BadRequest("the form body is not UTF-8; send UTF-8 text (percent-encoded or raw)") from None
         fields = urllib.parse.parse_qs(text, keep_blank_values=True)
-        return {key: values if len(values) > 1 else values[0] for key, values in fields.items()}
-    if content_type == "multipart/form-data":
+    elif content_type == "multipart/form-data":
         form = await request.form()
-        body: dict[str, Any] = {key: form.getlist(key) if len(form.getlist(key)) > 1 else form[key] for key in form}
-        return body
+        fields = {key: form.getlist(key) for key in form}
+    if fields is not None:
+        return {key: values if len(values) > 1 else values[0] for key, values in fields.items()}
     raw = await request.body()
     if not raw:
         raise BadRequest("the request has no body; send JSON (or form fields) with q, source and target")
@@ -225,13 +226,13 @@ def texts_of(body: dict[str, Any], *, char_limit: int) -> tuple[list[str], bool]
 
 def int_field(body: dict[str, Any], name: str, default: int) -> int:
     value = body.get(name, default)
-    if isinstance(value, bool):
-        raise BadRequest(f"{name} must be a whole number, got {value!r}")
-    try:
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: 1e999 in JSON is infinity
-        raise BadRequest(f"{name} must be a whole number, got {value!r}") from None
-    if isinstance(value, float) and value != number:
+    number = None
+    if not isinstance(value, bool):  # JSON true is not a count
+        try:
+            number = int(value)
+        except (TypeError, ValueError, OverflowError):  # OverflowError: 1e999 in JSON is infinity
+            pass
+    if number is None or (isinstance(value, float) and value != number):
         raise BadRequest(f"{name} must be a whole number, got {value!r}")
     return number
 

@@ -212,8 +212,7 @@ class Transformer(nn.Module):
         lengths = (src != self.config.pad_id).sum(dim=1)  # (B,)
         batch, width = src.shape
         if batch * width <= 1.25 * int(lengths.sum()) or batch * width <= chunk_tokens:
-            out = self.encoder(src, src_mask=padding_mask(src, pad_id=self.config.pad_id))
-            return out.masked_fill((src == self.config.pad_id)[:, :, None], 0.0)
+            return self._memory(src)
         order = lengths.argsort(descending=True, stable=True).tolist()
         sorted_lengths = lengths[order].tolist()
         memory: Tensor | None = None
@@ -221,14 +220,18 @@ class Transformer(nn.Module):
         while start < batch:
             longest = max(sorted_lengths[start], 1)
             rows = order[start : start + max(1, chunk_tokens // longest)]
-            chunk = src[rows, :longest]  # (b, longest)
-            out = self.encoder(chunk, src_mask=padding_mask(chunk, pad_id=self.config.pad_id))  # (b, longest, D)
+            out = self._memory(src[rows, :longest])  # (b, longest, D)
             if memory is None:
                 memory = out.new_zeros(batch, width, out.size(-1))
-            memory[rows, :longest] = out.masked_fill((chunk == self.config.pad_id)[:, :, None], 0.0)
+            memory[rows, :longest] = out
             start += len(rows)
         assert memory is not None
         return memory
+
+    def _memory(self, src: Tensor) -> Tensor:
+        """The encoder over (B, S) as one batch -> (B, S, D), zero at padding."""
+        out = self.encoder(src, src_mask=padding_mask(src, pad_id=self.config.pad_id))
+        return out.masked_fill((src == self.config.pad_id)[:, :, None], 0.0)
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: DecoderState | None = None) -> Tensor:
         """Logits (R, T, V) for the target tokens `tgt_in` (R, T).
