@@ -12,6 +12,7 @@ padded with PAD_ID; with text (validation/test) also src_text, ref_text and inde
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +32,10 @@ class TokenBatchSampler:
     Each rank then takes every world_size-th batch of the list, padded to a multiple of world_size
     by repeating its first batches. The batch count may differ slightly between epochs (windows
     pack differently); Lightning reads `len` once, at the first epoch.
+
+    Resumable: `state_dict` is (epoch, batches already trained on this epoch); after
+    `load_state_dict` the next iteration yields the rest of that epoch, the same batches in the same
+    order as a run that never stopped (ResumableLoader in data.py says who counts the batches).
     """
 
     def __init__(
@@ -49,6 +54,7 @@ class TokenBatchSampler:
         self.sizes, self.max_tokens, self.shuffle = np.asarray(sizes), max_tokens, shuffle
         self.shuffle_window, self.seed, self.rank, self.world_size = shuffle_window, seed, rank, world_size
         self.epoch = 0
+        self._skip = 0  # batches of this epoch trained before a resume: the next iteration starts after them
         self._cached: tuple[int, list[list[int]]] | None = None  # (epoch, this rank's batches)
 
     @property
@@ -58,10 +64,25 @@ class TokenBatchSampler:
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        if epoch != self.epoch:
+            self.epoch, self._skip = epoch, 0
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._batches()  # a generator: batches are made at the first `next`
+        skip, self._skip = self._skip, 0  # only the first iteration after a resume skips
+        yield from self._batches()[skip:]  # a generator: batches are made at the first `next`
+
+    def state_dict(self, *, batches_done: int) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_done": batches_done, "seed": self.seed, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue where `state` left off; a finished epoch continues with the next one."""
+        if (state["seed"], state["world_size"]) != (self.seed, self.world_size):
+            warnings.warn(f"the checkpoint's data order was made with data.seed {state['seed']} on "
+                          f"{state['world_size']} processes, this run's with {self.seed} on {self.world_size}: "
+                          "training goes on, but not on the batches the first run would have seen", stacklevel=2)
+        self.epoch, self._skip = state["epoch"], state["batches_done"]
+        if self._skip >= len(self._batches()):
+            self.epoch, self._skip = self.epoch + 1, 0
 
     def __len__(self) -> int:
         return len(self._batches())

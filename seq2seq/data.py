@@ -14,6 +14,9 @@ Distributed: the batch sampler deals batches to ranks itself, so fit.py builds t
 `use_distributed_sampler=False` (without it Lightning stops under DDP with a TypeError saying so).
 Every rank gets the same number of batches: the batch list is padded to a multiple of the world
 size by repeating batches from its start.
+
+Resuming: the training loader is a ResumableLoader, so a checkpoint records where in its epoch
+training was and a resumed run trains on the rest of that epoch's batches, in order.
 """
 
 from __future__ import annotations
@@ -41,6 +44,28 @@ from seq2seq.batching import TokenBatchSampler, collate
 from seq2seq.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader whose place in the epoch goes into checkpoints.
+
+    Lightning saves `state_dict()` of the training loader itself (not of its sampler) and hands it
+    back to `load_state_dict` on resume, before it iterates. The count of batches trained comes
+    from the trainer's loop: counting what the loader handed out would include the batches that
+    Lightning's fetcher (and worker processes) fetched ahead but never trained on.
+    """
+
+    def __init__(self, *args, batches_done: Callable[[], int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches_done = batches_done
+
+    def state_dict(self) -> dict[str, int]:
+        assert isinstance(self.batch_sampler, TokenBatchSampler)
+        return self.batch_sampler.state_dict(batches_done=self.batches_done())
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        assert isinstance(self.batch_sampler, TokenBatchSampler)
+        self.batch_sampler.load_state_dict(state)
 
 
 class DataError(ValueError):
@@ -441,13 +466,22 @@ class TranslationDataModule(L.LightningDataModule):
             rank=rank,
             world_size=world_size,
         )
-        return DataLoader(
-            self.datasets[split],
-            batch_sampler=sampler,
-            collate_fn=partial(collate, with_text=split != "train"),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        kwargs = {
+            "batch_sampler": sampler,
+            "collate_fn": partial(collate, with_text=split != "train"),
+            "num_workers": self.num_workers,
+            "persistent_workers": self.num_workers > 0,
+            # Its own generator: a DataLoader draws its workers' base seed from torch's global RNG at
+            # every iter(), which would shift the dropout masks of a resumed run against an unbroken one.
+            "generator": torch.Generator().manual_seed(self.seed),
+        }
+        if split == "train" and self.trainer is not None:
+            return ResumableLoader(self.datasets[split], batches_done=self._batches_trained, **kwargs)
+        return DataLoader(self.datasets[split], **kwargs)
+
+    def _batches_trained(self) -> int:
+        assert self.trainer is not None
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -5,6 +5,10 @@ LightningCLI over TranslationModule and TranslationDataModule: the YAML's `train
 The model's vocabulary size is linked from the data module's tokenizer (trained on the first run,
 by one process only), so no number has to be kept in sync by hand.
 
+`trainer.precision: auto` (the default) is decided here, before Lightning sees it: bf16-mixed on a
+GPU with native bf16 and on a CPU whose bf16 matmuls (forward and backward) measure faster than
+fp32 ones, else 32-true. The choice is printed at start.
+
 Before any work, and so before hours of training can be lost: the model section is validated
 (every key named in its error), the checkpoint and log folders must be writable, and a resumed
 checkpoint must exist and pass the checks of checkpoint.py. Checkpoints are written atomically
@@ -13,12 +17,15 @@ beside their target and a failed write ends the run. A bad input ends with one `
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from lightning.pytorch import Trainer
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT  # Lightning's choices: jsonargparse checks them
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -26,6 +33,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference, save_atomic
 from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
+from seq2seq.model.precision import bf16_matmuls_pay
 from seq2seq.module import TrainingDiverged, TranslationModule, check_hyperparameters
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import PAD_ID
@@ -49,6 +57,43 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             free = shutil.disk_usage(Path(path).parent).free / 2**20 if Path(path).parent.is_dir() else float("nan")
             raise CheckpointError(f"cannot write checkpoint {path}: {reason} ({free:.0f} MiB free there); "
                                   "free space or fix the folder, then resume with --ckpt_path last") from error
+
+
+AUTO_PRECISION_ENV = "_SEQ2SEQ_AUTO_PRECISION"  # the launcher's choice, inherited by the DDP processes it starts
+
+
+def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
+    """`auto` made concrete for the device training will run on; any other value is Lightning's to check.
+
+    Measured once, by the process the user started: the DDP processes Lightning launches inherit the
+    choice through the environment, so ranks cannot time differently and train in different precisions.
+    """
+    if precision != "auto":
+        return precision
+    if chosen := os.environ.get(AUTO_PRECISION_ENV):
+        return chosen
+    name = str(accelerator).lower()
+    if name in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        device, where = torch.device("cuda", 0), torch.cuda.get_device_name(0)
+    elif name in ("auto", "cpu"):
+        device, where = torch.device("cpu"), "this CPU"
+    else:  # mps, tpu, an Accelerator object: no measurement of ours applies
+        device, where = torch.device("meta"), str(accelerator)
+    pays = bf16_matmuls_pay(device, training=True)
+    chosen = "bf16-mixed" if pays else "32-true"
+    os.environ[AUTO_PRECISION_ENV] = chosen
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
+        why = "bf16 matmuls measured faster than fp32" if pays else "bf16 matmuls are not faster than fp32"
+        print(f"trainer.precision auto: {chosen} ({why} on {where})", flush=True)
+    return chosen
+
+
+class Trainer(pl.Trainer):
+    """Lightning's Trainer with `precision: auto`, resolved before Lightning (whose choices it is not one of) sees it."""
+
+    def __init__(self, *, precision: Literal["auto"] | _PRECISION_INPUT | None = "auto", **kwargs: Any) -> None:
+        super().__init__(precision=resolve_auto_precision(precision, accelerator=kwargs.get("accelerator", "auto")),
+                         **kwargs)
 
 
 class TranslationCLI(LightningCLI):
@@ -102,7 +147,7 @@ def check_writable(folder: str | Path, *, option: str) -> None:
                               f"permissions or choose another folder") from None
 
 
-def check_output_folders(trainer: Trainer) -> None:
+def check_output_folders(trainer: pl.Trainer) -> None:
     # On every rank: harmless when repeated, and then all ranks stop alike instead of some waiting.
     check_writable(trainer.default_root_dir, option="trainer.default_root_dir")
     for callback in trainer.checkpoint_callbacks:
@@ -118,7 +163,7 @@ def check_lengths(model: TranslationModule, data: TranslationDataModule) -> None
                           "raise one or lower the other")
 
 
-def resolve_resume(trainer: Trainer, ckpt_path: str | None, *, model: TranslationModule,
+def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: TranslationModule,
                    data: TranslationDataModule) -> str | None:
     """The checkpoint to resume from, checked; 'last' with none to find is an error, not a fresh start.
 
@@ -166,6 +211,7 @@ def fit(args: list[str] | None) -> TranslationCLI:
     cli = TranslationCLI(
         TranslationModule,
         TranslationDataModule,
+        trainer_class=Trainer,
         run=False,
         # A second run in the same folder overwrites the saved config instead of refusing to start.
         save_config_kwargs={"overwrite": True},

@@ -34,6 +34,7 @@ from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry
 from seq2seq.loss import label_smoothed_nll, training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
+from seq2seq.model.precision import bf16_matmuls_pay
 from seq2seq.search import SearchConfig, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -88,13 +89,6 @@ def check_hyperparameters(*, pad_id: Any, val_search: SearchConfig, label_smooth
         raise ConfigError("model.warmup_steps", f"must be a whole number of updates, got {warmup_steps!r}")
 
 
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU has bf16 matmul instructions (AMX or AVX512-BF16) that torch can use."""
-    names = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private torch API, hence getattr
-    checks = [getattr(torch.cpu, name) for name in names if hasattr(torch.cpu, name)]
-    return not checks or any(check() for check in checks)  # unknown: assume yes rather than warn wrongly
-
-
 class TranslationModule(L.LightningModule):
     def __init__(
         self,
@@ -140,12 +134,12 @@ class TranslationModule(L.LightningModule):
         # process ~100x slower: measured here, the AdamW step went from 8 s to 0.6 s. Training loses
         # nothing by flushing them to zero.
         torch.set_flush_denormal(True)
-        on_cpu = self.trainer.strategy.root_device.type == "cpu"
-        if on_cpu and "bf16" in str(self.trainer.precision) and not cpu_has_bf16_matmul():
+        device = self.trainer.strategy.root_device
+        if device.type == "cpu" and "bf16" in str(self.trainer.precision) and not bf16_matmuls_pay(device, training=True):
             rank_zero_warn(
-                f"trainer.precision={self.trainer.precision} on a CPU without bf16 matmul units (no AMX, no "
-                "AVX512-BF16): torch's bf16 matmuls run 8-100x slower than fp32 there, and a training step ~40x "
-                "slower (bench/train_throughput.py). Use --trainer.precision=32-true on this machine."
+                f"trainer.precision={self.trainer.precision} on a CPU whose bf16 matmuls measure slower than fp32 "
+                "(no AMX, no AVX512-BF16): a training step there runs up to ~40x slower than in fp32 "
+                "(bench/train_throughput.py). Use --trainer.precision=auto or 32-true on this machine."
             )
         datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Trainer.fit, not declared
         self.tokenizer = datamodule.tokenizer
@@ -157,12 +151,20 @@ class TranslationModule(L.LightningModule):
         self.src_lang, self.tgt_lang = datamodule.src_lang, datamodule.tgt_lang
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Lightning calls this after filling checkpoint["state_dict"], which the entry's checksum covers.
+        # Lightning calls this after filling checkpoint["state_dict"] (and after callbacks such as
+        # weight averaging replaced it), which the entry's checksum covers.
         assert self.tokenizer is not None, "setup() takes the tokenizer before any checkpoint is written"
         checkpoint[CHECKPOINT_KEY] = inference_entry(
             state_dict=checkpoint["state_dict"], config=self.config, tokenizer=self.tokenizer.to_bytes(),
             src_lang=self.src_lang, tgt_lang=self.tgt_lang,
         )
+        checkpoint[RNG_KEY] = gather_rng_states(self.device)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Dropout then draws the masks an unbroken run would have drawn (with the data loader's position,
+        # restored by Lightning, that makes a resumed run train as if it had never stopped).
+        if RNG_KEY in checkpoint:
+            restore_rng_state(checkpoint[RNG_KEY], self.device)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -273,6 +275,32 @@ class TranslationModule(L.LightningModule):
                 f"on {len(rows)} sentences  [{signature}]"
             )
             self.print(f"  e.g. {hypotheses[0]!r}\n   ref {references[0]!r}")
+
+
+RNG_KEY = "rng_states"  # per rank: {"cpu": [ByteTensor], "cuda": [ByteTensor]}
+
+
+def gather_rng_states(device: torch.device) -> dict[str, list[Tensor]]:
+    """torch's random-number state of every rank (Lightning builds a checkpoint on all ranks, rank 0 writes it)."""
+    states = {"cpu": [torch.get_rng_state()]}
+    if device.type == "cuda":
+        states["cuda"] = [torch.cuda.get_rng_state(device)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[dict[str, list[Tensor]]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, states)
+        states = {kind: [part[kind][0] for part in gathered] for kind in states}
+    return states
+
+
+def restore_rng_state(states: dict[str, list[Tensor]], device: torch.device) -> None:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if len(states["cpu"]) <= rank:
+        rank_zero_warn(f"the checkpoint holds the random state of {len(states['cpu'])} processes, not of this "
+                       "run's: dropout masks will differ from the first run's (training goes on)")
+        return
+    torch.set_rng_state(states["cpu"][rank])
+    if device.type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"][rank], device)
 
 
 class InverseSqrt:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -129,17 +130,36 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path):
 
 @pytest.mark.parametrize("has_bf16", [False, True])
 def test_bf16_on_a_cpu_without_bf16_matmuls_warns(has_bf16: bool, tmp_path: Path, monkeypatch):
-    monkeypatch.setattr("seq2seq.module.cpu_has_bf16_matmul", lambda: has_bf16)
+    monkeypatch.setattr("seq2seq.module.bf16_matmuls_pay", lambda device, training=False: has_bf16)
     config = write_tiny_run(tmp_path, max_steps=1, train_pairs=100, val_pairs=4)
     args = ["--config", str(config), "--trainer.precision=bf16-mixed", "--trainer.limit_val_batches=0"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli = main(args)
     assert cli.trainer.global_step == 1
-    warned = [w for w in caught if "without bf16 matmul units" in str(w.message)]
+    warned = [w for w in caught if "bf16 matmuls measure slower" in str(w.message)]
     assert len(warned) == (0 if has_bf16 else 1)
     if warned:
-        assert "--trainer.precision=32-true" in str(warned[0].message)
+        assert "--trainer.precision=auto or 32-true" in str(warned[0].message)
+
+
+@pytest.mark.parametrize("pays,chosen", [(True, "bf16-mixed"), (False, "32-true")])
+def test_precision_auto_is_decided_by_measurement_and_passed_to_ddp_ranks(pays: bool, chosen: str, tmp_path: Path,
+                                                                         monkeypatch, capsys):
+    timed = []
+    monkeypatch.setattr("seq2seq.fit.bf16_matmuls_pay", lambda device, training=False: timed.append(training) or pays)
+    monkeypatch.setenv("_SEQ2SEQ_AUTO_PRECISION", "")
+    monkeypatch.delenv("_SEQ2SEQ_AUTO_PRECISION")  # and gone again after the test
+    config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
+    cli = main(["--config", str(config), "--trainer.precision=auto", "--trainer.limit_val_batches=0"])
+    assert cli.trainer.precision == chosen and timed == [True]  # timed as training runs: forward and backward
+    assert f"trainer.precision auto: {chosen}" in capsys.readouterr().out
+    assert os.environ["_SEQ2SEQ_AUTO_PRECISION"] == chosen  # what the DDP processes it starts inherit
+    cli = main(["--config", str(config), "--trainer.precision=auto", "--trainer.limit_val_batches=0",
+                "--trainer.max_steps=2"])
+    assert cli.trainer.precision == chosen and timed == [True]  # not measured again
+    cli = main(["--config", str(config), "--trainer.precision=32-true", "--trainer.limit_val_batches=0"])
+    assert cli.trainer.precision == "32-true"  # a precision given is kept
 
 
 # ---- failing early and loudly ------------------------------------------------------------------
@@ -272,3 +292,84 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_clear_error(tmp_path: Path
                                               r"free there\); free space"):
         AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- exact resume ------------------------------------------------------------------------------
+
+RESUME_CALLBACKS = """  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {root}/checkpoints
+        every_n_train_steps: {every}
+        save_top_k: 0
+        save_last: true
+        enable_version_counter: false
+    - class_path: lightning.pytorch.callbacks.EMAWeightAveraging
+      init_args:
+        decay: 0.9
+    - class_path: resume_probe.BatchLog
+      init_args:
+        path: {root}/batches.jsonl
+"""
+
+
+def fit_subprocess(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "seq2seq.fit", "--config", str(config), "--seed_everything=7",
+               "--model.transformer.dropout=0.2", "--trainer.precision=32-true", *extra]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def resume_run(root: Path, *, every: int = 4, tokenizer: Path | None = None) -> Path:
+    """A tiny run of 28 updates that saves last.ckpt every `every` updates (only saving: training is the same)."""
+    config = write_tiny_run(root, max_steps=28, train_pairs=250, val_pairs=8)
+    text = config.read_text(encoding="utf-8")
+    start, end = text.index("  callbacks:\n"), text.index("model:\n")
+    callbacks = RESUME_CALLBACKS.format(root=root, every=every)
+    config.write_text(text[:start] + callbacks + text[end:], encoding="utf-8")
+    if tokenizer is not None:
+        shutil.copy(tokenizer, root / "spm.model")  # the same tokenizer: it is not what is tested here
+    return config
+
+
+def batch_log(root: Path) -> list[dict]:
+    return [json.loads(line) for line in (root / "batches.jsonl").read_text().splitlines()]
+
+
+def test_a_run_killed_and_resumed_trains_exactly_as_one_that_never_stopped(tmp_path: Path):
+    """kill -9 mid-epoch, and again right after an epoch ended; `--ckpt_path last` each time. The batches
+    (which and in what order), the dropout masks, optimiser, schedule and EMA weights all continue: the
+    final weights are bitwise equal to those of a run that never stopped (one thread in both)."""
+    whole = tmp_path / "whole"
+    result = fit_subprocess(resume_run(whole))
+    assert result.returncode == 0, result.stderr[-3000:]
+    unbroken = batch_log(whole)
+    epoch_ends = [r["step"] for r, after in zip(unbroken, unbroken[1:]) if after["epoch"] != r["epoch"]]
+    assert len(unbroken) == 28 and epoch_ends and epoch_ends[0] < 20, epoch_ends  # crosses epochs
+
+    # Killed right after the first epoch's end (last.ckpt saved at its last update), resumed, killed
+    # again mid-epoch (last.ckpt 1-3 updates back), resumed to the end.
+    broken, first_epoch = tmp_path / "broken", epoch_ends[0] + 1
+    config = resume_run(broken, every=first_epoch, tokenizer=whole / "spm.model")
+    result = fit_subprocess(config, "--trainer.callbacks+=resume_probe.KillAt", f"--trainer.callbacks.step={first_epoch + 2}")
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    config = resume_run(broken, every=4)
+    mid_epoch = 4 * (first_epoch // 4 + 2)
+    assert mid_epoch not in (first_epoch, 2 * first_epoch) and mid_epoch < 28
+    result = fit_subprocess(config, "--ckpt_path", "last", "--trainer.callbacks+=resume_probe.KillAt",
+                            f"--trainer.callbacks.step={mid_epoch + 2}")
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    result = fit_subprocess(config, "--ckpt_path", "last")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # What each update trained on: the last record of each step (a killed run's later ones were redone).
+    resumed = {r["step"]: r for r in batch_log(broken)}
+    assert [resumed[step] for step in sorted(resumed)] == unbroken
+    ours = torch.load(broken / "checkpoints" / "last.ckpt", weights_only=True)
+    theirs = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ours["global_step"] == theirs["global_step"] == 28
+    for key in ("state_dict", "current_model_state"):  # the EMA weights, and the weights trained
+        assert ours[key].keys() == theirs[key].keys()
+        for name, tensor in theirs[key].items():
+            assert torch.equal(ours[key][name], tensor), (key, name)

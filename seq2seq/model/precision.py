@@ -25,28 +25,39 @@ PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8")
 M = TypeVar("M", bound=nn.Module)
 
 
-def _fastest_linear(dtype: torch.dtype, device: torch.device, *, repeats: int = 3) -> float:
-    """Seconds of the fastest of `repeats` linear layers shaped like a decoding step's."""
-    x = torch.randn(128, 256, device=device).to(dtype)  # 128 rows, d_model 256 -> 512
-    weight = torch.randn(512, 256, device=device).to(dtype)
-    torch.nn.functional.linear(x, weight)  # warm-up: kernel selection, first-touch
+def _fastest_linear(dtype: torch.dtype, device: torch.device, *, training: bool, repeats: int = 3) -> float:
+    """Seconds of the fastest of `repeats` linear layers shaped like a decoding step's or, with
+    `training`, like a training batch's forward and backward (whose transposed layouts are the ones
+    AVX2 CPUs run slowest in bf16)."""
+    rows, d_in, d_out = (2048, 256, 1024) if training else (128, 256, 512)
+    x = torch.randn(rows, d_in, device=device).to(dtype).requires_grad_(training)
+    weight = torch.randn(d_out, d_in, device=device).to(dtype).requires_grad_(training)
+    grad = torch.randn(rows, d_out, device=device).to(dtype)
+
+    def run() -> None:
+        y = torch.nn.functional.linear(x, weight)
+        if training:
+            y.backward(grad)  # on a CPU the call returns when the products are done
+
+    run()  # warm-up: kernel selection, first-touch
     best = float("inf")
-    for _ in range(repeats):  # on a CPU: the call returns when the product is done
+    for _ in range(repeats):
         start = time.perf_counter()
-        torch.nn.functional.linear(x, weight)
+        run()
         best = min(best, time.perf_counter() - start)
     return best
 
 
 @cache
-def bf16_matmuls_pay(device: torch.device) -> bool:
-    """Whether bf16 linear layers run faster than fp32 ones here (measured once per device)."""
+def bf16_matmuls_pay(device: torch.device, *, training: bool = False) -> bool:
+    """Whether bf16 linear layers run faster than fp32 ones here (measured once per device and use)."""
     if device.type == "cuda":  # native bf16 from Ampere on; older GPUs only emulate it (slowly)
         return torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type != "cpu":
         return False
-    with torch.inference_mode():
-        return _fastest_linear(torch.bfloat16, device) * 1.1 < _fastest_linear(torch.float32, device)
+    with torch.inference_mode(not training):
+        bf16 = _fastest_linear(torch.bfloat16, device, training=training)
+        return bf16 * 1.1 < _fastest_linear(torch.float32, device, training=training)
 
 
 def resolve_precision(precision: str, device: torch.device) -> Literal["fp32", "bf16", "int8"]:
