@@ -98,7 +98,6 @@ def process_cpu_s(pid: int) -> float:
 
 def worker(batches_path: Path, threads: int, seconds: float) -> None:
     import torch  # only here: the parent set OMP_* in our environment before this import
-
     from train_throughput import SIZES, make_step, ours, ours_loss
 
     from seq2seq.tokenizer import PAD_ID
@@ -193,7 +192,6 @@ def stop(load: subprocess.Popen | None) -> None:
 
 def prepare_batches(workdir: Path, count: int) -> Path:
     import torch
-
     from train_throughput import batches_for
 
     batches = batches_for(vocab_tokens=8000, max_tokens=MAX_TOKENS, count=count, workdir=workdir)
@@ -248,7 +246,7 @@ def main() -> None:
     for name in args.configs:
         line = f"{name:<11} {unloaded[name]:>14,.0f}"
         for load in loads[1:]:
-            r = next(r for n, l, r in rows if n == name and l == load)
+            r = next(r for n, kind, r in rows if n == name and kind == load)
             line += f" {r.tokens_per_s:>13,.0f} {r.tokens_per_s / unloaded[name]:>5.2f}x {r.cpu_per_wall:>8.2f}"
         print(line)
     print("cpu/wall: CPU seconds of the training process(es) per wall second; fair share beside either load ~0.5x")

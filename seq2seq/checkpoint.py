@@ -2,8 +2,9 @@
 
 A training checkpoint is Lightning's dict (weights under "state_dict" as "model.*", optimiser and
 loop state) plus, under the key "seq2seq", what inference needs as plain types: the model config,
-the tokenizer (serialized sentencepiece proto), the language pair and a SHA-256 of all of them and
-of the weights. It loads with `torch.load(weights_only=True)` and needs no other file.
+the tokenizer (serialized sentencepiece proto), the language pair, optionally the search options
+tuned on validation (`search`: e.g. the length penalty, the translation default) and a SHA-256 of
+all of them and of the weights. It loads with `torch.load(weights_only=True)` and needs no other file.
 
 Training writes through `inference_entry` and `save_atomic`; Translator (and resume) read through
 `load_checkpoint` and `read_inference`, which trust nothing in the file before checking it:
@@ -30,7 +31,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.model import ConfigError, Transformer, TransformerConfig
+from seq2seq.search import SearchConfig
 
 CHECKPOINT_KEY = "seq2seq"
 CHECKPOINT_FORMAT = 2  # 2 added "sha256"; bump on any change to what the entry holds
@@ -50,16 +52,19 @@ class InferenceCheckpoint(NamedTuple):
     tokenizer: bytes  # serialized sentencepiece proto
     src_lang: str
     tgt_lang: str
+    search: dict[str, Any]  # SearchConfig fields tuned on validation: the translation defaults ({} if none)
 
 
 # ---- writing -----------------------------------------------------------------------------------
 
 
 def checksum(*, weights: dict[str, Tensor], config: dict[str, Any], tokenizer: bytes, src_lang: str,
-             tgt_lang: str) -> str:
+             tgt_lang: str, search: dict[str, Any] | None = None) -> str:
     """SHA-256 over everything inference reads: each weight's name, dtype, shape and bytes, and the entry."""
     digest = hashlib.sha256()
     header = {"config": config, "src_lang": src_lang, "tgt_lang": tgt_lang}
+    if search:  # absent from files without tuned defaults, whose checksums stay what they were
+        header["search"] = search
     digest.update(json.dumps(header, sort_keys=True).encode())
     digest.update(hashlib.sha256(tokenizer).digest())
     for name in sorted(weights):
@@ -82,6 +87,20 @@ def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig,
         "sha256": checksum(weights=model_weights(state_dict), config=config_dict, tokenizer=tokenizer,
                            src_lang=src_lang, tgt_lang=tgt_lang),
     }
+
+
+def store_search_defaults(path: str | Path, search: dict[str, Any]) -> None:
+    """Write `search` (SearchConfig fields, e.g. a tuned length_penalty) into checkpoint `path` as the
+    translation default, re-checksummed, atomically."""
+    SearchConfig(**search)  # a ConfigError now rather than a damaged file later
+    checkpoint = load_checkpoint(path)
+    entry = dict(checkpoint[CHECKPOINT_KEY])
+    entry["search"] = dict(search)
+    entry["sha256"] = checksum(weights=model_weights(checkpoint["state_dict"]), config=entry["model_config"],
+                               tokenizer=entry["tokenizer"], src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"],
+                               search=entry["search"])
+    checkpoint[CHECKPOINT_KEY] = entry
+    save_atomic(checkpoint, path)
 
 
 def save_atomic(checkpoint: dict[str, Any], path: str | Path) -> None:
@@ -189,7 +208,7 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
     else:
         stored = entry["sha256"]
         actual = checksum(weights=weights, config=entry["model_config"], tokenizer=entry["tokenizer"],
-                          src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"])
+                          src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"], search=entry.get("search"))
         if actual != stored:
             raise CheckpointError(f"{path} is damaged: its weights or tokenizer do not match the checksum stored "
                                   "when it was written; copy it again or use another checkpoint")
@@ -197,7 +216,14 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
     if bad is not None:  # a run that diverged: it would translate every sentence into nothing
         raise CheckpointError(f"{path}: its weight '{bad}' holds NaN or infinite values (the training run "
                               "diverged); use an earlier checkpoint")
-    return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"])
+    search = entry.get("search", {})
+    try:
+        if not isinstance(search, dict):
+            raise TypeError(f"is a {type(search).__name__}, not a dict")
+        SearchConfig(**search)
+    except (ConfigError, TypeError) as error:
+        raise CheckpointError(f"{path}: its stored search defaults are invalid ({error})") from None
+    return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"], search)
 
 
 def _check_layer_counts(path: str | Path, config: TransformerConfig, weights: dict[str, Tensor]) -> None:

@@ -18,6 +18,15 @@ beside their target and a failed write ends the run. A bad input ends with one `
 from __future__ import annotations
 
 import os
+
+# OpenMP threads that finish an operation spin, waiting for the next one (libgomp's default). When
+# another program takes a core, the spinning thread burns the time its preempted partner needs, at
+# every one of the thousands of operations of a step: a 2-thread run beside a 1-core load fell to
+# 0.10-0.19x of its speed, against 0.50-0.53x (its fair share) with passive waiting
+# (bench/train_load.py). Read when the OpenMP runtime loads, so before torch is imported; a value
+# the user set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,7 +34,9 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT  # Lightning's choices: jsonargparse checks them
+from lightning.fabric.plugins.precision.precision import (
+    _PRECISION_INPUT,  # Lightning's choices: jsonargparse checks them
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO

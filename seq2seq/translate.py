@@ -13,6 +13,7 @@ stderr shows a progress bar (not when stderr is piped or redirected).
 """
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -31,7 +32,7 @@ from seq2seq.checkpoint import CheckpointError
 from seq2seq.model import ConfigError
 from seq2seq.model.precision import PRECISIONS
 from seq2seq.search import SearchConfig
-from seq2seq.translator import Translation, Translator, keep_freed_memory, resolve_device
+from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, keep_freed_memory, resolve_device
 
 WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
 
@@ -110,8 +111,9 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, dest=f.name, action="store_true", help=f.metadata["help"])
         else:
             kind = float if hints[f.name] is float else int  # int | None (the seed) is an int when given
-            group.add_argument(*flags, dest=f.name, type=kind, default=f.default,
-                               help=f"{f.metadata['help']} (default: {f.default})")
+            # None: not given. The checkpoint's tuned value (its search defaults) then applies, else ours.
+            group.add_argument(*flags, dest=f.name, type=kind, default=None,
+                               help=f"{f.metadata['help']} (default: the checkpoint's, else {f.default})")
     parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -126,10 +128,14 @@ def flag_message(error: ConfigError) -> str:
     return f"{flags.get(error.field, error.field)}: {problem}"
 
 
-def search_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SearchConfig:
-    """The flags as a SearchConfig, or a usage error naming the flag; the device and batch size checked too."""
+def search_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  defaults: SearchConfig = DEFAULT_SEARCH) -> SearchConfig:
+    """The flags given, over `defaults` (a checkpoint's `translator.search` once it is loaded), as a
+    SearchConfig, or a usage error naming the flag; the device and batch size checked too."""
+    given = {f.name: getattr(args, f.name) for f in fields(SearchConfig)
+             if getattr(args, f.name) is not None and getattr(args, f.name) is not False}
     try:
-        search = SearchConfig(**{f.name: getattr(args, f.name) for f in fields(SearchConfig)})
+        search = dataclasses.replace(defaults, **given)
     except ConfigError as error:
         parser.error(flag_message(error))
     if args.max_tokens < 1:
@@ -207,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             "the references must be line-aligned with the input"
         )
     translator = load_translator(args, search)
+    search = search_config(parser, args, translator.search)  # the checkpoint's tuned defaults under the flags
     start = time.perf_counter()
     best: list[str] = []
     output = utf8_stdout() if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
@@ -231,11 +238,17 @@ def main(argv: list[str] | None = None) -> None:
             except OSError:
                 pass  # an error is already being reported
     print(f"translated {len(sources)} lines in {time.perf_counter() - start:.1f}s ({translator.precision}, "
-          f"{torch.get_num_threads()} threads)", file=sys.stderr)
+          f"{torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr)
     if references is not None:
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
         print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
+
+
+def describe(search: SearchConfig) -> str:
+    if search.sampling:
+        return "sampling"
+    return "greedy" if search.beam_size == 1 else f"beam {search.beam_size}, length penalty {search.length_penalty:g}"
 
 
 def where(args: argparse.Namespace) -> str:

@@ -5,7 +5,9 @@
 
 The checkpoint is read and checked by checkpoint.py (format, config against weights, checksum);
 the search options are one SearchConfig, checked when it is built; decoding goes through
-search.decode.
+search.decode. Without one, a Translator searches with `self.search`: DEFAULT_SEARCH updated with
+what the checkpoint stores as tuned on validation (training's TuneLengthPenalty writes the length
+penalty there).
 
 Inputs are batched by a token budget over the sentences sorted by length (little padding, so
 little wasted compute), and the results are put back in input order. An empty line translates to
@@ -15,6 +17,7 @@ file's translations can be written as they are made.
 """
 
 import ctypes
+import dataclasses
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -62,16 +65,19 @@ class Translator:
         tgt_lang: str = "",
         device: str | torch.device = "cpu",
         precision: Precision = "auto",
+        search: SearchConfig = DEFAULT_SEARCH,
     ):
         """`precision` (seq2seq/model/precision.py): auto picks bf16 where bf16 matmuls measure faster
         than fp32 (a GPU, AMX, AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
-        slightly. The model is converted in place; `self.precision` says what auto chose."""
+        slightly. The model is converted in place; `self.precision` says what auto chose. `search`
+        is what the translate methods use when given none."""
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see module.py)
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
         self.model = for_inference(model.to(self.device), self.precision)
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
+        self.search = search
 
     @classmethod
     def from_checkpoint(
@@ -86,15 +92,15 @@ class Translator:
         except ValueError as error:  # not a sentencepiece model, or not our special ids
             raise CheckpointError(f"{path}: its stored tokenizer cannot be loaded ({error})") from None
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
-                   device=device, precision=precision)
+                   device=device, precision=precision, search=dataclasses.replace(DEFAULT_SEARCH, **loaded.search))
 
-    def translate(self, texts: Iterable[str], search: SearchConfig = DEFAULT_SEARCH, *,
+    def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *,
                   max_tokens: int = 8192) -> list[str]:
         """One translation per input line, in input order (the best of `search`'s n-best)."""
         return [hyps[0].text if hyps else "" for hyps in self.translate_nbest(texts, search, max_tokens=max_tokens)]
 
     def translate_nbest(
-        self, texts: Iterable[str], search: SearchConfig = DEFAULT_SEARCH, *, max_tokens: int = 8192,
+        self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
         first_line: int = 1, generator: torch.Generator | None = None,
     ) -> list[list[Translation]]:
         """Per input line its translations, best first (`search.nbest`, one for greedy and sampling); "" gets [].
@@ -112,10 +118,11 @@ class Translator:
         return results
 
     def _translate_batches(
-        self, lines: list[str], search: SearchConfig, *, max_tokens: int, first_line: int,
+        self, lines: list[str], search: SearchConfig | None, *, max_tokens: int, first_line: int,
         generator: torch.Generator | None,
     ) -> Iterator[tuple[int, list[Translation]]]:
         """(index, translations) of every line: the empty ones ([]) first, then batch by batch (longest first)."""
+        search = self.search if search is None else search
         if not isinstance(search, SearchConfig):
             raise TypeError(f"search must be a SearchConfig, e.g. SearchConfig(beam_size=5), not a "
                             f"{type(search).__name__}")
@@ -133,7 +140,7 @@ class Translator:
                 yield i, self._detokenize(sentence_hyps)
 
     def translate_stream(
-        self, texts: Iterable[str], search: SearchConfig = DEFAULT_SEARCH, *, max_tokens: int = 8192,
+        self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
         window: int = 1000,
     ) -> Iterator[list[Translation]]:
         """translate_nbest's results, one line at a time and in order, as soon as a line and all lines
@@ -147,6 +154,7 @@ class Translator:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive number of lines, got {window!r}")
         iterator, done = iter(texts), 0
+        search = self.search if search is None else search
         # One generator for the whole stream: a new one per window would replay the same draws.
         generator = self._generator(search) if search.sampling and search.seed is not None else None
         while chunk := list(islice(iterator, window)):

@@ -51,7 +51,13 @@ from starlette.routing import Route
 
 from seq2seq.model import ConfigError
 from seq2seq.search import SearchConfig
-from seq2seq.translate import add_search_arguments, load_translator, one_line_warnings, search_config
+from seq2seq.translate import (
+    add_search_arguments,
+    describe,
+    load_translator,
+    one_line_warnings,
+    search_config,
+)
 from seq2seq.translator import Translation, Translator, keep_freed_memory
 
 LANGUAGE_NAMES = {"cs": "Czech", "de": "German", "en": "English", "fr": "French", "es": "Spanish", "it": "Italian",
@@ -397,11 +403,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     translator = load_translator(args, search)
+    search = search_config(parser, args, translator.search)  # the checkpoint's tuned defaults under the flags
     app = create_app(translator, search, max_tokens=args.max_tokens, max_wait=args.max_wait_ms / 1000,
                      batching=not args.no_batching, max_queue=args.max_queue, char_limit=args.char_limit,
                      timeout=args.timeout)
     print(f"{translator.src_lang}→{translator.tgt_lang} on http://{args.host}:{args.port} ({translator.precision}, "
-          f"{torch.get_num_threads()} threads, beam {search.beam_size})", file=sys.stderr, flush=True)
+          f"{torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr, flush=True)
 
     import uvicorn
 

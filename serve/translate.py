@@ -15,6 +15,7 @@ import sys
 
 from seq2seq.translate import (
     add_search_arguments,
+    describe,
     format_nbest,
     load_translator,
     one_line,
@@ -33,12 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     search = search_config(parser, args)
     one_line_warnings()
     translator = load_translator(args, search)
+    search = search_config(parser, args, translator.search)  # the checkpoint's tuned defaults under the flags
     # Bytes in, decoded here: a stray non-UTF-8 byte must not end the session with a traceback.
     stdin = sys.stdin.buffer
     stdout = utf8_stdout()
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"{translator.src_lang}→{translator.tgt_lang}, beam {search.beam_size}; Ctrl-D quits.", file=sys.stderr)
+        print(f"{translator.src_lang}→{translator.tgt_lang}, {describe(search)}; Ctrl-D quits.", file=sys.stderr)
     number = 0
     while True:
         if interactive:

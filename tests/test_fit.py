@@ -19,7 +19,7 @@ from conftest import MULTI30K, write_tiny_run
 
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.data import TranslationDataModule
-from seq2seq.fit import AtomicCheckpointIO, TranslationCLI, main
+from seq2seq.fit import AtomicCheckpointIO, Trainer, TranslationCLI, main
 from seq2seq.model import TransformerConfig
 from seq2seq.module import TranslationModule, inverse_sqrt_schedule
 from seq2seq.search import SearchConfig
@@ -37,7 +37,8 @@ class ParseOnlyCLI(TranslationCLI):
 
 def parse(*config_names: str, overrides: tuple[str, ...] = ()):
     args = [arg for name in config_names for arg in ("--config", str(REPO / "configs" / name))]
-    return ParseOnlyCLI(TranslationModule, TranslationDataModule, run=False, args=[*args, *overrides]).config
+    return ParseOnlyCLI(TranslationModule, TranslationDataModule, trainer_class=Trainer, run=False,
+                        args=[*args, *overrides]).config
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -345,7 +346,7 @@ def test_a_run_killed_and_resumed_trains_exactly_as_one_that_never_stopped(tmp_p
     result = fit_subprocess(resume_run(whole))
     assert result.returncode == 0, result.stderr[-3000:]
     unbroken = batch_log(whole)
-    epoch_ends = [r["step"] for r, after in zip(unbroken, unbroken[1:]) if after["epoch"] != r["epoch"]]
+    epoch_ends = [r["step"] for r, after in zip(unbroken, unbroken[1:], strict=False) if after["epoch"] != r["epoch"]]
     assert len(unbroken) == 28 and epoch_ends and epoch_ends[0] < 20, epoch_ends  # crosses epochs
 
     # Killed right after the first epoch's end (last.ckpt saved at its last update), resumed, killed

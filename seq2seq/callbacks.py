@@ -1,0 +1,57 @@
+"""Training callbacks of ours (Lightning's own, such as EMAWeightAveraging and EarlyStopping, are
+used from the configs as they are).
+
+TuneLengthPenalty: at the end of training, the best checkpoint's length penalty is chosen on the
+validation set and stored in that checkpoint as the translation default, so that
+`python -m seq2seq.translate` (and Translator, and the server) use it without being told.
+"""
+
+from __future__ import annotations
+
+import sacrebleu
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from seq2seq.checkpoint import store_search_defaults
+from seq2seq.search import SearchConfig
+from seq2seq.translator import Translator
+
+
+def choose_length_penalty(translator: Translator, sources: list[str], references: list[str], *, beam_size: int,
+                          length_penalties: list[float]) -> tuple[float, dict[float, float]]:
+    """The length penalty with the highest corpus BLEU on (sources, references), the first on a tie; and
+    every penalty's BLEU."""
+    scores = {}
+    for alpha in length_penalties:
+        hypotheses = translator.translate(sources, SearchConfig(beam_size=beam_size, length_penalty=alpha))
+        scores[alpha] = sacrebleu.metrics.BLEU().corpus_score(hypotheses, [references]).score
+    return max(scores, key=lambda alpha: scores[alpha]), scores
+
+
+class TuneLengthPenalty(Callback):
+    def __init__(self, *, beam_size: int = 5, length_penalties: tuple[float, ...] = (0.6, 1.0, 1.5, 2.0, 2.5, 3.0)):
+        """After fit: decode the validation set with `beam_size` under each of `length_penalties` using the
+        best checkpoint (the first ModelCheckpoint's), and store the best-scoring pair in it."""
+        SearchConfig(beam_size=beam_size)  # a ConfigError at start, not after hours of training
+        for alpha in length_penalties:
+            SearchConfig(length_penalty=alpha)
+        if not length_penalties:
+            raise ValueError("TuneLengthPenalty: length_penalties is empty; give at least one value")
+        self.beam_size, self.length_penalties = beam_size, list(length_penalties)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero or trainer.interrupted:
+            return
+        checkpoint = trainer.checkpoint_callback
+        path = checkpoint.best_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
+        valid = getattr(trainer.datamodule, "datasets", {}).get("valid")  # type: ignore[attr-defined]
+        if not path or valid is None:
+            print("TuneLengthPenalty: no best checkpoint or no validation set; nothing tuned", flush=True)
+            return
+        translator = Translator.from_checkpoint(path, device=pl_module.device)
+        best, scores = choose_length_penalty(translator, list(valid["src"]), list(valid["tgt"]),
+                                             beam_size=self.beam_size, length_penalties=self.length_penalties)
+        table = ", ".join(f"{alpha:g}: {bleu:.2f}" for alpha, bleu in scores.items())
+        store_search_defaults(path, {"beam_size": self.beam_size, "length_penalty": best})
+        print(f"length penalty on validation (beam {self.beam_size}, BLEU): {table}; "
+              f"{best:g} stored in {path} as the translation default", flush=True)
