@@ -54,9 +54,10 @@ class Config:
 CONFIGS = {
     c.name: c
     for c in [
-        Config("2t", 1, 2),  # what `python -m seq2seq.fit` does on a 2-core CPU today
-        Config("2t-passive", 1, 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
+        Config("2t", 1, 2),  # libgomp's default: spin (300k iterations) before sleeping
+        Config("2t-passive", 1, 2, {"OMP_WAIT_POLICY": "PASSIVE"}),  # what `python -m seq2seq.fit` sets
         Config("2t-spin10k", 1, 2, {"GOMP_SPINCOUNT": "10000"}),
+        Config("2t-spin100k", 1, 2, {"GOMP_SPINCOUNT": "100000"}),
         Config("1t", 1, 1),
         Config("2x1t", 2, 1),  # like DDP 2 processes x 1 thread, without the all-reduce
     ]

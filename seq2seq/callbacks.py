@@ -1,5 +1,9 @@
-"""Training callbacks of ours (Lightning's own, such as EMAWeightAveraging and EarlyStopping, are
-used from the configs as they are).
+"""Training callbacks of ours (Lightning's own, such as EarlyStopping, are used from the configs as
+they are).
+
+PowerEMA: an exponential moving average of the weights whose horizon grows with training, so that
+the first, random updates fade out on their own (Lightning's EMAWeightAveraging has a fixed decay:
+with 0.999 over a 3,300-update run, the weights of the first 300 updates keep ~5% of the average).
 
 TuneLengthPenalty: at the end of training, the best checkpoint's length penalty is chosen on the
 validation set and stored in that checkpoint as the translation default, so that
@@ -9,12 +13,40 @@ validation set and stored in that checkpoint as the translation default, so that
 from __future__ import annotations
 
 import sacrebleu
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+from torch import Tensor
 
 from seq2seq.checkpoint import store_search_defaults
 from seq2seq.search import SearchConfig
 from seq2seq.translator import Translator
+
+
+class PowerAverage:
+    """AveragedModel's multi_avg_fn for the power-function EMA of Karras et al. 2024 (EDM2): after t
+    updates the average moves towards the weights by 1 - beta_t, beta_t = (1 - 1/t)^(gamma + 1).
+
+    Each update t' <= t then weighs about in proportion to t'^gamma: the last ~t/(gamma + 1) updates count
+    most, and the first half of training keeps 0.5^(gamma + 1) of the average (1.6% for gamma 5).
+    """
+
+    def __init__(self, gamma: float):
+        self.gamma = gamma
+
+    def __call__(self, averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
+        t = int(num_averaged) + 1  # this update's number; AveragedModel copies the weights at t = 1 itself
+        beta = (1 - 1 / t) ** (self.gamma + 1)
+        torch._foreach_lerp_(averaged, current, 1 - beta)
+
+
+class PowerEMA(WeightAveraging):
+    def __init__(self, *, gamma: float = 5.0):
+        """Lightning's WeightAveraging with PowerAverage: validation and checkpoints use the average, the
+        trained weights stay in checkpoints under current_model_state, and a resume continues both."""
+        if not gamma > 0:
+            raise ValueError(f"PowerEMA: gamma must be > 0, got {gamma}")
+        super().__init__(multi_avg_fn=PowerAverage(gamma))
 
 
 def choose_length_penalty(translator: Translator, sources: list[str], references: list[str], *, beam_size: int,

@@ -81,8 +81,6 @@ def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
     """
     if precision != "auto":
         return precision
-    if chosen := os.environ.get(AUTO_PRECISION_ENV):
-        return chosen
     name = str(accelerator).lower()
     if name in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         device, where = torch.device("cuda", 0), torch.cuda.get_device_name(0)
@@ -90,9 +88,12 @@ def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
         device, where = torch.device("cpu"), "this CPU"
     else:  # mps, tpu, an Accelerator object: no measurement of ours applies
         device, where = torch.device("meta"), str(accelerator)
+    inherited = os.environ.get(AUTO_PRECISION_ENV, "")  # "cpu=32-true": the device type it was chosen for
+    if inherited.startswith(f"{device.type}="):
+        return inherited.split("=", 1)[1]
     pays = bf16_matmuls_pay(device, training=True)
     chosen = "bf16-mixed" if pays else "32-true"
-    os.environ[AUTO_PRECISION_ENV] = chosen
+    os.environ[AUTO_PRECISION_ENV] = f"{device.type}={chosen}"
     if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
         why = "bf16 matmuls measured faster than fp32" if pays else "bf16 matmuls are not faster than fp32"
         print(f"trainer.precision auto: {chosen} ({why} on {where})", flush=True)

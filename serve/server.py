@@ -345,13 +345,12 @@ def answer_errors(endpoint):
     return handle
 
 
-DEFAULT_SEARCH = SearchConfig()
-
-
-def create_app(translator: Translator, search: SearchConfig = DEFAULT_SEARCH, *, max_tokens: int = 8192,
+def create_app(translator: Translator, search: SearchConfig | None = None, *, max_tokens: int = 8192,
                max_wait: float = 0.005, batching: bool = True, max_queue: int = 1024, char_limit: int = 5000,
                timeout: float = 60.0) -> Starlette:
-    """The ASGI app; its batcher starts and drains with the app's lifespan."""
+    """The ASGI app; its batcher starts and drains with the app's lifespan. `search`: the requests'
+    defaults (the translator's own, tuned on validation where its checkpoint stores them, if None)."""
+    search = translator.search if search is None else search
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -22,8 +22,9 @@ from seq2seq.checkpoint import (
     model_weights,
     read_inference,
     save_atomic,
+    store_search_defaults,
 )
-from seq2seq.model import Transformer
+from seq2seq.model import ConfigError, Transformer
 from seq2seq.translator import Translator
 
 
@@ -280,3 +281,29 @@ def test_save_atomic_raises_when_it_cannot_write(tmp_path: Path):
     blocker.write_text("not a folder")
     with pytest.raises(OSError):
         save_atomic({"step": 1}, blocker / "last.ckpt")
+
+
+def test_search_defaults_are_stored_checksummed_and_checked(checkpoint: Path, tmp_path: Path):
+    path = tmp_path / "tuned.ckpt"
+    shutil.copy(checkpoint, path)
+    store_search_defaults(path, {"beam_size": 3, "length_penalty": 1.5})
+    assert read(path).search == {"beam_size": 3, "length_penalty": 1.5}
+    assert read(checkpoint).search == {}  # a file without them: the translation defaults stay ours
+
+    def edit(loaded: dict) -> None:  # changed by hand, checksum not updated
+        loaded[CHECKPOINT_KEY]["search"]["length_penalty"] = 9.0
+
+    assert "is damaged" in load_error(rewrite(path, tmp_path / "edited.ckpt", edit))
+
+    def invalid(loaded: dict) -> None:  # invalid, however well signed
+        entry = loaded[CHECKPOINT_KEY]
+        entry["search"] = {"beam_size": 0}
+        entry["sha256"] = checksum(weights=model_weights(loaded["state_dict"]), config=entry["model_config"],
+                                   tokenizer=entry["tokenizer"], src_lang=entry["src_lang"],
+                                   tgt_lang=entry["tgt_lang"], search=entry["search"])
+
+    assert "its stored search defaults are invalid (beam_size" in load_error(
+        rewrite(path, tmp_path / "invalid.ckpt", invalid))
+    with pytest.raises(ConfigError):
+        store_search_defaults(path, {"beam_sizes": 4})  # refused before the file is touched
+    assert read(path).search == {"beam_size": 3, "length_penalty": 1.5}

@@ -155,7 +155,7 @@ def test_precision_auto_is_decided_by_measurement_and_passed_to_ddp_ranks(pays: 
     cli = main(["--config", str(config), "--trainer.precision=auto", "--trainer.limit_val_batches=0"])
     assert cli.trainer.precision == chosen and timed == [True]  # timed as training runs: forward and backward
     assert f"trainer.precision auto: {chosen}" in capsys.readouterr().out
-    assert os.environ["_SEQ2SEQ_AUTO_PRECISION"] == chosen  # what the DDP processes it starts inherit
+    assert os.environ["_SEQ2SEQ_AUTO_PRECISION"] == f"cpu={chosen}"  # what the DDP processes it starts inherit
     cli = main(["--config", str(config), "--trainer.precision=auto", "--trainer.limit_val_batches=0",
                 "--trainer.max_steps=2"])
     assert cli.trainer.precision == chosen and timed == [True]  # not measured again
@@ -305,9 +305,7 @@ RESUME_CALLBACKS = """  callbacks:
         save_top_k: 0
         save_last: true
         enable_version_counter: false
-    - class_path: lightning.pytorch.callbacks.EMAWeightAveraging
-      init_args:
-        decay: 0.9
+    - class_path: seq2seq.callbacks.PowerEMA
     - class_path: resume_probe.BatchLog
       init_args:
         path: {root}/batches.jsonl

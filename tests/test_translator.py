@@ -14,6 +14,7 @@ import os
 import random
 import re
 import select
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import sacrebleu
 import torch
 from conftest import DEMO_DATA, write_not_ours
 
+from seq2seq.checkpoint import store_search_defaults
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.search import SearchConfig, beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -557,3 +559,20 @@ def test_serve_reports_each_truncated_line_with_its_own_number(checkpoint: Path,
     warned = [line for line in err.decode().splitlines() if line.startswith("warning:")]
     assert warned == [f"warning: input line {n} has {tokens} tokens, more than the model's max_positions (128); "
                       "translating its first 128 tokens only" for n in (1, 3)]
+
+
+def test_the_checkpoint_s_tuned_search_is_the_default_and_flags_override_it(checkpoint: Path, tmp_path: Path):
+    tuned = tmp_path / "tuned.ckpt"
+    shutil.copy(checkpoint, tuned)
+    store_search_defaults(tuned, {"beam_size": 2, "length_penalty": 1.5})
+    translator = Translator.from_checkpoint(tuned)
+    assert translator.search == SearchConfig(beam_size=2, length_penalty=1.5)
+    assert translator.translate(SENTENCES) == translator.translate(SENTENCES, SearchConfig(beam_size=2, length_penalty=1.5))
+    stdin = "\n".join(SENTENCES) + "\n"
+    result = run_cli("--checkpoint", str(tuned), stdin=stdin)
+    assert result.returncode == 0 and "beam 2, length penalty 1.5)" in result.stderr, result.stderr
+    assert result.stdout.splitlines() == translator.translate(SENTENCES)
+    result = run_cli("--checkpoint", str(tuned), "--beam", "3", stdin=stdin)
+    assert result.returncode == 0 and "beam 3, length penalty 1.5)" in result.stderr, result.stderr
+    result = run_cli("--checkpoint", str(checkpoint), stdin=stdin)  # none stored: ours (beam 5, 0.6)
+    assert result.returncode == 0 and "beam 5, length penalty 0.6)" in result.stderr, result.stderr

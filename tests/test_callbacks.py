@@ -1,0 +1,58 @@
+"""TuneLengthPenalty: the length penalty chosen on validation and stored as the checkpoint's default."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_tiny_run
+
+from seq2seq.callbacks import TuneLengthPenalty, choose_length_penalty
+from seq2seq.checkpoint import CHECKPOINT_KEY, load_checkpoint, read_inference
+from seq2seq.fit import main
+from seq2seq.model import ConfigError
+from seq2seq.search import SearchConfig
+from seq2seq.translator import Translator
+
+
+class ScriptedTranslator:
+    """Translates every sentence as `outputs[length_penalty]` says, and records the searches asked for."""
+
+    def __init__(self, outputs: dict[float, str]):
+        self.outputs, self.searches = outputs, []
+
+    def translate(self, sources, search: SearchConfig):
+        self.searches.append(search)
+        return [self.outputs[search.length_penalty]] * len(sources)
+
+
+def test_the_penalty_with_the_best_validation_bleu_is_chosen_the_first_on_a_tie():
+    references = ["a man rides a red bicycle down the street"] * 3
+    translator = ScriptedTranslator({0.6: "a man rides", 1.0: "a man rides a red bicycle down the street",
+                                     2.0: "a man rides a red bicycle down the street", 3.0: "a man rides a bike"})
+    best, scores = choose_length_penalty(translator, ["x"] * 3, references, beam_size=4,  # type: ignore[arg-type]
+                                         length_penalties=[0.6, 1.0, 2.0, 3.0])
+    assert best == 1.0 and scores[1.0] == scores[2.0] == pytest.approx(100)
+    assert scores[0.6] < scores[3.0] < 100
+    assert [s.beam_size for s in translator.searches] == [4] * 4
+
+
+@pytest.mark.parametrize("kwargs", [{"beam_size": 0}, {"length_penalties": (-1.0,)}, {"length_penalties": ()}])
+def test_bad_options_fail_when_the_callback_is_built(kwargs):
+    with pytest.raises((ConfigError, ValueError)):
+        TuneLengthPenalty(**kwargs)
+
+
+def test_fit_stores_the_tuned_penalty_in_the_best_checkpoint(tmp_path: Path, capsys):
+    config = write_tiny_run(tmp_path, max_steps=40, train_pairs=300, val_pairs=12)
+    main(["--config", str(config), "--trainer.callbacks+=seq2seq.callbacks.TuneLengthPenalty",
+          "--trainer.callbacks.beam_size=2", "--trainer.callbacks.length_penalties=[0.0, 2.0]"])
+    printed = capsys.readouterr().out
+    assert "length penalty on validation (beam 2, BLEU): 0: " in printed, printed
+    best = tmp_path / "checkpoints" / "best.ckpt"
+    stored = torch.load(best, weights_only=True)[CHECKPOINT_KEY]["search"]
+    assert stored["beam_size"] == 2 and stored["length_penalty"] in (0.0, 2.0)
+    assert read_inference(best, load_checkpoint(best)).search == stored  # the checksum covers it
+    translator = Translator.from_checkpoint(best)
+    assert translator.search == SearchConfig(beam_size=2, length_penalty=stored["length_penalty"])
+    sentence = ["Ein Mann fährt Fahrrad."]
+    assert translator.translate(sentence) == translator.translate(sentence, translator.search)
