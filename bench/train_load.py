@@ -55,8 +55,8 @@ CONFIGS = {
     c.name: c
     for c in [
         Config("2t", 1, 2),  # libgomp's default: spin (300k iterations) before sleeping
-        Config("2t-passive", 1, 2, {"OMP_WAIT_POLICY": "PASSIVE"}),  # what `python -m seq2seq.fit` sets
-        Config("2t-spin10k", 1, 2, {"GOMP_SPINCOUNT": "10000"}),
+        Config("2t-passive", 1, 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
+        Config("2t-spin10k", 1, 2, {"GOMP_SPINCOUNT": "10000"}),  # what `python -m seq2seq.fit` sets
         Config("2t-spin100k", 1, 2, {"GOMP_SPINCOUNT": "100000"}),
         Config("1t", 1, 1),
         Config("2x1t", 2, 1),  # like DDP 2 processes x 1 thread, without the all-reduce
@@ -206,7 +206,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[2:]))
     parser.add_argument("--seconds", type=float, default=20.0, help="timed training per measurement (after warm-up)")
-    parser.add_argument("--configs", nargs="+", default=["2t", "2t-passive", "1t", "2x1t"], choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=["2t", "2t-passive", "2t-spin10k", "1t", "2x1t"],
+                        choices=list(CONFIGS))
     parser.add_argument("--loads", nargs="+", default=["none", "busy1", "torch2"], choices=list(LOADS),
                         help="'none' (unloaded) is always measured first")
     parser.add_argument("--batches", type=int, default=30, help="distinct batches, cycled through")

@@ -72,14 +72,19 @@ class TokenBatchSampler:
         yield from self._batches()[skip:]  # a generator: batches are made at the first `next`
 
     def state_dict(self, *, batches_done: int) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_done": batches_done, "seed": self.seed, "world_size": self.world_size}
+        return {"epoch": self.epoch, "batches_done": batches_done, **self._order()}
+
+    def _order(self) -> dict[str, int]:
+        """What decides the batches and their order, besides the epoch."""
+        return {"seed": self.seed, "world_size": self.world_size, "max_tokens": self.max_tokens,
+                "shuffle_window": self.shuffle_window, "pairs": len(self.sizes)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue where `state` left off; a finished epoch continues with the next one."""
-        if (state["seed"], state["world_size"]) != (self.seed, self.world_size):
-            warnings.warn(f"the checkpoint's data order was made with data.seed {state['seed']} on "
-                          f"{state['world_size']} processes, this run's with {self.seed} on {self.world_size}: "
-                          "training goes on, but not on the batches the first run would have seen", stacklevel=2)
+        changed = [f"{key} {state.get(key)} -> {value}" for key, value in self._order().items() if state.get(key) != value]
+        if changed:
+            warnings.warn(f"the data order changed since the checkpoint ({', '.join(changed)}): training goes on, "
+                          "but not on the batches the first run would have seen", stacklevel=2)
         self.epoch, self._skip = state["epoch"], state["batches_done"]
         if self._skip >= len(self._batches()):
             self.epoch, self._skip = self.epoch + 1, 0

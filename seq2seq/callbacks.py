@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
 from torch import Tensor
 
-from seq2seq.checkpoint import store_search_defaults
+from seq2seq.checkpoint import CheckpointError, store_search_defaults
 from seq2seq.search import SearchConfig
 from seq2seq.translator import Translator
 
@@ -80,10 +80,16 @@ class TuneLengthPenalty(Callback):
         if not path or valid is None:
             print("TuneLengthPenalty: no best checkpoint or no validation set; nothing tuned", flush=True)
             return
-        translator = Translator.from_checkpoint(path, device=pl_module.device)
+        # The strategy's device: by on_fit_end Lightning has already moved the module back to the CPU.
+        translator = Translator.from_checkpoint(path, device=trainer.strategy.root_device)
         best, scores = choose_length_penalty(translator, list(valid["src"]), list(valid["tgt"]),
                                              beam_size=self.beam_size, length_penalties=self.length_penalties)
         table = ", ".join(f"{alpha:g}: {bleu:.2f}" for alpha, bleu in scores.items())
-        store_search_defaults(path, {"beam_size": self.beam_size, "length_penalty": best})
+        try:
+            store_search_defaults(path, {"beam_size": self.beam_size, "length_penalty": best})
+        except (OSError, CheckpointError) as error:  # training is saved already: say so, lose nothing
+            print(f"length penalty on validation (beam {self.beam_size}, BLEU): {table}; error: cannot store "
+                  f"{best:g} in {path} ({error}); pass --length-penalty {best:g} when translating", flush=True)
+            return
         print(f"length penalty on validation (beam {self.beam_size}, BLEU): {table}; "
               f"{best:g} stored in {path} as the translation default", flush=True)

@@ -19,6 +19,7 @@ Every failure is a CheckpointError: one line naming the file and the problem.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,8 +36,8 @@ from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.search import SearchConfig
 
 CHECKPOINT_KEY = "seq2seq"
-CHECKPOINT_FORMAT = 2  # 2 added "sha256"; bump on any change to what the entry holds
-READABLE_FORMATS = (1, 2)  # format 1 has no checksum: read, with a warning that it cannot be verified
+CHECKPOINT_FORMAT = 3  # 2 added "sha256", 3 "search"; bump on any change to what the entry holds
+READABLE_FORMATS = (1, 2, 3)  # format 1 has no checksum: read, with a warning that it cannot be verified
 # Position tables are computed from max_positions, not stored; a config asking for more than this
 # beyond its stored weights is refused (a hostile 30 KB file could otherwise ask for gigabytes).
 MAX_UNSTORED_BYTES = 1 << 30
@@ -92,9 +93,14 @@ def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig,
 def store_search_defaults(path: str | Path, search: dict[str, Any]) -> None:
     """Write `search` (SearchConfig fields, e.g. a tuned length_penalty) into checkpoint `path` as the
     translation default, re-checksummed, atomically."""
+    unknown = sorted(set(search) - {field.name for field in dataclasses.fields(SearchConfig)})
+    if unknown:
+        raise ConfigError(unknown[0], "is not a SearchConfig field")
     SearchConfig(**search)  # a ConfigError now rather than a damaged file later
     checkpoint = load_checkpoint(path)
+    read_inference(path, checkpoint)  # a damaged file must not come out with a valid checksum
     entry = dict(checkpoint[CHECKPOINT_KEY])
+    entry["format"] = CHECKPOINT_FORMAT
     entry["search"] = dict(search)
     entry["sha256"] = checksum(weights=model_weights(checkpoint["state_dict"]), config=entry["model_config"],
                                tokenizer=entry["tokenizer"], src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"],
@@ -202,6 +208,13 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
         raise CheckpointError(f"{path}: its weight '{not_tensor}' is not a tensor; the file is damaged")
     _check_layer_counts(path, config, weights)
     _check_shapes(path, config, weights)
+    search = entry.get("search", {})
+    try:
+        if not isinstance(search, dict):
+            raise TypeError(f"is a {type(search).__name__}, not a dict")
+        SearchConfig(**search)
+    except (ConfigError, TypeError) as error:
+        raise CheckpointError(f"{path}: its stored search defaults are invalid ({error})") from None
     if "sha256" not in expected:
         warnings.warn(f"{path}: checkpoint format 1 has no checksum, so damage cannot be detected; "
                       "re-save it with this version to add one", stacklevel=2)
@@ -216,13 +229,6 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
     if bad is not None:  # a run that diverged: it would translate every sentence into nothing
         raise CheckpointError(f"{path}: its weight '{bad}' holds NaN or infinite values (the training run "
                               "diverged); use an earlier checkpoint")
-    search = entry.get("search", {})
-    try:
-        if not isinstance(search, dict):
-            raise TypeError(f"is a {type(search).__name__}, not a dict")
-        SearchConfig(**search)
-    except (ConfigError, TypeError) as error:
-        raise CheckpointError(f"{path}: its stored search defaults are invalid ({error})") from None
     return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"], search)
 
 

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from functools import partial
 from itertools import zip_longest
 from pathlib import Path
+from typing import Any
 
 import datasets
 import lightning as L
@@ -466,7 +467,7 @@ class TranslationDataModule(L.LightningDataModule):
             rank=rank,
             world_size=world_size,
         )
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "batch_sampler": sampler,
             "collate_fn": partial(collate, with_text=split != "train"),
             "num_workers": self.num_workers,
@@ -476,12 +477,16 @@ class TranslationDataModule(L.LightningDataModule):
             "generator": torch.Generator().manual_seed(self.seed),
         }
         if split == "train" and self.trainer is not None:
+            # The epoch the loop will train next (restored on a resume), before Lightning's first iter():
+            # worker processes start fetching at iter(), before Lightning calls set_epoch.
+            sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
             return ResumableLoader(self.datasets[split], batches_done=self._batches_trained, **kwargs)
         return DataLoader(self.datasets[split], **kwargs)
 
     def _batches_trained(self) -> int:
         assert self.trainer is not None
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        # Typed as the base tracker; at run time a _ProcessedTracker (Lightning's loops/progress.py).
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import os
 
-# OpenMP threads that finish an operation spin, waiting for the next one (libgomp's default). When
-# another program takes a core, the spinning thread burns the time its preempted partner needs, at
-# every one of the thousands of operations of a step: a 2-thread run beside a 1-core load fell to
-# 0.10-0.19x of its speed, against 0.50-0.53x (its fair share) with passive waiting
-# (bench/train_load.py). Read when the OpenMP runtime loads, so before torch is imported; a value
-# the user set is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that finish an operation spin, waiting for the next one: libgomp (torch's OpenMP on
+# Linux) spins 300,000 times before it sleeps. When another program takes a core, the spinning
+# thread burns the time its preempted partner needs, at each of the thousands of operations of a
+# step. Measured on 2 cores (bench/train_load.py): beside a 1-core busy loop a 2-thread run kept
+# 0.35x of its speed (0.10x in another run), beside a 2-thread job 0.33x; spinning 10,000 times
+# kept 0.48x and 0.50x, the fair share, and lost nothing alone (1,924 against 1,929 tokens/s),
+# where never spinning (OMP_WAIT_POLICY=PASSIVE) lost 22% alone. Read when the OpenMP runtime
+# loads, so before torch is imported; a wait policy or spin count the user set is kept.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import shutil
 import tempfile
@@ -40,11 +43,12 @@ from lightning.fabric.plugins.precision.precision import (
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
 
 from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference, save_atomic
 from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
-from seq2seq.model.precision import bf16_matmuls_pay
+from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls_pay
 from seq2seq.module import TrainingDiverged, TranslationModule, check_hyperparameters
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import PAD_ID
@@ -70,9 +74,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                                   "free space or fix the folder, then resume with --ckpt_path last") from error
 
 
-AUTO_PRECISION_ENV = "_SEQ2SEQ_AUTO_PRECISION"  # the launcher's choice, inherited by the DDP processes it starts
-
-
 def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
     """`auto` made concrete for the device training will run on; any other value is Lightning's to check.
 
@@ -81,6 +82,8 @@ def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
     """
     if precision != "auto":
         return precision
+    if os.environ.get("PL_TRAINER_PRECISION"):  # Lightning's environment default, which a value given bypasses
+        return os.environ["PL_TRAINER_PRECISION"]
     name = str(accelerator).lower()
     if name in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         device, where = torch.device("cuda", 0), torch.cuda.get_device_name(0)
@@ -88,13 +91,13 @@ def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
         device, where = torch.device("cpu"), "this CPU"
     else:  # mps, tpu, an Accelerator object: no measurement of ours applies
         device, where = torch.device("meta"), str(accelerator)
-    inherited = os.environ.get(AUTO_PRECISION_ENV, "")  # "cpu=32-true": the device type it was chosen for
+    inherited = os.environ.get(AUTO_TRAINING_PRECISION_ENV, "")  # "cpu=32-true": the device type it was chosen for
     if inherited.startswith(f"{device.type}="):
         return inherited.split("=", 1)[1]
     pays = bf16_matmuls_pay(device, training=True)
     chosen = "bf16-mixed" if pays else "32-true"
-    os.environ[AUTO_PRECISION_ENV] = f"{device.type}={chosen}"
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
+    os.environ[AUTO_TRAINING_PRECISION_ENV] = f"{device.type}={chosen}"
+    if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # set by Lightning from RANK / SLURM_PROCID / LOCAL_RANK
         why = "bf16 matmuls measured faster than fp32" if pays else "bf16 matmuls are not faster than fp32"
         print(f"trainer.precision auto: {chosen} ({why} on {where})", flush=True)
     return chosen

@@ -18,6 +18,7 @@ Every checkpoint carries what inference needs under the key "seq2seq", written b
 """
 
 import math
+import os
 import time
 from dataclasses import asdict
 from types import SimpleNamespace
@@ -34,7 +35,7 @@ from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry
 from seq2seq.loss import label_smoothed_nll, training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
-from seq2seq.model.precision import bf16_matmuls_pay
+from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls_pay
 from seq2seq.search import SearchConfig, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -135,7 +136,9 @@ class TranslationModule(L.LightningModule):
         # nothing by flushing them to zero.
         torch.set_flush_denormal(True)
         device = self.trainer.strategy.root_device
-        if device.type == "cpu" and "bf16" in str(self.trainer.precision) and not bf16_matmuls_pay(device, training=True):
+        chosen_by_auto = os.environ.get(AUTO_TRAINING_PRECISION_ENV) == "cpu=bf16-mixed"  # measured already
+        if (device.type == "cpu" and "bf16" in str(self.trainer.precision) and not chosen_by_auto
+                and not bf16_matmuls_pay(device, training=True)):
             rank_zero_warn(
                 f"trainer.precision={self.trainer.precision} on a CPU whose bf16 matmuls measure slower than fp32 "
                 "(no AMX, no AVX512-BF16): a training step there runs up to ~40x slower than in fp32 "
@@ -293,10 +296,11 @@ def gather_rng_states(device: torch.device) -> dict[str, list[Tensor]]:
 
 
 def restore_rng_state(states: dict[str, list[Tensor]], device: torch.device) -> None:
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if len(states["cpu"]) <= rank:
-        rank_zero_warn(f"the checkpoint holds the random state of {len(states['cpu'])} processes, not of this "
-                       "run's: dropout masks will differ from the first run's (training goes on)")
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if len(states["cpu"]) != world_size:  # every rank compares; rank 0 says it
+        rank_zero_warn(f"the checkpoint holds the random state of {len(states['cpu'])} processes, this run has "
+                       f"{world_size}: dropout masks will differ from the first run's (training goes on)")
         return
     torch.set_rng_state(states["cpu"][rank])
     if device.type == "cuda" and "cuda" in states:

@@ -147,6 +147,16 @@ def search_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return search
 
 
+def checkpoint_search(parser: argparse.ArgumentParser, args: argparse.Namespace, translator: Translator) -> SearchConfig:
+    """The search to run: the flags given over the checkpoint's tuned defaults, checked against its vocabulary."""
+    search = search_config(parser, args, translator.search)
+    try:
+        search.check_vocabulary(translator.model.config.vocab_size)
+    except ConfigError as error:
+        raise SystemExit(f"error: {flag_message(error)}") from None
+    return search
+
+
 def load_translator(args: argparse.Namespace, search: SearchConfig) -> Translator:
     """The checkpoint's Translator, checked against the search options, or exit with one line (no traceback)."""
     try:
@@ -213,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             "the references must be line-aligned with the input"
         )
     translator = load_translator(args, search)
-    search = search_config(parser, args, translator.search)  # the checkpoint's tuned defaults under the flags
+    search = checkpoint_search(parser, args, translator)
     start = time.perf_counter()
     best: list[str] = []
     output = utf8_stdout() if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115

@@ -53,6 +53,7 @@ from seq2seq.model import ConfigError
 from seq2seq.search import SearchConfig
 from seq2seq.translate import (
     add_search_arguments,
+    checkpoint_search,
     describe,
     load_translator,
     one_line_warnings,
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     translator = load_translator(args, search)
-    search = search_config(parser, args, translator.search)  # the checkpoint's tuned defaults under the flags
+    search = checkpoint_search(parser, args, translator)
     app = create_app(translator, search, max_tokens=args.max_tokens, max_wait=args.max_wait_ms / 1000,
                      batching=not args.no_batching, max_queue=args.max_queue, char_limit=args.char_limit,
                      timeout=args.timeout)

@@ -15,6 +15,7 @@ import sys
 
 from seq2seq.translate import (
     add_search_arguments,
+    checkpoint_search,
     describe,
     format_nbest,
     load_translator,
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     search = search_config(parser, args)
     one_line_warnings()
     translator = load_translator(args, search)
-    search = search_config(parser, args, translator.search)  # the checkpoint's tuned defaults under the flags
+    search = checkpoint_search(parser, args, translator)
     # Bytes in, decoded here: a stray non-UTF-8 byte must not end the session with a traceback.
     stdin = sys.stdin.buffer
     stdout = utf8_stdout()

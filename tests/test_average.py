@@ -23,7 +23,7 @@ def ema_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = write_tiny_run(root, max_steps=12, train_pairs=200, val_pairs=4)
     fit(["--config", str(config), "--trainer.limit_val_batches=0",
          "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={root}/steps",
-         "--trainer.callbacks.filename=step{step}", "--trainer.callbacks.every_n_train_steps=4",
+         "--trainer.callbacks.filename={step}", "--trainer.callbacks.every_n_train_steps=4",
          "--trainer.callbacks.save_top_k=-1",
          "--trainer.callbacks+=EMAWeightAveraging", "--trainer.callbacks.decay=0.5"])
     return root / "steps"

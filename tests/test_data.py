@@ -119,11 +119,13 @@ def test_lightning_reshuffles_every_epoch(tmp_path: Path, multi30k_dir: Path, to
     assert module.val_rows == 2 * 1014  # two epochs, no pair lost
 
 
-def test_rank_and_world_size_come_from_the_trainer(multi30k: TranslationDataModule) -> None:
-    multi30k.trainer = SimpleNamespace(global_rank=1, world_size=2)
+def test_rank_world_size_and_epoch_come_from_the_trainer(multi30k: TranslationDataModule) -> None:
+    progress = SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=3)))
+    multi30k.trainer = SimpleNamespace(global_rank=1, world_size=2, fit_loop=progress)
     try:
         sampler = multi30k.train_dataloader().batch_sampler
-        assert (sampler.rank, sampler.world_size) == (1, 2)
+        # The epoch is set before Lightning's first iter(), which loader workers fetch ahead from.
+        assert (sampler.rank, sampler.world_size, sampler.epoch) == (1, 2, 3)
     finally:
         multi30k.trainer = None
 

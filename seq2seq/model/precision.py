@@ -23,6 +23,9 @@ from torch import Tensor, nn
 Precision = Literal["auto", "fp32", "bf16", "int8"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8")
 M = TypeVar("M", bound=nn.Module)
+# Training's `precision: auto` as decided by the process the user started ("cpu=32-true"): the DDP
+# processes Lightning launches inherit it instead of timing for themselves (seq2seq/fit.py).
+AUTO_TRAINING_PRECISION_ENV = "_SEQ2SEQ_AUTO_PRECISION"
 
 
 def _fastest_linear(dtype: torch.dtype, device: torch.device, *, training: bool, repeats: int = 3) -> float:
