@@ -22,10 +22,9 @@ import os
 # OpenMP threads that finish an operation spin, waiting for the next one: libgomp (torch's OpenMP on
 # Linux) spins 300,000 times before it sleeps. When another program takes a core, the spinning
 # thread burns the time its preempted partner needs, at each of the thousands of operations of a
-# step. Measured on 2 cores (bench/train_load.py): beside a 1-core busy loop a 2-thread run kept
-# 0.35x of its speed (0.10x in another run), beside a 2-thread job 0.33x; spinning 10,000 times
-# kept 0.48x and 0.50x, the fair share, and lost nothing alone (1,924 against 1,929 tokens/s),
-# where never spinning (OMP_WAIT_POLICY=PASSIVE) lost 22% alone. Read when the OpenMP runtime
+# step, and training loses far more than the share of the machine taken. A short spin keeps that
+# share and costs little alone; never spinning (OMP_WAIT_POLICY=PASSIVE) keeps it too but costs a
+# fifth alone (bench/train_load.py; the README has the numbers). Read when the OpenMP runtime
 # loads, so before torch is imported; a wait policy or spin count the user set is kept.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
