@@ -373,3 +373,14 @@ def test_a_run_killed_and_resumed_trains_exactly_as_one_that_never_stopped(tmp_p
         assert ours[key].keys() == theirs[key].keys()
         for name, tensor in theirs[key].items():
             assert torch.equal(ours[key][name], tensor), (key, name)
+
+
+def test_precision_auto_defers_to_lightning_s_environment_default_and_to_the_device_type(monkeypatch):
+    from seq2seq.fit import resolve_auto_precision
+
+    monkeypatch.setenv("_SEQ2SEQ_AUTO_PRECISION", "cuda=bf16-mixed")  # chosen for another device type
+    monkeypatch.setattr("seq2seq.fit.bf16_matmuls_pay", lambda device, training=False: False)
+    assert resolve_auto_precision("auto", accelerator="cpu") == "32-true"  # measured again for the CPU
+    monkeypatch.setenv("PL_TRAINER_PRECISION", "bf16-mixed")
+    assert resolve_auto_precision("auto", accelerator="cpu") == "bf16-mixed"
+    assert resolve_auto_precision("64-true", accelerator="cpu") == "64-true"
