@@ -19,7 +19,6 @@ Every failure is a CheckpointError: one line naming the file and the problem.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -76,36 +75,34 @@ def checksum(*, weights: dict[str, Tensor], config: dict[str, Any], tokenizer: b
 
 
 def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig, tokenizer: bytes,
-                    src_lang: str, tgt_lang: str) -> dict[str, Any]:
-    """What goes under checkpoint["seq2seq"]; `state_dict` is the LightningModule's ("model.*" keys)."""
+                    src_lang: str, tgt_lang: str, search: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What goes under checkpoint["seq2seq"]; `state_dict` is the LightningModule's ("model.*" keys);
+    `search`: SearchConfig fields tuned on validation, the translation defaults."""
     config_dict = config.to_dict()
-    return {
+    entry = {
         "format": CHECKPOINT_FORMAT,
         "model_config": config_dict,
         "tokenizer": tokenizer,
         "src_lang": src_lang,
         "tgt_lang": tgt_lang,
         "sha256": checksum(weights=model_weights(state_dict), config=config_dict, tokenizer=tokenizer,
-                           src_lang=src_lang, tgt_lang=tgt_lang),
+                           src_lang=src_lang, tgt_lang=tgt_lang, search=search),
     }
+    if search:
+        entry["search"] = dict(search)
+    return entry
 
 
 def store_search_defaults(path: str | Path, search: dict[str, Any]) -> None:
     """Write `search` (SearchConfig fields, e.g. a tuned length_penalty) into checkpoint `path` as the
     translation default, re-checksummed, atomically."""
-    unknown = sorted(set(search) - {field.name for field in dataclasses.fields(SearchConfig)})
-    if unknown:
-        raise ConfigError(unknown[0], "is not a SearchConfig field")
-    SearchConfig(**search)  # a ConfigError now rather than a damaged file later
+    SearchConfig.from_dict(search)  # a ConfigError now rather than a damaged file later
     checkpoint = load_checkpoint(path)
-    read_inference(path, checkpoint)  # a damaged file must not come out with a valid checksum
-    entry = dict(checkpoint[CHECKPOINT_KEY])
-    entry["format"] = CHECKPOINT_FORMAT
-    entry["search"] = dict(search)
-    entry["sha256"] = checksum(weights=model_weights(checkpoint["state_dict"]), config=entry["model_config"],
-                               tokenizer=entry["tokenizer"], src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"],
-                               search=entry["search"])
-    checkpoint[CHECKPOINT_KEY] = entry
+    loaded = read_inference(path, checkpoint)  # a damaged file must not come out with a valid checksum
+    checkpoint[CHECKPOINT_KEY] = inference_entry(
+        state_dict=checkpoint["state_dict"], config=loaded.config, tokenizer=loaded.tokenizer,
+        src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang, search=search,
+    )
     save_atomic(checkpoint, path)
 
 
@@ -211,9 +208,9 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
     search = entry.get("search", {})
     try:
         if not isinstance(search, dict):
-            raise TypeError(f"is a {type(search).__name__}, not a dict")
-        SearchConfig(**search)
-    except (ConfigError, TypeError) as error:
+            raise ConfigError("search", f"is a {type(search).__name__}, not a dict")
+        SearchConfig.from_dict(search)
+    except ConfigError as error:
         raise CheckpointError(f"{path}: its stored search defaults are invalid ({error})") from None
     if "sha256" not in expected:
         warnings.warn(f"{path}: checkpoint format 1 has no checksum, so damage cannot be detected; "

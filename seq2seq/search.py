@@ -30,7 +30,7 @@ Callers put the model in eval mode; the searches run under `torch.inference_mode
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import torch
@@ -87,6 +87,16 @@ class SearchConfig:
             raise ConfigError("nbest", f"sampling draws one translation per sentence: must be 1, got {self.nbest}")
         if not self.sampling and not 1 <= self.nbest <= self.beam_size:
             raise ConfigError("nbest", f"must be between 1 and beam_size ({self.beam_size}), got {self.nbest}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SearchConfig:
+        """The config a dict describes (a checkpoint's stored defaults; absent keys keep theirs); an unknown
+        key is a ConfigError."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ConfigError(unknown[0], f"is not a SearchConfig field (known: {', '.join(sorted(names))})")
+        return cls(**values)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Beam search ranks 2 * beam_size candidates among the first step's vocabulary."""

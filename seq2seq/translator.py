@@ -5,8 +5,8 @@
 
 The checkpoint is read and checked by checkpoint.py (format, config against weights, checksum);
 the search options are one SearchConfig, checked when it is built; decoding goes through
-search.decode. Without one, a Translator searches with `self.search`: DEFAULT_SEARCH updated with
-what the checkpoint stores as tuned on validation (training's TuneLengthPenalty writes the length
+search.decode. Without one, a Translator searches with `self.search`: SearchConfig's defaults updated
+with what the checkpoint stores as tuned on validation (training's TuneLengthPenalty writes the length
 penalty there).
 
 Inputs are batched by a token budget over the sentences sorted by length (little padding, so
@@ -17,7 +17,6 @@ file's translations can be written as they are made.
 """
 
 import ctypes
-import dataclasses
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -92,7 +91,7 @@ class Translator:
         except ValueError as error:  # not a sentencepiece model, or not our special ids
             raise CheckpointError(f"{path}: its stored tokenizer cannot be loaded ({error})") from None
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
-                   device=device, precision=precision, search=dataclasses.replace(DEFAULT_SEARCH, **loaded.search))
+                   device=device, precision=precision, search=SearchConfig.from_dict(loaded.search))
 
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *,
                   max_tokens: int = 8192) -> list[str]:
