@@ -106,13 +106,18 @@ def test_resume_continues_step_and_schedule(tiny_run, tmp_path: Path):
     assert cli.trainer.global_step == 2
 
 
+def probe_env() -> dict[str, str]:
+    """The environment for `python -m seq2seq.fit` subprocesses that load callbacks from tests/ by class path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+
+
 def test_ddp_two_processes_on_cpu(tmp_path: Path):
     """Two gloo processes: both train on disjoint batches, one checkpoint set, BLEU over all of val.
 
     In the default run on purpose: it takes ~15 s, and DDP is the one path a single-process test misses."""
     config = write_tiny_run(tmp_path, max_steps=6, train_pairs=800, val_pairs=37)
     probe = tmp_path / "probe"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = probe_env()
     command = [
         sys.executable, "-m", "seq2seq.fit", "--config", str(config),
         "--trainer.strategy=ddp", "--trainer.devices=2",
@@ -313,8 +318,7 @@ RESUME_CALLBACKS = """  callbacks:
 
 
 def fit_subprocess(config: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {**probe_env(), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "seq2seq.fit", "--config", str(config), "--seed_everything=7",
                "--model.transformer.dropout=0.2", "--trainer.precision=32-true", *extra]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
