@@ -39,7 +39,7 @@ import torch
 from lightning.fabric.plugins.precision.precision import (
     _PRECISION_INPUT,  # Lightning's choices: jsonargparse checks them
 )
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
@@ -140,7 +140,8 @@ def check_model_section(model: Any) -> None:
         raise ConfigError(f"model.val_search.{error.field}", error.problem) from None
     # The pad id first: the stand-in vocab_size below must not appear in its message.
     check_hyperparameters(pad_id=transformer.get("pad_id", PAD_ID), val_search=val_search,
-                          label_smoothing=model.label_smoothing, lr=model.lr, warmup_steps=model.warmup_steps,
+                          label_smoothing=model.label_smoothing, lr=model.lr, lr_schedule=model.lr_schedule,
+                          warmup_steps=model.warmup_steps,
                           weight_decay=model.weight_decay, adam_betas=tuple(model.adam_betas), adam_eps=model.adam_eps)
     try:
         # vocab_size comes from the tokenizer later; any value that passes stands in for it here.
@@ -167,6 +168,15 @@ def check_output_folders(trainer: pl.Trainer) -> None:
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             check_writable(callback.dirpath, option="ModelCheckpoint dirpath")
+
+
+def check_budget(model: TranslationModule, trainer: pl.Trainer) -> None:
+    """A linear decay to 0 needs an end to decay to (Lightning counts max_epochs=-1 as none)."""
+    timed = any(isinstance(callback, Timer) for callback in trainer.callbacks)  # type: ignore[attr-defined]
+    endless = trainer.max_steps == -1 and trainer.max_epochs == -1 and not timed
+    if model.hparams["lr_schedule"] == "linear" and endless:
+        raise ConfigError("model.lr_schedule", "linear decays the rate to 0 at the end of the run, and this run has "
+                          "none: set trainer.max_steps, max_epochs or max_time, or use inverse_sqrt")
 
 
 def check_lengths(model: TranslationModule, data: TranslationDataModule) -> None:
@@ -235,6 +245,7 @@ def fit(args: list[str] | None) -> TranslationCLI:
     if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # keep a CheckpointIO the user chose
         trainer.strategy.checkpoint_io = AtomicCheckpointIO()
     check_lengths(cli.model, cli.datamodule)
+    check_budget(cli.model, trainer)
     check_output_folders(trainer)
     ckpt_path = resolve_resume(trainer, cli.config.get("ckpt_path"), model=cli.model, data=cli.datamodule)
     trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)

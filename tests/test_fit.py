@@ -106,6 +106,32 @@ def test_resume_continues_step_and_schedule(tiny_run, tmp_path: Path):
     assert cli.trainer.global_step == 2
 
 
+def test_linear_schedule_reaches_zero_when_max_steps_is_reached(tmp_path: Path):
+    config = write_tiny_run(tmp_path, max_steps=12, train_pairs=100, val_pairs=4)
+    cli = main(["--config", str(config), "--model.lr_schedule=linear", "--trainer.limit_val_batches=0"])
+    assert cli.trainer.global_step == 12
+    assert cli.trainer.optimizers[0].param_groups[0]["lr"] == 0.0
+
+
+def test_linear_schedule_follows_the_clock_under_max_time(tmp_path: Path):
+    """max_time ends the run long before max_steps: the rate must still be near 0 by then."""
+    config = write_tiny_run(tmp_path, max_steps=100_000, train_pairs=100, val_pairs=4)
+    cli = main(["--config", str(config), "--model.lr_schedule=linear", "--model.warmup_steps=1",
+                "--trainer.max_time=00:00:00:04", "--trainer.limit_val_batches=0"])
+    steps = cli.trainer.global_step
+    assert 4 < steps < 100_000  # stopped by the clock, after several updates
+    # The rate left is about one update's share of the 4 s; a rate that ignored the clock would be ~0.003.
+    assert cli.trainer.optimizers[0].param_groups[0]["lr"] < 0.003 * 0.5
+
+
+def test_linear_schedule_without_an_end_is_refused(tmp_path: Path):
+    config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
+    with pytest.raises(SystemExit, match=r"^error: model.lr_schedule: linear decays the rate to 0 at the end of the "
+                                         r"run, and this run has none: set trainer.max_steps, max_epochs or max_time"):
+        main(["--config", str(config), "--model.lr_schedule=linear", "--trainer.max_steps=-1",
+              "--trainer.max_epochs=-1", "--trainer.val_check_interval=10"])
+
+
 def probe_env() -> dict[str, str]:
     """The environment for `python -m seq2seq.fit` subprocesses that load callbacks from tests/ by class path."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
