@@ -39,7 +39,7 @@ import torch
 from lightning.fabric.plugins.precision.precision import (
     _PRECISION_INPUT,  # Lightning's choices: jsonargparse checks them
 )
-from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
@@ -48,7 +48,7 @@ from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference,
 from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls_pay
-from seq2seq.module import TrainingDiverged, TranslationModule, check_hyperparameters
+from seq2seq.module import NO_END, TrainingDiverged, TranslationModule, check_hyperparameters, timed
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import PAD_ID
 
@@ -171,12 +171,11 @@ def check_output_folders(trainer: pl.Trainer) -> None:
 
 
 def check_budget(model: TranslationModule, trainer: pl.Trainer) -> None:
-    """A linear decay to 0 needs an end to decay to (Lightning counts max_epochs=-1 as none)."""
-    timed = any(isinstance(callback, Timer) for callback in trainer.callbacks)  # type: ignore[attr-defined]
-    endless = trainer.max_steps == -1 and trainer.max_epochs == -1 and not timed
+    """A linear decay to 0 needs an end to decay to (Lightning counts max_epochs=-1 as none). Checked
+    here, before any data work; the module checks again at the start of training."""
+    endless = trainer.max_steps == -1 and trainer.max_epochs == -1 and not timed(trainer)
     if model.hparams["lr_schedule"] == "linear" and endless:
-        raise ConfigError("model.lr_schedule", "linear decays the rate to 0 at the end of the run, and this run has "
-                          "none: set trainer.max_steps, max_epochs or max_time, or use inverse_sqrt")
+        raise ConfigError("model.lr_schedule", NO_END)
 
 
 def check_lengths(model: TranslationModule, data: TranslationDataModule) -> None:

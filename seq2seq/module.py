@@ -45,6 +45,8 @@ from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 ValidationRow = tuple[int, str, str, float, float, int]
 VAL_SEARCH = SearchConfig(beam_size=1)  # greedy: fast enough to run at every validation
 LR_SCHEDULES = ("inverse_sqrt", "linear")
+NO_END = ("linear decays the rate to 0 at the end of the run, and this run has none: set trainer.max_steps, "
+          "max_epochs or max_time, or use inverse_sqrt")
 
 
 def inverse_sqrt_schedule(step: int, *, warmup_steps: int) -> float:
@@ -58,11 +60,17 @@ def inverse_sqrt_schedule(step: int, *, warmup_steps: int) -> float:
 def linear_schedule(step: int, *, warmup_steps: int, progress: float) -> float:
     """Linear warm-up, and a linear decay that reaches 0 when the budget is spent (`progress` 1).
 
-    With a known budget this beats inverse sqrt, which leaves the rate high when the run stops (on
-    Multi30k in 55 minutes, the README's row). The rate is the lower of the two lines, so the
+    Inverse sqrt leaves the rate high where a run with a fixed budget stops; this one anneals to 0
+    there, so the last weights are the settled ones. The rate is the lower of the two lines, so the
     decay starts from (1 - progress at the end of warm-up), not from 1.
     """
     return max(0.0, min((step + 1) / warmup_steps, 1.0 - progress))
+
+
+def timed(trainer: L.Trainer) -> bool:
+    """Whether trainer.max_time bounds the run (Lightning's Timer, with a duration)."""
+    return any(isinstance(callback, Timer) and callback.time_remaining() is not None
+               for callback in trainer.callbacks)  # type: ignore[attr-defined]  # a list, typed loosely
 
 
 def time_spent(trainer: L.Trainer) -> float:
@@ -228,8 +236,18 @@ class TranslationModule(L.LightningModule):
         return loss, nll, tgt_out != PAD_ID
 
     def on_train_start(self) -> None:
-        if self._schedule is not None:  # after a resume too: the budget may have been extended
-            self._schedule.budget_steps = float(self.trainer.estimated_stepping_batches)  # inf if unbounded
+        if self._schedule is None:
+            return
+        # After a resume too, where the budget may have been extended: the optimizer's rate, restored
+        # from the checkpoint, is the old budget's (0 at its end), so it is recomputed for the new one.
+        budget = float(self.trainer.estimated_stepping_batches)  # max_steps or what max_epochs allow
+        self._schedule.budget_steps = budget if budget > 0 else math.inf  # -1: no bound in steps
+        if math.isinf(self._schedule.budget_steps) and not timed(self.trainer):
+            raise ConfigError("model.lr_schedule", NO_END)
+        scheduler = self.lr_schedulers()
+        assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
+        for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+            group["lr"] = base_lr * self._schedule(scheduler.last_epoch)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._schedule is not None:  # read by the scheduler's step after this update, for the next

@@ -1,4 +1,5 @@
-"""Callbacks for the exact-resume test (loaded by class path in a `python -m seq2seq.fit` subprocess)."""
+"""Callbacks that tests of seq2seq.fit load by class path (in a `python -m seq2seq.fit` subprocess, or in
+process): what was trained on, at what rate, and a kill -9 at a chosen update."""
 
 import json
 import os
@@ -30,3 +31,14 @@ class KillAt(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class LrLog(L.Callback):
+    """Appends the learning rate each update trains with (read before the update, one line each)."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        with self.path.open("a") as f:
+            f.write(f"{trainer.optimizers[0].param_groups[0]['lr']!r}\n")

@@ -106,11 +106,31 @@ def test_resume_continues_step_and_schedule(tiny_run, tmp_path: Path):
     assert cli.trainer.global_step == 2
 
 
-def test_linear_schedule_reaches_zero_when_max_steps_is_reached(tmp_path: Path):
+def linear_rates(*, first: int, last: int, peak: float, warmup: int, budget: int) -> list[float]:
+    """The rate of updates first..last (from 1) under lr_schedule linear: each is set after the update before."""
+    return [peak * min(k / warmup, 1 - (k - 1) / budget) if k > 1 else peak / warmup for k in range(first, last + 1)]
+
+
+def read_rates(path: Path) -> list[float]:
+    return [float(line) for line in path.read_text().split()]
+
+
+def test_linear_schedule_decays_to_zero_at_max_steps_and_an_extended_resume_continues(tmp_path: Path):
     config = write_tiny_run(tmp_path, max_steps=12, train_pairs=100, val_pairs=4)
-    cli = main(["--config", str(config), "--model.lr_schedule=linear", "--trainer.limit_val_batches=0"])
+    log = ["--trainer.callbacks+=resume_probe.LrLog", f"--trainer.callbacks.path={tmp_path / 'lr.txt'}"]
+    cli = main(["--config", str(config), "--model.lr_schedule=linear", *log])
     assert cli.trainer.global_step == 12
+    # Warm-up for 5, then the line to 0: the last update trains at peak/12, and the rate after it is 0.
+    assert read_rates(tmp_path / "lr.txt") == pytest.approx(linear_rates(first=1, last=12, peak=0.003, warmup=5,
+                                                                         budget=12), rel=1e-9)
     assert cli.trainer.optimizers[0].param_groups[0]["lr"] == 0.0
+    # Resumed with twice the budget: the rate is the new line's at once, not the 0 the checkpoint ended at.
+    log[1] = f"--trainer.callbacks.path={tmp_path / 'lr2.txt'}"
+    cli = main(["--config", str(config), "--model.lr_schedule=linear", "--trainer.max_steps=24", "--ckpt_path",
+                "last", *log])
+    assert cli.trainer.global_step == 24
+    assert read_rates(tmp_path / "lr2.txt") == pytest.approx(linear_rates(first=13, last=24, peak=0.003, warmup=5,
+                                                                          budget=24), rel=1e-9)
 
 
 def test_linear_schedule_follows_the_clock_under_max_time(tmp_path: Path):
