@@ -48,7 +48,7 @@ from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference,
 from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls_pay
-from seq2seq.module import NO_END, TrainingDiverged, TranslationModule, check_hyperparameters, timed
+from seq2seq.module import NO_END, TrainingDiverged, TranslationModule, check_hyperparameters, max_time_timer
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import PAD_ID
 
@@ -173,7 +173,7 @@ def check_output_folders(trainer: pl.Trainer) -> None:
 def check_budget(model: TranslationModule, trainer: pl.Trainer) -> None:
     """A linear decay to 0 needs an end to decay to (Lightning counts max_epochs=-1 as none). Checked
     here, before any data work; the module checks again at the start of training."""
-    endless = trainer.max_steps == -1 and trainer.max_epochs == -1 and not timed(trainer)
+    endless = trainer.max_steps == -1 and trainer.max_epochs == -1 and max_time_timer(trainer) is None
     if model.hparams["lr_schedule"] == "linear" and endless:
         raise ConfigError("model.lr_schedule", NO_END)
 

@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import asdict
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning as L
 import sacrebleu
@@ -44,7 +44,7 @@ from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 # (sentence index, hypothesis, reference, summed smoothed loss, summed NLL, target tokens)
 ValidationRow = tuple[int, str, str, float, float, int]
 VAL_SEARCH = SearchConfig(beam_size=1)  # greedy: fast enough to run at every validation
-LR_SCHEDULES = ("inverse_sqrt", "linear")
+LrSchedule = Literal["inverse_sqrt", "linear"]
 NO_END = ("linear decays the rate to 0 at the end of the run, and this run has none: set trainer.max_steps, "
           "max_epochs or max_time, or use inverse_sqrt")
 
@@ -67,10 +67,10 @@ def linear_schedule(step: int, *, warmup_steps: int, progress: float) -> float:
     return max(0.0, min((step + 1) / warmup_steps, 1.0 - progress))
 
 
-def timed(trainer: L.Trainer) -> bool:
-    """Whether trainer.max_time bounds the run (Lightning's Timer, with a duration)."""
-    return any(isinstance(callback, Timer) and callback.time_remaining() is not None
-               for callback in trainer.callbacks)  # type: ignore[attr-defined]  # a list, typed loosely
+def max_time_timer(trainer: L.Trainer) -> Timer | None:
+    """The Timer that trainer.max_time adds (one with a duration), or None if the run has no max_time."""
+    timers = (cb for cb in trainer.callbacks if isinstance(cb, Timer))  # type: ignore[attr-defined]  # typed loosely
+    return next((timer for timer in timers if timer.time_remaining() is not None), None)
 
 
 def time_spent(trainer: L.Trainer) -> float:
@@ -79,12 +79,12 @@ def time_spent(trainer: L.Trainer) -> float:
     Rank 0's value on every rank: clocks differ between processes, and DDP ranks must take the same
     step (Lightning's Timer broadcasts its stop decision in the same way).
     """
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # a list, typed loosely by Lightning
-        remaining = callback.time_remaining() if isinstance(callback, Timer) else None
-        if remaining is not None:
-            elapsed = callback.time_elapsed()
-            return float(trainer.strategy.broadcast(min(elapsed / max(elapsed + remaining, 1e-9), 1.0)))
-    return 0.0
+    timer = max_time_timer(trainer)
+    if timer is None:
+        return 0.0
+    elapsed, remaining = timer.time_elapsed(), timer.time_remaining()
+    assert remaining is not None  # a duration: max_time_timer chose it for that
+    return float(trainer.strategy.broadcast(min(elapsed / max(elapsed + remaining, 1e-9), 1.0)))
 
 
 class TrainingDiverged(RuntimeError):
@@ -123,8 +123,9 @@ def check_hyperparameters(*, pad_id: Any, val_search: SearchConfig, label_smooth
             raise ConfigError(key, error.problem) from None
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
         raise ConfigError("model.warmup_steps", f"must be a whole number of updates, got {warmup_steps!r}")
-    if lr_schedule not in LR_SCHEDULES:
-        raise ConfigError("model.lr_schedule", f"must be one of {', '.join(LR_SCHEDULES)}, got {lr_schedule!r}")
+    if lr_schedule not in get_args(LrSchedule):
+        raise ConfigError("model.lr_schedule",
+                          f"must be one of {', '.join(get_args(LrSchedule))}, got {lr_schedule!r}")
 
 
 class TranslationModule(L.LightningModule):
@@ -134,7 +135,7 @@ class TranslationModule(L.LightningModule):
         transformer: TransformerConfig,
         label_smoothing: float = 0.1,
         lr: float = 5e-4,
-        lr_schedule: Literal["inverse_sqrt", "linear"] = "inverse_sqrt",
+        lr_schedule: LrSchedule = "inverse_sqrt",
         warmup_steps: int = 4000,
         weight_decay: float = 0.0,
         adam_betas: tuple[float, float] = (0.9, 0.98),
@@ -242,7 +243,7 @@ class TranslationModule(L.LightningModule):
         # from the checkpoint, is the old budget's (0 at its end), so it is recomputed for the new one.
         budget = float(self.trainer.estimated_stepping_batches)  # max_steps or what max_epochs allow
         self._schedule.budget_steps = budget if budget > 0 else math.inf  # -1: no bound in steps
-        if math.isinf(self._schedule.budget_steps) and not timed(self.trainer):
+        if math.isinf(self._schedule.budget_steps) and max_time_timer(self.trainer) is None:
             raise ConfigError("model.lr_schedule", NO_END)
         scheduler = self.lr_schedulers()
         assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
