@@ -310,22 +310,36 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
                           encoding="utf-8", timeout=120)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_bf16_and_int8_translations_agree_with_fp32(trained: Path, precision: str):
-    """The demo-corpus model (trained 300 steps) in bf16 weights or int8 linear layers, against fp32:
-    bf16 >= 90% of lines identical, int8 >= 80% (CTranslate2's int8 keeps ~80% of our Multi30k model's
-    lines), both chrF >= 95 (measured on an AMD EPYC Zen 3: int8 53/60, chrF 97.8)."""
+def teacher_forced_log_probs(translator: Translator, sources: list[str], targets: list[list[int]]) -> torch.Tensor:
+    """log P(target token | source, the target's prefix) under translator's model, every token, as float32."""
+    scores = []
+    for source, target in zip(translator.tokenizer.encode(sources), targets, strict=True):
+        tgt_in = torch.tensor([[BOS_ID, *target]])
+        with torch.inference_mode():
+            logits = translator.model(torch.tensor([source]), tgt_in).float()[0]  # (T, V)
+        scores.append(torch.log_softmax(logits, dim=-1).gather(1, torch.tensor([[*target, EOS_ID]]).T)[:, 0])
+    return torch.cat(scores)
+
+
+@pytest.mark.parametrize("precision,bound", [("bf16", 0.05), ("int8", 0.1)])
+def test_bf16_and_int8_score_as_fp32_within_their_rounding(trained: Path, precision: str, bound: float):
+    """The demo-corpus model (trained 300 steps) in bf16 weights or int8 linear layers, against fp32, on
+    fp32's beam-4 translations: per token, the log-probability moves by less than `bound` on average
+    (measured on an Intel Xeon with AMX: 0.007 for bf16, 0.020 for int8; a wrong scale or a missed layer
+    moves it by nats), and the translations stay close (chrF >= 85 against fp32's: 97 and 94 there).
+    Not a count of identical lines: which near-ties flip depends on the CPU's kernels."""
     with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
         sources = f.read().split("\n")[:60]
     search = SearchConfig(beam_size=4)
-    reference = Translator.from_checkpoint(trained, precision="fp32").translate(sources, search)
+    fp32 = Translator.from_checkpoint(trained, precision="fp32")
+    reference = [hyps[0] for hyps in fp32.translate_nbest(sources, search)]
     other = Translator.from_checkpoint(trained, precision=precision)
     assert other.precision == precision
-    translations = other.translate(sources, search)
-    same = sum(a == b for a, b in zip(translations, reference, strict=True))
-    chrf = sacrebleu.corpus_chrf(translations, [reference]).score
-    bound = 0.9 if precision == "bf16" else 0.8
-    assert same >= bound * len(sources) and chrf >= 95, f"{precision}: {same}/{len(sources)} identical, chrF {chrf:.1f}"
+    targets = [hyp.tokens for hyp in reference]
+    moved = (teacher_forced_log_probs(other, sources, targets) - teacher_forced_log_probs(fp32, sources, targets))
+    assert 0 < moved.abs().mean() < bound, f"{precision}: log-probabilities moved by {moved.abs().mean():.4f} a token"
+    chrf = sacrebleu.corpus_chrf(other.translate(sources, search), [[hyp.text for hyp in reference]]).score
+    assert chrf >= 85, f"{precision}: chrF {chrf:.1f} against fp32"
 
 
 def test_cli_files_with_references(checkpoint: Path, translator: Translator, tmp_path: Path):
