@@ -1,6 +1,7 @@
 """Training throughput: our Transformer against torch.nn.Transformer of the same size, same batches.
 
     python bench/train_throughput.py [--sizes multi30k base] [--precisions fp32 bf16] [--steps 6] [--max-tokens N]
+                                     [--bf16-attention auto bf16 fp32]
 
 One training step = forward, label-smoothed loss, backward, fused AdamW update. Ours is what
 TranslationModule.training_step runs (output projection fused with the loss over non-pad positions,
@@ -9,6 +10,10 @@ Both models see the same Multi30k token-budget batches, in alternation (ours, ba
 so that machine noise hits both alike. Also prints the fraction of the machine's matmul peak (a
 large square matmul timed in this same process) that each step reaches, with FLOPs counted by
 torch's FlopCounterMode. bench/train_ablation.py splits our speed-up into its parts.
+
+Under bf16, our attention runs in the precision training would choose here (`auto`: bf16 unless its
+kernels time slower than float32's, seq2seq/model/precision.py) or, with --bf16-attention, in each
+one given, as separate rows. The process keeps freed memory as `python -m seq2seq.fit` does.
 """
 
 import argparse
@@ -28,7 +33,9 @@ from seq2seq.data import TranslationDataModule
 from seq2seq.loss import training_loss
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
+from seq2seq.model.precision import bf16_attention
 from seq2seq.tokenizer import PAD_ID
+from seq2seq.translator import keep_freed_memory
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared/data/multi30k"
 
@@ -153,11 +160,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="padded tokens per batch instead of each size's default (small batches make bf16 "
                              "on an AVX2 CPU measurable)")
+    parser.add_argument("--bf16-attention", nargs="+", default=["auto"], choices=["auto", "bf16", "fp32"],
+                        help="under bf16, our attention's precision: auto (what training picks here) or as given")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as training does (module.py); both models get it
+    keep_freed_memory()  # as seq2seq.fit does
+    attentions = {"auto": not bf16_attention(torch.device("cpu"), dropout=False).bf16, "bf16": False, "fp32": True}
+    # (precision, our attention in fp32 under autocast): fp32 has no autocast, so one row.
+    runs = [(p, attentions[a]) for p in args.precisions for a in (args.bf16_attention if p == "bf16" else ["auto"])]
 
     peaks = {p: matmul_peak(torch.float32 if p == "fp32" else torch.bfloat16) for p in args.precisions}
     print(f"matmul peak here: {', '.join(f'{p} {g:.0f} GFLOP/s' for p, g in peaks.items())}; "
@@ -168,7 +181,9 @@ def main() -> None:
             d_model, heads, d_ff, layers, vocab, placement, max_tokens = SIZES[size]
             batches = batches_for(vocab_tokens=8000, max_tokens=args.max_tokens or max_tokens, count=args.steps + 1,
                                   workdir=Path(tmp))
-            for precision in args.precisions:
+            for precision, fp32_attention in runs:
+                if precision == "bf16":
+                    precision = f"bf16 ({'fp32' if fp32_attention else 'bf16'} attention)"
                 torch.manual_seed(0)
                 models = {
                     "ours": ours(d_model=d_model, num_heads=heads, d_ff=d_ff, layers=layers, vocab=vocab,
@@ -176,24 +191,30 @@ def main() -> None:
                     "nn.Transformer": BaselineTransformer(d_model=d_model, num_heads=heads, d_ff=d_ff, layers=layers,
                                                           vocab=vocab, norm_first=placement == "pre"),
                 }
+                models["ours"].attention_in_fp32_under_autocast(enabled=fp32_attention)
                 losses = {"ours": ours_loss, "nn.Transformer": baseline_loss}
-                steps = {name: make_step(m.train(), losses[name], bf16=precision == "bf16") for name, m in models.items()}
+                bf16 = precision.startswith("bf16")
+                steps = {name: make_step(m.train(), losses[name], bf16=bf16) for name, m in models.items()}
                 flops = {name: step_flops(step, batches[0]) for name, step in steps.items()}  # also the warm-up
                 tokens = sum(int((b["tgt_out"] != PAD_ID).sum()) for b in batches[1:])
                 times = time_alternating(steps, batches[1:])
                 for name in steps:
                     total = sum(times[name])
                     achieved = flops[name] / statistics.median(times[name]) / 1e9
-                    rows.append((size, precision, name, tokens / total, achieved / peaks[precision]))
+                    rows.append((size, precision, name, tokens / total, achieved / peaks["bf16" if bf16 else "fp32"]))
                 ratio = sum(times["nn.Transformer"]) / sum(times["ours"])
                 rows.append((size, precision, "ours / nn.Transformer", ratio, None))
                 print(f"done: {size} {precision}", flush=True)
 
-    print(f"\n{'size':<9} {'precision':<9} {'model':<22} {'tgt tok/s (or ratio)':>20} {'of matmul peak':>15}")
+    print(f"\n{'size':<9} {'precision':<24} {'model':<22} {'tgt tok/s (or ratio)':>20} {'of matmul peak':>15}")
     for size, precision, name, value, fraction in rows:
         shown = f"{value:.2f}x" if fraction is None else f"{value:,.0f}"
         frac = "" if fraction is None else f"{fraction:.0%}"
-        print(f"{size:<9} {precision:<9} {name:<22} {shown:>20} {frac:>15}")
+        print(f"{size:<9} {precision:<24} {name:<22} {shown:>20} {frac:>15}")
+    ours_rows = {(size, precision): value for size, precision, name, value, fraction in rows if name == "ours"}
+    for (size, precision), value in ours_rows.items():
+        if precision != "fp32" and (size, "fp32") in ours_rows:
+            print(f"{size}: ours {precision} / ours fp32 = {value / ours_rows[size, 'fp32']:.2f}x")
 
 
 if __name__ == "__main__":

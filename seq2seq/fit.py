@@ -6,8 +6,8 @@ The model's vocabulary size is linked from the data module's tokenizer (trained 
 by one process only), so no number has to be kept in sync by hand.
 
 `trainer.precision: auto` (the default) is decided here, before Lightning sees it: bf16-mixed on a
-GPU with native bf16 and on a CPU whose bf16 matmuls (forward and backward) measure faster than
-fp32 ones, else 32-true. The choice is printed at start.
+GPU with native bf16 and on a CPU with bf16 matmul units (seq2seq/model/precision.py says how that
+is decided), else 32-true. The choice and its reason are printed at start.
 
 Before any work, and so before hours of training can be lost: the model section is validated
 (every key named in its error), the checkpoint and log folders must be writable, and a resumed
@@ -47,10 +47,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference, save_atomic
 from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
-from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls_pay
+from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls, device_name
 from seq2seq.module import NO_END, TrainingDiverged, TranslationModule, check_hyperparameters, max_time_timer
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import PAD_ID
+from seq2seq.translator import keep_freed_memory
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -76,8 +77,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
     """`auto` made concrete for the device training will run on; any other value is Lightning's to check.
 
-    Measured once, by the process the user started: the DDP processes Lightning launches inherit the
-    choice through the environment, so ranks cannot time differently and train in different precisions.
+    Decided once, by the process the user started: the DDP processes Lightning launches inherit the
+    choice through the environment, so ranks cannot decide differently and train in different precisions.
     """
     if precision != "auto":
         return precision
@@ -85,20 +86,20 @@ def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
         return os.environ["PL_TRAINER_PRECISION"]
     name = str(accelerator).lower()
     if name in ("auto", "gpu", "cuda") and torch.cuda.is_available():
-        device, where = torch.device("cuda", 0), torch.cuda.get_device_name(0)
+        device = torch.device("cuda", 0)
     elif name in ("auto", "cpu"):
-        device, where = torch.device("cpu"), "this CPU"
+        device = torch.device("cpu")
     else:  # mps, tpu, an Accelerator object: no measurement of ours applies
-        device, where = torch.device("meta"), str(accelerator)
+        device = torch.device("meta")
     inherited = os.environ.get(AUTO_TRAINING_PRECISION_ENV, "")  # "cpu=32-true": the device type it was chosen for
     if inherited.startswith(f"{device.type}="):
         return inherited.split("=", 1)[1]
-    pays = bf16_matmuls_pay(device, training=True)
-    chosen = "bf16-mixed" if pays else "32-true"
+    verdict = bf16_matmuls(device, training=True)
+    chosen = "bf16-mixed" if verdict.bf16 else "32-true"
     os.environ[AUTO_TRAINING_PRECISION_ENV] = f"{device.type}={chosen}"
     if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # set by Lightning from RANK / SLURM_PROCID / LOCAL_RANK
-        why = "bf16 matmuls measured faster than fp32" if pays else "bf16 matmuls are not faster than fp32"
-        print(f"trainer.precision auto: {chosen} ({why} on {where})", flush=True)
+        where = device_name(device) if device.type != "meta" else str(accelerator)
+        print(f"trainer.precision auto: {chosen} on {where} ({verdict.why})", flush=True)
     return chosen
 
 
@@ -224,6 +225,10 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
 
 
 def main(args: list[str] | None = None) -> TranslationCLI:
+    # A training step allocates and frees tensors of tens of MB (a loss chunk's logits, activations);
+    # glibc unmaps each block over 32 MB when freed, and every step then page-faults them in again:
+    # 115k-240k faults and ~20% of a step on a 2-core KVM machine (README, Results).
+    keep_freed_memory()
     try:
         return fit(args)
     except (ConfigError, DataError, CheckpointError, TrainingDiverged) as error:

@@ -30,14 +30,15 @@ import sacrebleu
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Timer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry
 from seq2seq.loss import label_smoothed_nll, training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
-from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls_pay
+from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_attention, bf16_matmuls
 from seq2seq.search import SearchConfig, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -180,14 +181,20 @@ class TranslationModule(L.LightningModule):
         # nothing by flushing them to zero.
         torch.set_flush_denormal(True)
         device = self.trainer.strategy.root_device
-        chosen_by_auto = os.environ.get(AUTO_TRAINING_PRECISION_ENV) == "cpu=bf16-mixed"  # measured already
-        if (device.type == "cpu" and "bf16" in str(self.trainer.precision) and not chosen_by_auto
-                and not bf16_matmuls_pay(device, training=True)):
+        precision = str(self.trainer.precision)
+        chosen_by_auto = os.environ.get(AUTO_TRAINING_PRECISION_ENV) == f"{device.type}={precision}"  # decided already
+        matmuls = bf16_matmuls(device, training=True)
+        if device.type == "cpu" and "bf16" in precision and not chosen_by_auto and not matmuls.bf16:
             rank_zero_warn(
-                f"trainer.precision={self.trainer.precision} on a CPU whose bf16 matmuls measure slower than fp32 "
-                "(no AMX, no AVX512-BF16): a training step there runs up to ~40x slower than in fp32 "
-                "(bench/train_throughput.py). Use --trainer.precision=auto or 32-true on this machine."
+                f"trainer.precision={precision} on a CPU whose bf16 matmuls are slower than fp32 ({matmuls.why}): "
+                "a training step there runs up to ~40x slower than in fp32 (bench/train_throughput.py). Use "
+                "--trainer.precision=auto or 32-true on this machine."
             )
+        if precision.endswith("-mixed"):  # autocast: its attention kernels may be slower than float32 ones
+            verdict = bf16_attention(device, dropout=self.config.attention_dropout > 0)
+            low = bool(self.trainer.strategy.broadcast(verdict.bf16))  # rank 0's verdict for every rank
+            self.model.attention_in_fp32_under_autocast(enabled=not low)
+            rank_zero_info(f"attention under {precision}: {precision[:-6] if low else 'float32'} ({verdict.why})")
         datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Trainer.fit, not declared
         self.tokenizer = datamodule.tokenizer
         if self.tokenizer.vocab_size != self.config.vocab_size:
@@ -226,6 +233,31 @@ class TranslationModule(L.LightningModule):
         else:
             schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, InverseSqrt(hp.warmup_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's clipping, made to work under mixed precision with the fused AdamW.
+
+        Lightning's MixedPrecision plugin refuses to clip for any optimizer that can unscale gradients
+        itself (fused AdamW says so), because under fp16 it then leaves them scaled by the GradScaler
+        and would clip the scaled values. The refusal is broader than that rule: under bf16-mixed there
+        is no scaler, the gradients are the true ones, and clipping them before the fused step is exact.
+        Under 16-mixed, GradScaler.unscale_() before clipping is torch's recipe for clipping with any
+        optimizer; the scaler then marks the optimizer as unscaled, and its step() passes the fused
+        kernel only the found-infinite flag (the step is still skipped on overflow), not the scale.
+        So the fused step, the fastest valid one, stays for every precision.
+        """
+        plugin = self.trainer.precision_plugin
+        if not isinstance(plugin, MixedPrecision):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        if not gradient_clip_val:
+            return
+        if plugin.scaler is not None:
+            plugin.scaler.unscale_(optimizer)
+        # The base class's clipping: what Lightning does at full precision, without the refusal above.
+        Precision.clip_gradients(plugin, optimizer, gradient_clip_val,
+                                 GradClipAlgorithmType(gradient_clip_algorithm or "norm"))
 
     # ---- training -----------------------------------------------------------------------------
 

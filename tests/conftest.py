@@ -9,6 +9,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
+from machines import pretend_machine  # noqa: E402
 
 from seq2seq.tokenizer import Tokenizer  # noqa: E402
 
@@ -18,12 +19,13 @@ DEMO_DATA = Path(__file__).resolve().parents[1] / "seq2seq/demo/data"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def auto_precision_is_fp32():
-    """precision="auto" resolves to fp32 in every test, whatever the CPU: where bf16 matmuls measure
-    faster it would pick bf16, and outputs would depend on the machine. Tests of auto patch it back."""
+def an_avx2_machine_by_default(tmp_path_factory: pytest.TempPathFactory):
+    """Every test runs on a pretended AVX2-only x86 CPU unless it pretends otherwise: `auto` then picks fp32
+    by the rule (no bf16 units), outputs do not depend on the CPU, and no timing decides. The verdict
+    cache goes to a folder of the session's (XDG_CACHE_HOME, inherited by subprocesses)."""
     with pytest.MonkeyPatch.context() as patch:
-        for where in ("seq2seq.model.precision", "seq2seq.fit", "seq2seq.module"):  # training's auto too
-            patch.setattr(f"{where}.bf16_matmuls_pay", lambda device, training=False: False)
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
+        pretend_machine(patch, "avx2")
         yield
 
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import MULTI30K, write_tiny_run
+from machines import MACHINES, pretend_machine
 
+import seq2seq.fit
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.data import TranslationDataModule
 from seq2seq.fit import AtomicCheckpointIO, Trainer, TranslationCLI, main
@@ -180,36 +182,41 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path):
     assert float(val[-1]["val_sentences"]) == 37  # each rank decoded part; scored once over all 37
 
 
-@pytest.mark.parametrize("has_bf16", [False, True])
-def test_bf16_on_a_cpu_without_bf16_matmuls_warns(has_bf16: bool, tmp_path: Path, monkeypatch):
-    monkeypatch.setattr("seq2seq.module.bf16_matmuls_pay", lambda device, training=False: has_bf16)
+@pytest.mark.parametrize("machine", ["avx2", "amx"])
+def test_bf16_on_a_cpu_without_bf16_matmuls_warns(machine: str, tmp_path: Path, monkeypatch):
+    pretend_machine(monkeypatch, machine)
     config = write_tiny_run(tmp_path, max_steps=1, train_pairs=100, val_pairs=4)
     args = ["--config", str(config), "--trainer.precision=bf16-mixed", "--trainer.limit_val_batches=0"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli = main(args)
     assert cli.trainer.global_step == 1
-    warned = [w for w in caught if "bf16 matmuls measure slower" in str(w.message)]
-    assert len(warned) == (0 if has_bf16 else 1)
+    warned = [w for w in caught if "bf16 matmuls are slower" in str(w.message)]
+    assert len(warned) == (0 if machine == "amx" else 1)
     if warned:
+        assert "no bf16 matmul units" in str(warned[0].message)
         assert "--trainer.precision=auto or 32-true" in str(warned[0].message)
 
 
-@pytest.mark.parametrize("pays,chosen", [(True, "bf16-mixed"), (False, "32-true")])
-def test_precision_auto_is_decided_by_measurement_and_passed_to_ddp_ranks(pays: bool, chosen: str, tmp_path: Path,
-                                                                         monkeypatch, capsys):
-    timed = []
-    monkeypatch.setattr("seq2seq.fit.bf16_matmuls_pay", lambda device, training=False: timed.append(training) or pays)
+@pytest.mark.parametrize("machine,chosen", [("amx", "bf16-mixed"), ("avx512_bf16", "bf16-mixed"), ("avx2", "32-true")])
+def test_precision_auto_follows_the_machine_and_is_passed_to_ddp_ranks(machine: str, chosen: str, tmp_path: Path,
+                                                                       monkeypatch, capsys):
+    pretend_machine(monkeypatch, machine)
+    asked = []
+    real = seq2seq.fit.bf16_matmuls
+    monkeypatch.setattr("seq2seq.fit.bf16_matmuls",
+                        lambda device, training=False: asked.append(training) or real(device, training=training))
     monkeypatch.setenv("_SEQ2SEQ_AUTO_PRECISION", "")
     monkeypatch.delenv("_SEQ2SEQ_AUTO_PRECISION")  # and gone again after the test
     config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
     cli = main(["--config", str(config), "--trainer.precision=auto", "--trainer.limit_val_batches=0"])
-    assert cli.trainer.precision == chosen and timed == [True]  # timed as training runs: forward and backward
-    assert f"trainer.precision auto: {chosen}" in capsys.readouterr().out
+    assert cli.trainer.precision == chosen and asked == [True]  # for training: forward and backward
+    printed = capsys.readouterr().out
+    assert f"trainer.precision auto: {chosen} on {MACHINES[machine].model} (this CPU has" in printed
     assert os.environ["_SEQ2SEQ_AUTO_PRECISION"] == f"cpu={chosen}"  # what the DDP processes it starts inherit
     cli = main(["--config", str(config), "--trainer.precision=auto", "--trainer.limit_val_batches=0",
                 "--trainer.max_steps=2"])
-    assert cli.trainer.precision == chosen and timed == [True]  # not measured again
+    assert cli.trainer.precision == chosen and asked == [True]  # inherited, not decided again
     cli = main(["--config", str(config), "--trainer.precision=32-true", "--trainer.limit_val_batches=0"])
     assert cli.trainer.precision == "32-true"  # a precision given is kept
 
@@ -429,8 +436,7 @@ def test_precision_auto_defers_to_lightning_s_environment_default_and_to_the_dev
     from seq2seq.fit import resolve_auto_precision
 
     monkeypatch.setenv("_SEQ2SEQ_AUTO_PRECISION", "cuda=bf16-mixed")  # chosen for another device type
-    monkeypatch.setattr("seq2seq.fit.bf16_matmuls_pay", lambda device, training=False: False)
-    assert resolve_auto_precision("auto", accelerator="cpu") == "32-true"  # measured again for the CPU
+    assert resolve_auto_precision("auto", accelerator="cpu") == "32-true"  # decided again for the (AVX2) CPU
     monkeypatch.setenv("PL_TRAINER_PRECISION", "bf16-mixed")
     assert resolve_auto_precision("auto", accelerator="cpu") == "bf16-mixed"
     assert resolve_auto_precision("64-true", accelerator="cpu") == "64-true"

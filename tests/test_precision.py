@@ -1,44 +1,159 @@
 """Tests for seq2seq.model.precision: choosing the number format, and the int8 linear layers."""
 
+import json
+import math
+from pathlib import Path
+
 import pytest
 import torch
+from machines import pretend_machine
 from torch import nn
 
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model.precision import (
     Int8Linear,
+    _fastest_attention,
+    _fastest_linear,
+    bf16_attention,
+    bf16_matmuls,
     bf16_matmuls_pay,
+    exp_,
     for_inference,
     quantize_int8,
     resolve_precision,
+    this_cpu,
+    verdict_cache,
 )
 
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def fresh_verdict_cache(monkeypatch, tmp_path):
+    """Each test starts on a machine that has timed nothing yet."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.mark.parametrize("pays,expected", [(True, "bf16"), (False, "fp32")])
-def test_auto_picks_bf16_only_where_it_measures_faster(monkeypatch, pays, expected):
+def test_auto_picks_bf16_only_where_it_pays(monkeypatch, pays, expected):
     monkeypatch.setattr("seq2seq.model.precision.bf16_matmuls_pay", lambda device: pays)
     assert resolve_precision("auto", CPU) == expected
     for fixed in ("fp32", "bf16", "int8"):
         assert resolve_precision(fixed, CPU) == fixed  # an explicit choice is kept
 
 
-def test_the_measurement_runs_here_and_other_devices_get_no_bf16():
-    bf16_matmuls_pay.cache_clear()
-    assert isinstance(bf16_matmuls_pay(CPU), bool)  # which one depends on the CPU; a few ms either way
-    assert bf16_matmuls_pay(torch.device("meta")) is False
+def no_timing(*args, **kwargs):
+    raise AssertionError("timed, where the CPU's flags decide")
+
+
+@pytest.mark.parametrize("machine,bf16,named", [("avx2", False, "no bf16 matmul units"),
+                                                ("avx512_bf16", True, "avx512_bf16"),
+                                                ("amx", True, "amx_bf16, avx512_bf16")])
+@pytest.mark.parametrize("training", [False, True])
+def test_x86_flags_decide_without_timing(monkeypatch, machine: str, bf16: bool, named: str, training: bool):
+    """What does not move with the machine's load decides: the same command picks the same precision."""
+    pretend_machine(monkeypatch, machine)
+    monkeypatch.setattr("seq2seq.model.precision._fastest_linear", no_timing)
+    verdict = bf16_matmuls(CPU, training=training)
+    assert verdict.bf16 is bf16 and named in verdict.why
+    assert resolve_precision("auto", CPU) == ("bf16" if bf16 else "fp32")
+    assert not verdict_cache().exists()  # nothing timed, nothing kept
+
+
+def fake_timer(monkeypatch, name: str, speed_ups: list[float]) -> list[torch.dtype]:
+    """`name` (a _fastest_* of precision.py) timed as bf16 being speed_ups[i] times faster at its i-th use."""
+    calls: list[torch.dtype] = []
+
+    def seconds(dtype, *args, **kwargs):
+        calls.append(dtype)
+        return 1.0 / speed_ups[(len(calls) - 1) // 2] if dtype == torch.bfloat16 else 1.0
+
+    monkeypatch.setattr(f"seq2seq.model.precision.{name}", seconds)
+    return calls
+
+
+def test_a_cpu_no_flag_decides_is_timed_once_and_the_verdict_kept(monkeypatch):
+    """An ARM CPU: timed, and the verdict cached per machine, so a second timing under load (here: the
+    opposite answer) changes nothing. Decoding and training shapes are separate verdicts."""
+    pretend_machine(monkeypatch, "arm")
+    calls = fake_timer(monkeypatch, "_fastest_linear", [2.0, 0.5, 0.5])
+    first = bf16_matmuls(CPU)
+    assert first.bf16 and "2.0x" in first.why and str(verdict_cache()) in first.why and len(calls) == 2
+    assert bf16_matmuls(CPU) == first and len(calls) == 2  # kept: not timed again
+    assert resolve_precision("auto", CPU) == "bf16"
+    assert bf16_matmuls(CPU, training=True).bf16 is False and len(calls) == 4  # its own verdict: 0.5x
+    assert json.loads(verdict_cache().read_text())["matmul-decoding"] == {"bf16": True, "speed-up": 2.0}
+    pretend_machine(monkeypatch, "avx2")  # another machine (another CPU model, flags): another file
+    pretend_machine(monkeypatch, "arm")
+    monkeypatch.setattr(torch, "__version__", "9.9.9")  # a new torch may have new kernels: timed afresh
+    assert bf16_matmuls(CPU).bf16 is False and len(calls) == 6
+
+
+@pytest.mark.parametrize("speed_up,bf16", [(1.2, False), (1.3, True), (0.1, False)])
+def test_a_timed_verdict_wants_a_clear_margin(monkeypatch, speed_up: float, bf16: bool):
+    pretend_machine(monkeypatch, "arm")
+    fake_timer(monkeypatch, "_fastest_linear", [speed_up])
+    assert bf16_matmuls(CPU).bf16 is bf16  # near-ties stay fp32, whichever way the noise falls
+
+
+def test_a_cache_that_cannot_be_read_or_written_costs_only_a_new_timing(monkeypatch, tmp_path):
+    pretend_machine(monkeypatch, "arm")
+    calls = fake_timer(monkeypatch, "_fastest_linear", [2.0] * 4)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "damaged"))
+    verdict_cache().parent.mkdir(parents=True)
+    verdict_cache().write_text("{not json")
+    assert bf16_matmuls(CPU).bf16 and len(calls) == 2
+    assert json.loads(verdict_cache().read_text())["matmul-decoding"]["bf16"] is True  # rewritten whole
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a_file"))  # no folder can be made there
+    assert bf16_matmuls(CPU).bf16 and bf16_matmuls(CPU).bf16 and len(calls) == 6  # timed each time, no error
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_attention_is_timed_on_a_cpu_and_bf16_on_a_gpu(monkeypatch, dropout: bool):
+    """No flag says whether torch's CPU attention kernels are faster in bf16 (on an AMX Xeon they were
+    2-4x slower than fp32): timed once per machine and kind of kernel (with dropout: another one)."""
+    pretend_machine(monkeypatch, "amx")
+    calls = fake_timer(monkeypatch, "_fastest_attention", [0.3, 3.0])
+    verdict = bf16_attention(CPU, dropout=dropout)
+    assert verdict.bf16 is False and "0.3x" in verdict.why and len(calls) == 2
+    assert bf16_attention(CPU, dropout=dropout) == verdict and len(calls) == 2
+    assert bf16_attention(CPU, dropout=not dropout).bf16 is True and len(calls) == 4  # the other kernel
+    assert bf16_attention(torch.device("cuda", 0), dropout=dropout).bf16 and len(calls) == 4  # flash attention
+
+
+def test_the_timings_run_on_this_cpu():
+    """The real measurements, whatever this CPU is (bf16 is emulated, slowly, on AVX2: small shapes)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert 0 < _fastest_linear(dtype, CPU, training=False) < 5
+        assert 0 < _fastest_attention(dtype, dropout=True) < 30
+
+
+def test_this_cpu_is_read_from_the_machine():
+    cpu = this_cpu.__wrapped__()  # the real one, not the pretended AVX2 of the test session
+    assert cpu.arch and cpu.model
+    if Path("/proc/cpuinfo").is_file() and cpu.is_x86:
+        assert "sse2" in cpu.flags  # every x86-64 CPU has it
 
 
 @pytest.mark.parametrize("capability,pays", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
 def test_auto_on_a_gpu_wants_native_bf16(monkeypatch, capability, pays):
     """V100 and T4 report bf16 support by emulating it, slowly: only Ampere and later count."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    bf16_matmuls_pay.cache_clear()
-    try:
-        assert bf16_matmuls_pay(torch.device("cuda", 0)) is pays
-    finally:
-        bf16_matmuls_pay.cache_clear()
+    verdict = bf16_matmuls(torch.device("cuda", 0), training=True)
+    assert verdict.bf16 is pays and f"compute capability {capability[0]}.{capability[1]}" in verdict.why
+    assert bf16_matmuls_pay(torch.device("meta")) is False  # no measurement of ours for other devices
+
+
+def test_exp_is_exp_where_it_does_not_underflow_and_a_normal_float_where_it_would():
+    for dtype, rtol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float64, 1e-12)):
+        tiny = torch.finfo(dtype).tiny
+        low = math.log(tiny)  # below it exp gives a denormal or 0
+        x = torch.linspace(2 * low, 0, 4001, dtype=torch.float64).to(dtype)
+        out = exp_(x.clone()).double()
+        above = x.double() > low + 1
+        assert torch.allclose(out[above], x[above].double().exp(), rtol=rtol, atol=0)
+        assert ((out[~above] >= tiny) & (out[~above] < 3 * tiny)).all()  # a normal float, not 0 or a denormal
 
 
 def test_bad_precisions_are_refused_with_the_choices():

@@ -6,6 +6,8 @@ the kernel unchanged. Shapes broadcast to (B, H, Tq, Tk): a source padding mask 
 the decoder's causal-and-padding mask is (B, 1, T, T).
 """
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,7 +47,13 @@ class MultiHeadAttention(nn.Module):
     sentence (N) and K query rows per sentence (R = N * K, sentence-major). The K beams then attend
     as K queries against their sentence's keys (beams folded into the query length), so the source
     keys are never copied per beam.
+
+    `fp32_under_autocast`: under autocast, the attention itself (not the projections) runs in float32.
+    Set per machine by what turns autocast on (training): torch's CPU attention kernels run slower in
+    bf16 than in float32, backward above all, even where bf16 matmuls are several times faster.
     """
+
+    fp32_under_autocast = False
 
     def __init__(self, *, d_model: int, num_heads: int, attention_dropout: float, bias: bool = True):
         super().__init__()
@@ -92,19 +100,24 @@ class MultiHeadAttention(nn.Module):
             queries = fold_beams(queries, sentences=sentences)  # (N, H, K*Tq, Dh)
         if rotary is not None:
             queries = rotary(queries, offset=offset)
+        device = queries.device.type
+        in_fp32 = self.fp32_under_autocast and torch.is_autocast_enabled(device)
+        if in_fp32:
+            queries, keys, values = queries.float(), keys.float(), values.float()
         attn_mask = mask
         if position_bias is not None:
             # SDPA takes one additive float mask: the bias where attending is allowed, -inf elsewhere.
             attn_mask = position_bias.to(queries.dtype)
             if mask is not None:
                 attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
-        out = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=attn_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-        )  # (N, H, K*Tq, Dh)
+        with torch.autocast(device, enabled=False) if in_fp32 else nullcontext():
+            out = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=attn_mask,
+                dropout_p=self.attention_dropout if self.training else 0.0,
+            )  # (N, H, K*Tq, Dh)
         if beams != 1:
             out = unfold_beams(out, beams=beams)  # (R, H, Tq, Dh)
         return self.out_proj(out.transpose(1, 2).reshape(rows, length, -1))  # (R, Tq, D)

@@ -196,6 +196,12 @@ class Transformer(nn.Module):
                         nn.init.xavier_normal_(module.w_in.weight, gain=beta)
                         nn.init.xavier_normal_(module.w_out.weight, gain=beta)
 
+    def attention_in_fp32_under_autocast(self, *, enabled: bool) -> None:
+        """MultiHeadAttention.fp32_under_autocast for every attention layer of the model."""
+        for module in self.modules():
+            if isinstance(module, MultiHeadAttention):
+                module.fp32_under_autocast = enabled
+
     def src_mask(self, src: Tensor) -> Tensor:
         """(B, S) source ids -> (B, S) bool, True at real tokens."""
         return src != self.config.pad_id
