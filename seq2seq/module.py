@@ -191,10 +191,14 @@ class TranslationModule(L.LightningModule):
                 "--trainer.precision=auto or 32-true on this machine."
             )
         if precision.endswith("-mixed"):  # autocast: its attention kernels may be slower than float32 ones
-            verdict = bf16_attention(device, dropout=self.config.attention_dropout > 0)
-            low = bool(self.trainer.strategy.broadcast(verdict.bf16))  # rank 0's verdict for every rank
+            # Rank 0 decides (timing at most once per machine) and every rank follows: the same numerics.
+            verdict = None
+            if self.trainer.is_global_zero:
+                verdict = bf16_attention(device, dropout=self.config.attention_dropout > 0)
+            low = bool(self.trainer.strategy.broadcast(verdict is not None and verdict.bf16))
             self.model.attention_in_fp32_under_autocast(enabled=not low)
-            rank_zero_info(f"attention under {precision}: {precision[:-6] if low else 'float32'} ({verdict.why})")
+            if verdict is not None:
+                rank_zero_info(f"attention under {precision}: {precision[:-6] if low else 'float32'} ({verdict.why})")
         datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Trainer.fit, not declared
         self.tokenizer = datamodule.tokenizer
         if self.tokenizer.vocab_size != self.config.vocab_size:

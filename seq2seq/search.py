@@ -248,9 +248,9 @@ def make_limits(
     if len(prefix) != batch:
         raise ValueError(f"prefix has {len(prefix)} entries for {batch} source sentences; give one list per sentence")
     width = max((len(p) for p in prefix), default=0)
-    padded = torch.full((batch, width), pad, dtype=torch.long)
+    padded = torch.full((batch, width), pad, dtype=torch.long, device="cpu")  # filled row by row on the host
     for i, p in enumerate(prefix):
-        padded[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        padded[i, : len(p)] = torch.tensor(list(p), dtype=torch.long, device="cpu")
     prefix_len = torch.tensor([len(p) for p in prefix], dtype=torch.long, device=device)
     max_len = max_lengths(src_mask, max_len_a=max_len_a, max_len_b=max_len_b, max_positions=max_positions,
                           prefix_len=prefix_len)

@@ -244,7 +244,7 @@ def length_sorted_batches(ids: list[list[int]], *, max_tokens: int) -> list[list
 
 def pad_batch(sentences: list[list[int]], *, device: torch.device) -> torch.Tensor:
     length = max(len(s) for s in sentences)
-    src = torch.full((len(sentences), length), PAD_ID, dtype=torch.long)
+    src = torch.full((len(sentences), length), PAD_ID, dtype=torch.long, device="cpu")  # filled on the host, sent once
     for row, sentence in enumerate(sentences):
-        src[row, : len(sentence)] = torch.tensor(sentence, dtype=torch.long)
+        src[row, : len(sentence)] = torch.tensor(sentence, dtype=torch.long, device="cpu")
     return src.to(device)

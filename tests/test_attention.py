@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from seq2seq.model import MultiHeadAttention, causal_mask, padding_mask
 from seq2seq.model.positions import RelativePositionBias, Rotary, relative_position_bucket, sinusoidal_table
@@ -152,3 +153,35 @@ def test_sinusoidal_table_is_the_papers():
             angle = pos / 10000 ** (2 * i / 8)
             assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
             assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+def test_attention_under_autocast_runs_in_the_precision_chosen(fp32: bool, monkeypatch):
+    """fp32_under_autocast: the attention itself (not the projections) in float32 inside a bf16 autocast
+    region, where the machine's bf16 attention kernels are the slower ones; forward and backward stay
+    close to the float64 computation either way."""
+    attention = random_attention()
+    attention.fp32_under_autocast = fp32
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype, torch.is_autocast_enabled("cpu")))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    torch.manual_seed(1)
+    x = torch.randn(3, 7, 24, requires_grad=True)
+    mask = causal_mask(torch.randint(4, 20, (3, 7)), pad_id=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        keys, values = attention.keys_values(x)
+        out = attention(x, keys=keys, values=values, mask=mask)
+    out.float().sum().backward()
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    assert seen == [(dtype, dtype, dtype, not fp32)] and out.dtype == torch.bfloat16
+    expected = naive_attention(attention, x.detach(), x.detach(), mask)
+    assert (out.double() - expected).abs().max() < 0.05 * expected.abs().max()  # bf16 projections either way
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    seen.clear()
+    attention(x, keys=keys.float(), values=values.float(), mask=mask)  # no autocast: as given, whatever the flag
+    assert seen == [(torch.float32, torch.float32, torch.float32, False)]

@@ -440,3 +440,22 @@ def test_precision_auto_defers_to_lightning_s_environment_default_and_to_the_dev
     monkeypatch.setenv("PL_TRAINER_PRECISION", "bf16-mixed")
     assert resolve_auto_precision("auto", accelerator="cpu") == "bf16-mixed"
     assert resolve_auto_precision("64-true", accelerator="cpu") == "64-true"
+
+
+@pytest.mark.parametrize("capability,chosen", [((9, 0), "bf16-mixed"), ((8, 0), "bf16-mixed"), ((7, 5), "32-true")])
+def test_precision_auto_on_a_gpu_follows_its_compute_capability(capability, chosen: str, monkeypatch, capsys):
+    """The GPU branch of `auto`, with torch.cuda's answers stood in for (no GPU here): decided for cuda:0,
+    printed with the GPU's name, passed on to the DDP processes under its device type."""
+    from seq2seq.fit import resolve_auto_precision
+
+    monkeypatch.setenv("_SEQ2SEQ_AUTO_PRECISION", "")
+    monkeypatch.delenv("_SEQ2SEQ_AUTO_PRECISION")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_auto_precision("auto", accelerator="gpu") == chosen
+    assert (f"trainer.precision auto: {chosen} on NVIDIA H100 80GB HBM3 (compute capability "
+            f"{capability[0]}.{capability[1]}") in capsys.readouterr().out
+    assert os.environ["_SEQ2SEQ_AUTO_PRECISION"] == f"cuda={chosen}"
+    assert resolve_auto_precision("auto", accelerator="cpu") == "32-true"  # the CPU beside it: its own answer
+    assert resolve_auto_precision("auto", accelerator="mps") == "32-true"  # no measurement of ours for mps

@@ -84,6 +84,23 @@ def test_fused_loss_under_bf16_autocast():
         assert (grad - ref).norm() <= 3e-2 * ref.norm()
 
 
+def test_fused_loss_of_a_confident_model_matches_float64():
+    """Logits spread over hundreds of nats (a trained model's): in float32 most probabilities lie below the
+    smallest normal float, where exp_ clamps them (to avoid torch's slow path); loss and gradients still
+    equal the float64 computation to float32 rounding."""
+    hidden, weight, target = random_problem(200, d_model=16, vocab=300, dtype=torch.float32)
+    with torch.no_grad():
+        weight.mul_(40.0)  # logits with a standard deviation of ~160
+    assert (hidden @ weight.T).std() > 100
+    loss, nll = linear_label_smoothed_nll(hidden, weight, target, smoothing=0.1, chunk_rows=64)
+    loss.backward()
+    ref_loss, ref_nll, ref_grad_hidden, ref_grad_weight = reference(hidden.double(), weight.double(), target, 0.1)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-5, atol=0)
+    for grad, ref in ((hidden.grad, ref_grad_hidden), (weight.grad, ref_grad_weight)):
+        torch.testing.assert_close(grad.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
 def test_training_loss_skips_padding_and_matches_full_logits():
     torch.manual_seed(0)
     config = TransformerConfig(
@@ -108,3 +125,14 @@ def test_training_loss_skips_padding_and_matches_full_logits():
     torch.testing.assert_close(nll, per_token_nll.sum())
     for fused, full in zip(fused_grads, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(fused, full)
+
+
+@pytest.mark.parametrize("device,rows", [("cpu", 2**22 // 1000), ("meta", 2**26 // 1000)])
+def test_chunks_fit_a_cpu_cache_and_are_large_on_other_devices(device: str, rows: int, monkeypatch):
+    """The chunk size follows the device (`meta` stands in for a GPU, which wants large matmuls)."""
+    seen = []
+    monkeypatch.setattr("seq2seq.loss._LinearLabelSmoothedNLL.apply",
+                        lambda hidden, weight, target, smoothing, chunk_rows: seen.append(chunk_rows))
+    linear_label_smoothed_nll(torch.empty(10, 8, device=device), torch.empty(1000, 8, device=device),
+                              torch.zeros(10, dtype=torch.long, device=device), smoothing=0.1)
+    assert seen == [rows]

@@ -8,6 +8,7 @@ import typing
 import pytest
 import torch
 
+from seq2seq.loss import training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig, transformer_base, transformer_big
 from seq2seq.model.config import transformer_small
 from seq2seq.model.layers import Dropout
@@ -506,3 +507,27 @@ def test_dropout_identity_cases_and_seeding():
     assert not torch.equal(first, Dropout(0.5).train()(x))  # a fresh mask per call
     with pytest.raises(ValueError, match="probability"):
         Dropout(1.5)
+
+
+def test_dropout_off_the_cpu_is_torch_s(monkeypatch):
+    """The cheaper mask is a CPU kernel; elsewhere (a GPU: fused) F.dropout runs. `meta` stands in for it."""
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "dropout", lambda x, p, training: calls.append((x.device.type, p)) or x)
+    x = torch.empty(4, 8, device="meta")
+    assert Dropout(0.25).train()(x) is x and calls == [("meta", 0.25)]
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned", "relative", "rotary"])
+def test_a_training_step_puts_every_tensor_on_the_model_s_device(positions: str):
+    """With another default device (`meta`: any tensor made without a device lands there and fails against
+    the model's), a CPU model's training step still runs: on a GPU no tensor would be made on the CPU."""
+    config = TransformerConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
+                               num_decoder_layers=1, max_positions=32, dropout=0.1, attention_dropout=0.1,
+                               positions=positions)
+    model = Transformer(config).train()
+    src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 5))
+    with torch.device("meta"):
+        loss, _, _ = training_loss(model, src=src, tgt_in=tgt, tgt_out=tgt, smoothing=0.1)
+        loss.backward()
+    assert loss.device.type == "cpu" and all(p.grad is not None and p.grad.device.type == "cpu"
+                                            for p in model.parameters() if p.requires_grad)

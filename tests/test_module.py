@@ -1,19 +1,33 @@
-"""Tests for seq2seq.module: the schedules, the model schema as the CLI sees it, hyperparameter checks."""
+"""Tests for seq2seq.module: the schedules, the model schema as the CLI sees it, hyperparameter checks, and\nevery precision and device branch as far as a CPU can run it."""
 
 import io
 import math
 import typing
 from dataclasses import fields
+from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
+from conftest import write_tiny_run
 from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from seq2seq.data import TranslationDataModule
 from seq2seq.fit import TranslationCLI
 from seq2seq.model import ConfigError, TransformerConfig
-from seq2seq.module import LinearToZero, TranslationModule, inverse_sqrt_schedule, linear_schedule, time_spent
+from seq2seq.model.attention import MultiHeadAttention
+from seq2seq.model.precision import Verdict
+from seq2seq.module import (
+    LinearToZero,
+    TranslationModule,
+    gather_rng_states,
+    inverse_sqrt_schedule,
+    linear_schedule,
+    restore_rng_state,
+    time_spent,
+)
 from seq2seq.search import SearchConfig
 
 SMALL = TransformerConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
@@ -135,3 +149,105 @@ def test_hyperparameters_are_plain_data_for_weights_only_checkpoints():
     assert module.hparams["val_search"]["beam_size"] == 4
     assert module.val_search.length_penalty == 1.0 and module.config is SMALL
     torch.save(dict(module.hparams), "/dev/null")  # plain types: no pickle of our classes needed
+
+
+# ---- every precision and device a machine may bring ----------------------------------------------
+
+
+class OptimizerProbe(L.Callback):
+    """What the optimizer saw at the first update (Adam's first moment, (1 - beta1) * the gradient used),
+    and each rank's precision and attention setting."""
+
+    def __init__(self):
+        self.first_moment_norm: float | None = None
+        self.fp32_attention: set[bool] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        state = trainer.optimizers[0].state
+        moments = [state[p]["exp_avg"] for p in pl_module.parameters() if p in state]
+        if self.first_moment_norm is None and moments:  # not before the first update taken
+            self.first_moment_norm = float(torch.linalg.vector_norm(torch.stack([m.norm() for m in moments])))
+        self.fp32_attention |= {m.fp32_under_autocast for m in pl_module.modules() if isinstance(m, MultiHeadAttention)}
+
+
+def tiny_training(root: Path, **trainer_options) -> tuple[TranslationModule, OptimizerProbe]:
+    """Two updates of a one-layer model on Multi30k pairs, in this process."""
+    write_tiny_run(root, train_pairs=600, val_pairs=4)
+    data = TranslationDataModule(src_lang="de", tgt_lang="en", tokenizer_path=str(root / "spm.model"), vocab_size=600,
+                                 train_files=[str(root / "data/train.de"), str(root / "data/train.en")],
+                                 max_tokens=256, max_tokens_per_sentence=64, cache_dir=str(root / "cache"))
+    module = TranslationModule(transformer=TransformerConfig(vocab_size=600, d_model=16, num_heads=2, d_ff=32,
+                                                             num_encoder_layers=1, num_decoder_layers=1),
+                               warmup_steps=1)
+    probe = OptimizerProbe()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[probe], default_root_dir=root, **trainer_options)
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 2
+    return module, probe
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_gradients_are_clipped_under_every_precision_with_the_fused_optimizer(precision: str, tmp_path: Path):
+    """Lightning's mixed-precision plugin refused to clip with the fused AdamW: the first update of every
+    shipped config crashed wherever `auto` picked bf16-mixed. Clipped at 1e-3 (far below the raw norm),
+    the optimizer must have seen gradients of norm 1e-3, under fp16 too, where a GradScaler multiplies
+    them by 2^16 first (16-mixed is a GPU precision; on a CPU Lightning would swap in bf16, so the
+    plugin is built here by hand) and clipping before unscaling would leave them 2^16 times smaller."""
+    options: dict = {"precision": precision}
+    if precision == "16-mixed":
+        options = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    module, probe = tiny_training(tmp_path, gradient_clip_val=1e-3, **options)
+    assert module.trainer.optimizers[0].defaults["fused"] is True  # the fastest valid step, kept
+    adam_beta1 = module.hparams["adam_betas"][0]
+    assert probe.first_moment_norm == pytest.approx((1 - adam_beta1) * 1e-3, rel=1e-3)
+
+
+def test_fp16_overflows_are_skipped_by_the_scaler_not_taken_for_divergence(tmp_path: Path):
+    """Under 16-mixed a GradScaler starts high and backs off: its first steps may overflow to infinite
+    gradients, which it skips. The divergence check must leave those to it (elsewhere it stops the run)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # fp16 overflows at 65504
+    module, _ = tiny_training(tmp_path, gradient_clip_val=1.0, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert scaler.get_scale() < 2.0**40  # it overflowed, and backed off
+    assert all(torch.isfinite(p).all() for p in module.parameters())  # the overflowing steps were skipped
+
+
+@pytest.mark.parametrize("bf16_attention", [False, True])
+def test_the_attention_verdict_is_applied_under_autocast(bf16_attention: bool, tmp_path: Path, monkeypatch):
+    """Under bf16-mixed the module asks whether attention pays in bf16 here, and sets every attention layer
+    accordingly (fp32 attention where bf16's kernels are slower, as torch's CPU ones were on an AMX Xeon)."""
+    asked = []
+
+    def verdict(device, *, dropout):
+        asked.append((device.type, dropout))
+        return Verdict(bf16_attention, "pretended")
+
+    monkeypatch.setattr("seq2seq.module.bf16_attention", verdict)
+    _, probe = tiny_training(tmp_path, precision="bf16-mixed")
+    assert asked == [("cpu", False)] and probe.fp32_attention == {not bf16_attention}
+    asked.clear()
+    _, probe = tiny_training(tmp_path / "fp32", precision="32-true")
+    assert asked == [] and probe.fp32_attention == {False}  # no autocast: nothing to decide
+
+
+def test_rng_states_of_a_cuda_device_are_saved_and_restored(monkeypatch):
+    """The CUDA branch of the resume's random state, with torch.cuda's calls standing in (no GPU here)."""
+    saved, restored = torch.tensor([1, 2, 3], dtype=torch.uint8), []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: saved)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: restored.append((state, device)))
+    cuda = torch.device("cuda", 0)
+    states = gather_rng_states(cuda)
+    assert states["cuda"] == [saved] and len(states["cpu"]) == 1
+    restore_rng_state(states, cuda)
+    assert restored == [(saved, cuda)]
+    restore_rng_state({"cpu": states["cpu"]}, cuda)  # a checkpoint written on a CPU: the GPU keeps its state
+    assert len(restored) == 1
+
+
+@pytest.mark.parametrize("device,fused", [("cpu", True), ("cuda", True), ("mps", False), ("meta", False)])
+def test_the_fused_optimizer_where_torch_has_one(device: str, fused: bool, monkeypatch):
+    module = TranslationModule(transformer=SMALL)
+    monkeypatch.setattr(TranslationModule, "device", property(lambda self: torch.device(device)))
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert optimizer.defaults["fused"] is fused

@@ -590,3 +590,34 @@ def test_the_checkpoint_s_tuned_search_is_the_default_and_flags_override_it(chec
     assert result.returncode == 0 and "beam 3, length penalty 1.5)" in result.stderr, result.stderr
     result = run_cli("--checkpoint", str(checkpoint), stdin=stdin)  # none stored: ours (beam 5, 0.6)
     assert result.returncode == 0 and "beam 5, length penalty 0.6)" in result.stderr, result.stderr
+
+
+def test_decoding_puts_every_tensor_on_the_model_s_device(translator: Translator):
+    """With another default device (`meta`: a tensor made without a device lands there and fails against
+    the model's), greedy, beam and sampling on a CPU model give what they give without it: on a GPU, no
+    tensor of the batch, the search or the cache would be made on the CPU."""
+    sources = [SENTENCES[0], "", SENTENCES[2]]
+    for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=3, nbest=2), SearchConfig(sampling=True, seed=4)):
+        expected = translator.translate_nbest(sources, search)
+        with torch.device("meta"):
+            assert translator.translate_nbest(sources, search) == expected, search
+
+
+def test_a_cuda_build_on_a_machine_without_a_gpu_is_one_line(monkeypatch, capsys: pytest.CaptureFixture):
+    """torch built for CUDA, no driver: what such a build raises for `--device cuda`, stood in for here."""
+    empty = torch.empty
+
+    def no_driver(*args, device=None, **kwargs):
+        if torch.device(device).type == "cuda":
+            raise RuntimeError("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU\n"
+                               "and installed a driver from http://www.nvidia.com/Download/index.aspx")
+        return empty(*args, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_driver)
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", "unused.ckpt", "--device", "cuda"])
+    assert caught.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == ("python -m seq2seq.translate: error: --device: device 'cuda' cannot be used here (Found no "
+                     "NVIDIA driver on your system. Please check that you have an NVIDIA GPU); use cpu, or a device "
+                     "this machine has (cuda, cuda:1, mps)")

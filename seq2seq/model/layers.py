@@ -45,7 +45,7 @@ class Dropout(nn.Module):
             return x
         if x.device.type != "cpu" or self.p == 1.0:
             return F.dropout(x, self.p, training=True)
-        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
+        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
         uniform16 = words.view(torch.int16)[: x.numel()].view(x.shape)  # uniform on [-32768, 32767]
         keep = uniform16 >= round(self.p * 65536) - 32768  # P(keep) = 1 - round(p * 65536) / 65536
         return torch.where(keep, x, 0.0) * (1.0 / (1.0 - self.p))
