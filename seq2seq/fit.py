@@ -226,8 +226,8 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
 
 def main(args: list[str] | None = None) -> TranslationCLI:
     # A training step allocates and frees tensors of tens of MB (a loss chunk's logits, activations);
-    # glibc unmaps each block over 32 MB when freed, and every step then page-faults them in again:
-    # 115k-240k faults and ~20% of a step on a 2-core KVM machine (README, Results).
+    # glibc unmaps each block over 32 MB when freed, and every step then page-faults them in again
+    # (what that cost is in the README, Results).
     keep_freed_memory()
     try:
         return fit(args)

@@ -1,7 +1,11 @@
-"""python -m as_machine MACHINE MODULE [ARGS...]: `python -m MODULE ARGS...` as if on MACHINE (a key of
-machines.MACHINES), with tests/ on PYTHONPATH. What `auto` decides in this process follows MACHINE; the
-DDP processes Lightning starts run `python -m MODULE` itself and inherit those decisions, as they do
-from any launcher (seq2seq/fit.py, module.py)."""
+"""python -m as_machine MACHINE TARGET [ARGS...]: `python -m TARGET ARGS...` (or `python TARGET ARGS...` for
+a .py file) as if on MACHINE, a key of machines.MACHINES; tests/ must be on PYTHONPATH.
+
+What `auto` decides in this process follows MACHINE. The DDP processes Lightning starts run
+`python -m TARGET` itself, unpretended, and inherit this process's decisions as they would from any
+launcher (the precision through the environment, seq2seq/fit.py; the attention's from rank 0,
+seq2seq/module.py).
+"""
 
 import runpy
 import sys
@@ -11,7 +15,11 @@ from machines import MACHINES
 import seq2seq.model.precision
 
 if __name__ == "__main__":
-    machine, module, *args = sys.argv[1:]
+    machine, target, *args = sys.argv[1:]
     seq2seq.model.precision.this_cpu = lambda: MACHINES[machine]
-    sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.argv = [target, *args]
+    if target.endswith(".py"):
+        sys.path.insert(0, str(__import__("pathlib").Path(target).resolve().parent))  # as `python FILE` does
+        runpy.run_path(target, run_name="__main__")
+    else:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -10,6 +10,7 @@ from machines import pretend_machine
 from torch import nn
 
 from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.model.precision import CPU as CPUInfo
 from seq2seq.model.precision import (
     Int8Linear,
     _fastest_attention,
@@ -87,6 +88,14 @@ def test_a_cpu_no_flag_decides_is_timed_once_and_the_verdict_kept(monkeypatch):
     pretend_machine(monkeypatch, "arm")
     monkeypatch.setattr(torch, "__version__", "9.9.9")  # a new torch may have new kernels: timed afresh
     assert bf16_matmuls(CPU).bf16 is False and len(calls) == 6
+
+
+def test_an_x86_cpu_whose_flags_cannot_be_read_is_timed(monkeypatch):
+    """Windows, or macOS on Intel: no /proc/cpuinfo, so no flags to decide by; timed as an ARM CPU is."""
+    monkeypatch.setattr("seq2seq.model.precision.this_cpu",
+                        lambda: CPUInfo(arch="AMD64", model="Intel64 Family 6 Model 143", flags=frozenset()))
+    calls = fake_timer(monkeypatch, "_fastest_linear", [3.0])
+    assert bf16_matmuls(CPU).bf16 and len(calls) == 2
 
 
 @pytest.mark.parametrize("speed_up,bf16", [(1.2, False), (1.3, True), (0.1, False)])

@@ -9,10 +9,10 @@
 
 How `auto` decides, from what does not move with the machine's load first:
 - a GPU: bf16 from compute capability 8.0 (Ampere) on; older GPUs only emulate it, slowly;
-- an x86 CPU: its flags. With bf16 matmul units (`amx_bf16`: Intel Sapphire Rapids on;
+- an x86 CPU: its flags (Linux's /proc/cpuinfo). With bf16 matmul units (`amx_bf16`: Intel Sapphire Rapids on;
   `avx512_bf16`: AMD Zen 4 on, Intel Cooper Lake) bf16 matmuls run several times faster than fp32;
   without them (AVX2-only CPUs) torch emulates bf16, 10-100x slower;
-- any other CPU (ARM, ...): no flag says it, so bf16 and fp32 matmuls are timed, and bf16 is chosen
+- any other CPU (ARM, or flags not to be read): bf16 and fp32 matmuls are timed, and bf16 is chosen
   only where it measures MARGIN times faster. The verdict is kept in a cache file per machine
   (CPU model, flags, torch version), so that the same command gives the same output on the same
   machine: a timing taken under load would otherwise decide differently from run to run.
@@ -104,7 +104,7 @@ def bf16_matmuls(device: torch.device, *, training: bool = False) -> Verdict:
     if device.type != "cpu":
         return Verdict(False, f"no measurement of ours for {device.type}")
     cpu = this_cpu()
-    if cpu.is_x86:
+    if cpu.is_x86 and cpu.flags:  # no flags: not Linux (Windows, macOS on Intel), timed as below
         units = [flag for flag in BF16_UNITS if flag in cpu.flags]
         if units:
             return Verdict(True, f"this CPU has bf16 matmul units: {', '.join(units)}")
@@ -229,9 +229,9 @@ def exp_(x: Tensor) -> Tensor:
     clamped first to one e-fold above the smallest normal float (e^-86.3 for float32).
 
     torch's vectorised exp takes a slow path where its result is below the smallest normal float,
-    whatever the denormal setting (~100x slower per element measured on an AVX-512 Xeon): a confident
-    model's probabilities are that small over most of the vocabulary, so a softmax over them got
-    slower as training went on. The clamp changes each such probability by less than 1e-37.
+    whatever the denormal setting (on AVX-512 CPUs at least; README, Results): a confident model's
+    probabilities are that small over most of the vocabulary, so a softmax over them got slower as
+    training went on. The clamp changes each such probability by less than 1e-37.
     """
     return x.clamp_(min=math.log(torch.finfo(x.dtype).tiny) + 1.0).exp_()
 
