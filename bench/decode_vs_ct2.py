@@ -34,9 +34,10 @@ from train_throughput import time_alternating
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
 from seq2seq.export import export_ctranslate2
 from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import Tokenizer
-from seq2seq.translator import Translator, keep_freed_memory
+from seq2seq.translator import Translator
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,5 +167,5 @@ def compare(ours: dict[str, Translator], engines: dict, sources: list[str], sour
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # as the translate CLI does (CTranslate2 has its own allocator cache)
+    tune_process_memory()  # as the translate CLI does (CTranslate2 has its own allocator cache)
     sys.exit(main())

@@ -12,7 +12,7 @@ large square matmul timed in this same process) that each step reaches, with FLO
 torch's FlopCounterMode. bench/train_ablation.py splits our speed-up into its parts.
 
 Under bf16, our attention runs in the precision training would choose here (`auto`: bf16 unless its
-kernels time slower than float32's, seq2seq/model/precision.py) or, with --bf16-attention, in each
+kernels time slower than float32's, seq2seq/precision.py) or, with --bf16-attention, in each
 one given, as separate rows. The process keeps freed memory as `python -m seq2seq.fit` does.
 """
 
@@ -33,9 +33,8 @@ from seq2seq.data import TranslationDataModule
 from seq2seq.loss import training_loss
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
-from seq2seq.model.precision import bf16_attention
+from seq2seq.precision import bf16_attention, tune_process_memory
 from seq2seq.tokenizer import PAD_ID
-from seq2seq.translator import keep_freed_memory
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared/data/multi30k"
 
@@ -167,7 +166,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as training does (module.py); both models get it
-    keep_freed_memory()  # as seq2seq.fit does
+    tune_process_memory()  # as seq2seq.fit does
     attentions = {"auto": not bf16_attention(torch.device("cpu"), dropout=False).bf16, "bf16": False, "fp32": True}
     # (precision, our attention in fp32 under autocast): fp32 has no autocast, so one row.
     runs = [(p, attentions[a]) for p in args.precisions for a in (args.bf16_attention if p == "bf16" else ["auto"])]

@@ -6,7 +6,7 @@ The model's vocabulary size is linked from the data module's tokenizer (trained 
 by one process only), so no number has to be kept in sync by hand.
 
 `trainer.precision: auto` (the default) is decided here, before Lightning sees it: bf16-mixed on a
-GPU with native bf16 and on a CPU with bf16 matmul units (seq2seq/model/precision.py says how that
+GPU with native bf16 and on a CPU with bf16 matmul units (seq2seq/precision.py says how that
 is decided), else 32-true. The choice and its reason are printed at start.
 
 Before any work, and so before hours of training can be lost: the model section is validated
@@ -47,11 +47,10 @@ from lightning.pytorch.utilities import rank_zero_only
 from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference, save_atomic
 from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
-from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls, device_name
 from seq2seq.module import NO_END, TrainingDiverged, TranslationModule, check_hyperparameters, max_time_timer
+from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls, device_name, tune_process_memory
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import PAD_ID
-from seq2seq.translator import keep_freed_memory
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -225,10 +224,7 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
 
 
 def main(args: list[str] | None = None) -> TranslationCLI:
-    # A training step allocates and frees tensors of tens of MB (a loss chunk's logits, activations);
-    # glibc unmaps each block over 32 MB when freed, and every step then page-faults them in again
-    # (what that cost is in the README, Results).
-    keep_freed_memory()
+    tune_process_memory()  # large blocks reused, not page-faulted in again; oneDNN's kernel cache bounded
     try:
         return fit(args)
     except (ConfigError, DataError, CheckpointError, TrainingDiverged) as error:

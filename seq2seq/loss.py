@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seq2seq.model import Transformer
-from seq2seq.model.precision import exp_
+from seq2seq.model.numerics import exp_
 
 # Rows per chunk, as logits per chunk. CPU: 4M floats (16 MB in fp32) fit the L3 cache; at Multi30k
 # sizes 256-1024 rows per chunk run alike and 64 rows 35% slower (small matmuls). GPUs have no such

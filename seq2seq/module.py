@@ -38,7 +38,7 @@ from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry
 from seq2seq.loss import label_smoothed_nll, training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
-from seq2seq.model.precision import AUTO_TRAINING_PRECISION_ENV, bf16_attention, bf16_matmuls
+from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_attention, bf16_matmuls
 from seq2seq.search import SearchConfig, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -180,25 +180,8 @@ class TranslationModule(L.LightningModule):
         # process ~100x slower: measured here, the AdamW step went from 8 s to 0.6 s. Training loses
         # nothing by flushing them to zero.
         torch.set_flush_denormal(True)
-        device = self.trainer.strategy.root_device
-        precision = str(self.trainer.precision)
-        chosen_by_auto = os.environ.get(AUTO_TRAINING_PRECISION_ENV) == f"{device.type}={precision}"  # decided already
-        matmuls = bf16_matmuls(device, training=True)
-        if device.type == "cpu" and "bf16" in precision and not chosen_by_auto and not matmuls.bf16:
-            rank_zero_warn(
-                f"trainer.precision={precision} on a CPU whose bf16 matmuls are slower than fp32 ({matmuls.why}): "
-                "a training step there runs up to ~40x slower than in fp32 (bench/train_throughput.py). Use "
-                "--trainer.precision=auto or 32-true on this machine."
-            )
-        if precision.endswith("-mixed"):  # autocast: its attention kernels may be slower than float32 ones
-            # Rank 0 decides (timing at most once per machine) and every rank follows: the same numerics.
-            verdict = None
-            if self.trainer.is_global_zero:
-                verdict = bf16_attention(device, dropout=self.config.attention_dropout > 0)
-            low = bool(self.trainer.strategy.broadcast(verdict is not None and verdict.bf16))
-            self.model.attention_in_fp32_under_autocast(enabled=not low)
-            if verdict is not None:
-                rank_zero_info(f"attention under {precision}: {precision[:-6] if low else 'float32'} ({verdict.why})")
+        self.warn_if_bf16_is_slow_here()
+        self.choose_attention_precision()
         datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Trainer.fit, not declared
         self.tokenizer = datamodule.tokenizer
         if self.tokenizer.vocab_size != self.config.vocab_size:
@@ -207,6 +190,36 @@ class TranslationModule(L.LightningModule):
                 f"{self.config.vocab_size}; delete the stale tokenizer or the checkpoint you resume from"
             )
         self.src_lang, self.tgt_lang = datamodule.src_lang, datamodule.tgt_lang
+
+    def warn_if_bf16_is_slow_here(self) -> None:
+        """A bf16 precision given for a CPU without bf16 matmul units (auto would not have chosen it)."""
+        device, precision = self.trainer.strategy.root_device, str(self.trainer.precision)
+        chosen_by_auto = os.environ.get(AUTO_TRAINING_PRECISION_ENV) == f"{device.type}={precision}"
+        if device.type != "cpu" or "bf16" not in precision or chosen_by_auto:
+            return
+        matmuls = bf16_matmuls(device, training=True)
+        if not matmuls.bf16:
+            rank_zero_warn(
+                f"trainer.precision={precision} on a CPU whose bf16 matmuls are slower than fp32 ({matmuls.why}): "
+                "a training step there runs up to ~40x slower than in fp32 (bench/train_throughput.py). Use "
+                "--trainer.precision=auto or 32-true on this machine."
+            )
+
+    def choose_attention_precision(self) -> None:
+        """Under autocast, attention in float32 where its low-precision kernels are the slower ones here
+        (MultiHeadAttention.fp32_under_autocast). Rank 0 decides, timing at most once per machine, and
+        every rank follows it: all compute alike."""
+        precision = str(self.trainer.precision)
+        if not precision.endswith("-mixed"):
+            return
+        verdict = None
+        if self.trainer.is_global_zero:
+            verdict = bf16_attention(self.trainer.strategy.root_device, dropout=self.config.attention_dropout > 0)
+        low = bool(self.trainer.strategy.broadcast(verdict is not None and verdict.bf16))
+        self.model.attention_in_fp32_under_autocast(enabled=not low)
+        if verdict is not None:
+            low_name = "bf16" if precision.startswith("bf16") else "fp16"
+            rank_zero_info(f"attention under {precision}: {low_name if low else 'float32'} ({verdict.why})")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this after filling checkpoint["state_dict"] (and after callbacks such as
@@ -249,10 +262,13 @@ class TranslationModule(L.LightningModule):
         Under 16-mixed, GradScaler.unscale_() before clipping is torch's recipe for clipping with any
         optimizer; the scaler then marks the optimizer as unscaled, and its step() passes the fused
         kernel only the found-infinite flag (the step is still skipped on overflow), not the scale.
-        So the fused step, the fastest valid one, stays for every precision.
+        So the fused step, the fastest valid one, stays for every precision. An optimizer that is not
+        fused (on devices torch has no fused AdamW for) Lightning unscales and clips itself.
         """
         plugin = self.trainer.precision_plugin
-        if not isinstance(plugin, MixedPrecision):
+        # What Lightning's refusal tests: the optimizer unscales inside its step (fused AdamW does).
+        unscales_itself = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if not (isinstance(plugin, MixedPrecision) and unscales_itself):
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
             return
         if not gradient_clip_val:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seq2seq.model.config import ConfigError, check_field_types, check_range
-from seq2seq.model.precision import exp_
+from seq2seq.model.numerics import exp_
 
 NEG_INF = float("-inf")
 

@@ -30,9 +30,9 @@ from tqdm import tqdm
 
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.model import ConfigError
-from seq2seq.model.precision import PRECISIONS
+from seq2seq.precision import PRECISIONS, tune_process_memory
 from seq2seq.search import SearchConfig
-from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, keep_freed_memory, resolve_device
+from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, resolve_device
 
 WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
 
@@ -285,5 +285,5 @@ def write_translations(results, output: TextIO, *, nbest: int, best: list[str], 
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # a process of its own: decoding's large blocks are reused, not page-faulted anew
+    tune_process_memory()  # a process of its own: large blocks reused, oneDNN's kernel cache bounded
     main()

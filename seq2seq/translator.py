@@ -16,7 +16,6 @@ names its line. `translate_stream` does the same over a window of lines at a tim
 file's translations can be written as they are made.
 """
 
-import ctypes
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ import torch
 
 from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference
 from seq2seq.model import Transformer
-from seq2seq.model.precision import Precision, for_inference, resolve_precision
+from seq2seq.model.numerics import for_inference
+from seq2seq.precision import Precision, resolve_precision
 from seq2seq.search import Hypothesis, SearchConfig, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -66,7 +66,7 @@ class Translator:
         precision: Precision = "auto",
         search: SearchConfig = DEFAULT_SEARCH,
     ):
-        """`precision` (seq2seq/model/precision.py): auto picks bf16 where bf16 matmuls measure faster
+        """`precision` (seq2seq/precision.py): auto picks bf16 where bf16 matmuls measure faster
         than fp32 (a GPU, AMX, AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
         slightly. The model is converted in place; `self.precision` says what auto chose. `search`
         is what the translate methods use when given none."""
@@ -188,24 +188,6 @@ class Translator:
                 )
                 ids[i] = sentence[:limit]
         return ids
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc keep freed memory for reuse instead of giving large blocks back to the system.
-
-    A decoding step allocates and frees tensors of tens of MB (the logits of every hypothesis);
-    glibc serves each block over 32 MB from a fresh mmap and unmaps it when freed, so the next step
-    page-faults all of it in again (measured ~15% of beam search's time on a 2-core AMD EPYC). With
-    mmap off, blocks come from the heap and are reused; the process keeps its peak memory. It is
-    process-wide, so the CLIs and the server call it, not the library. False where the C library is
-    not glibc (nothing changed).
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-    except (OSError, AttributeError):
-        return False
 
 
 def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:

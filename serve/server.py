@@ -50,6 +50,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from seq2seq.model import ConfigError
+from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
 from seq2seq.translate import (
     add_search_arguments,
@@ -59,7 +60,7 @@ from seq2seq.translate import (
     one_line_warnings,
     search_config,
 )
-from seq2seq.translator import Translation, Translator, keep_freed_memory
+from seq2seq.translator import Translation, Translator
 
 LANGUAGE_NAMES = {"cs": "Czech", "de": "German", "en": "English", "fr": "French", "es": "Spanish", "it": "Italian",
                   "nl": "Dutch", "pt": "Portuguese", "ro": "Romanian", "ru": "Russian", "zh": "Chinese",
@@ -426,5 +427,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # a process of its own: decoding's large blocks are reused, not page-faulted anew
+    tune_process_memory()  # a process of its own: large blocks reused, oneDNN's kernel cache bounded
     main()

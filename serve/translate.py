@@ -13,6 +13,7 @@ accepts is truncated, with a warning naming its line number. Ctrl-D or an end of
 import argparse
 import sys
 
+from seq2seq.precision import tune_process_memory
 from seq2seq.translate import (
     add_search_arguments,
     checkpoint_search,
@@ -24,7 +25,6 @@ from seq2seq.translate import (
     search_config,
     utf8_stdout,
 )
-from seq2seq.translator import keep_freed_memory
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # a process of its own: decoding's large blocks are reused, not page-faulted anew
+    tune_process_memory()  # a process of its own: large blocks reused, oneDNN's kernel cache bounded
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C at the prompt: leave quietly, as Ctrl-D does

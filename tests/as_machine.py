@@ -12,11 +12,11 @@ import sys
 
 from machines import MACHINES
 
-import seq2seq.model.precision
+import seq2seq.precision
 
 if __name__ == "__main__":
     machine, target, *args = sys.argv[1:]
-    seq2seq.model.precision.this_cpu = lambda: MACHINES[machine]
+    seq2seq.precision.this_cpu = lambda: MACHINES[machine]
     sys.argv = [target, *args]
     if target.endswith(".py"):
         sys.path.insert(0, str(__import__("pathlib").Path(target).resolve().parent))  # as `python FILE` does

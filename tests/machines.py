@@ -1,4 +1,4 @@
-"""Processors as seq2seq.model.precision sees them: the machines `auto` has met or will meet.
+"""Processors as seq2seq.precision sees them: the machines `auto` has met or will meet.
 
 Pretending to be one of them (`pretend_machine` in this process, `python -m as_machine` in a new one)
 makes `auto` take that machine's path through the real decision code, whatever CPU runs the tests.
@@ -6,7 +6,7 @@ makes `auto` take that machine's path through the real decision code, whatever C
 
 import pytest
 
-from seq2seq.model.precision import CPU
+from seq2seq.precision import CPU
 
 MACHINES = {
     "avx2": CPU(arch="x86_64", model="AMD EPYC 7B13 (Zen 3, pretended)", flags=frozenset({"avx", "avx2", "fma"})),
@@ -20,4 +20,4 @@ MACHINES = {
 
 def pretend_machine(patch: pytest.MonkeyPatch, name: str) -> None:
     """`auto` decides as it would on machine `name` (a key of MACHINES), in this process."""
-    patch.setattr("seq2seq.model.precision.this_cpu", lambda: MACHINES[name])
+    patch.setattr("seq2seq.precision.this_cpu", lambda: MACHINES[name])

@@ -155,33 +155,51 @@ def test_sinusoidal_table_is_the_papers():
             assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["self-causal", "cross", "bias", "rotary", "beams"])
 @pytest.mark.parametrize("fp32", [False, True])
-def test_attention_under_autocast_runs_in_the_precision_chosen(fp32: bool, monkeypatch):
-    """fp32_under_autocast: the attention itself (not the projections) in float32 inside a bf16 autocast
-    region, where the machine's bf16 attention kernels are the slower ones; forward and backward stay
-    close to the float64 computation either way."""
+def test_attention_under_autocast_runs_in_the_precision_chosen(fp32: bool, kind: str, monkeypatch):
+    """fp32_under_autocast: where gradients are taken, the attention itself (not the projections) runs in
+    float32 inside a bf16 autocast region, relative-position bias and rotary positions included; forward
+    and backward stay close to the float64 computation either way. Without gradients it stays bf16."""
     attention = random_attention()
     attention.fp32_under_autocast = fp32
     seen = []
     sdpa = F.scaled_dot_product_attention
 
     def spy(query, key, value, **kwargs):
-        seen.append((query.dtype, key.dtype, value.dtype, torch.is_autocast_enabled("cpu")))
+        mask = kwargs.get("attn_mask")
+        seen.append((query.dtype, key.dtype, value.dtype, mask.dtype if mask is not None else None,
+                     torch.is_autocast_enabled("cpu")))
         return sdpa(query, key, value, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     torch.manual_seed(1)
-    x = torch.randn(3, 7, 24, requires_grad=True)
-    mask = causal_mask(torch.randint(4, 20, (3, 7)), pad_id=0)
+    x = torch.randn(6 if kind == "beams" else 3, 7, 24, requires_grad=True)
+    memory = torch.randn(3, 5, 24) if kind in ("cross", "beams") else x
+    tokens = torch.randint(4, 20, (3, memory.size(1)))
+    tokens[1, 3:] = 0
+    mask = causal_mask(tokens, pad_id=0) if memory is x else padding_mask(tokens, pad_id=0)
+    bias = torch.randn(1, 3, 7, 7) if kind == "bias" else None
+    rotary = Rotary(head_dim=8, max_positions=16, base=10000.0) if kind == "rotary" else None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        keys, values = attention.keys_values(x)
-        out = attention(x, keys=keys, values=values, mask=mask)
+        keys, values = attention.keys_values(memory, rotary=rotary)
+        out = attention(x, keys=keys, values=values, mask=mask, position_bias=bias, rotary=rotary)
+        with torch.no_grad():
+            attention(x, keys=keys, values=values, mask=mask, position_bias=bias, rotary=rotary)
     out.float().sum().backward()
     dtype = torch.float32 if fp32 else torch.bfloat16
-    assert seen == [(dtype, dtype, dtype, not fp32)] and out.dtype == torch.bfloat16
-    expected = naive_attention(attention, x.detach(), x.detach(), mask)
+    bias_dtype = dtype if bias is not None else torch.bool
+    no_grad_bias = torch.bfloat16 if bias is not None else torch.bool
+    assert seen == [(dtype, dtype, dtype, bias_dtype, not fp32),
+                    (torch.bfloat16,) * 3 + (no_grad_bias, True)]  # no gradients: bf16 as autocast has it
+    assert out.dtype == torch.bfloat16
+    if kind == "beams":  # two hypotheses per sentence, sharing its memory row
+        expected = naive_attention(attention, x.detach(), memory.repeat_interleave(2, dim=0),
+                                   mask.repeat_interleave(2, dim=0))
+    else:
+        expected = naive_attention(attention, x.detach(), memory.detach(), mask, bias=bias, rotary=rotary)
     assert (out.double() - expected).abs().max() < 0.05 * expected.abs().max()  # bf16 projections either way
     assert x.grad is not None and torch.isfinite(x.grad).all()
     seen.clear()
     attention(x, keys=keys.float(), values=values.float(), mask=mask)  # no autocast: as given, whatever the flag
-    assert seen == [(torch.float32, torch.float32, torch.float32, False)]
+    assert seen[0][:3] == (torch.float32,) * 3 and not seen[0][4]

@@ -1,4 +1,5 @@
-"""Tests for seq2seq.module: the schedules, the model schema as the CLI sees it, hyperparameter checks, and\nevery precision and device branch as far as a CPU can run it."""
+"""Tests for seq2seq.module: the schedules, the model schema as the CLI sees it, hyperparameter checks,
+and every precision and device branch as far as a CPU can run it."""
 
 import io
 import math
@@ -18,7 +19,6 @@ from seq2seq.data import TranslationDataModule
 from seq2seq.fit import TranslationCLI
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention
-from seq2seq.model.precision import Verdict
 from seq2seq.module import (
     LinearToZero,
     TranslationModule,
@@ -28,6 +28,7 @@ from seq2seq.module import (
     restore_rng_state,
     time_spent,
 )
+from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig
 
 SMALL = TransformerConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
@@ -188,18 +189,23 @@ def tiny_training(root: Path, **trainer_options) -> tuple[TranslationModule, Opt
     return module, probe
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
-def test_gradients_are_clipped_under_every_precision_with_the_fused_optimizer(precision: str, tmp_path: Path):
+def test_gradients_are_clipped_under_every_precision(precision: str, fused: bool, tmp_path: Path, monkeypatch):
     """Lightning's mixed-precision plugin refused to clip with the fused AdamW: the first update of every
     shipped config crashed wherever `auto` picked bf16-mixed. Clipped at 1e-3 (far below the raw norm),
     the optimizer must have seen gradients of norm 1e-3, under fp16 too, where a GradScaler multiplies
     them by 2^16 first (16-mixed is a GPU precision; on a CPU Lightning would swap in bf16, so the
-    plugin is built here by hand) and clipping before unscaling would leave them 2^16 times smaller."""
+    plugin is built here by hand) and clipping before unscaling would leave them 2^16 times smaller.
+    Unfused: the AdamW of devices with no fused one, which Lightning unscales itself (once only)."""
+    if not fused:
+        adamw = torch.optim.AdamW
+        monkeypatch.setattr(torch.optim, "AdamW", lambda *args, fused=None, **kwargs: adamw(*args, fused=False, **kwargs))
     options: dict = {"precision": precision}
     if precision == "16-mixed":
         options = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
     module, probe = tiny_training(tmp_path, gradient_clip_val=1e-3, **options)
-    assert module.trainer.optimizers[0].defaults["fused"] is True  # the fastest valid step, kept
+    assert module.trainer.optimizers[0].defaults["fused"] is fused  # the fastest valid step, where there is one
     adam_beta1 = module.hparams["adam_betas"][0]
     assert probe.first_moment_norm == pytest.approx((1 - adam_beta1) * 1e-3, rel=1e-3)
 

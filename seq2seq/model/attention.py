@@ -48,9 +48,11 @@ class MultiHeadAttention(nn.Module):
     as K queries against their sentence's keys (beams folded into the query length), so the source
     keys are never copied per beam.
 
-    `fp32_under_autocast`: under autocast, the attention itself (not the projections) runs in float32.
-    Set per machine by what turns autocast on (training): torch's CPU attention kernels run slower in
-    bf16 than in float32, backward above all, even where bf16 matmuls are several times faster.
+    `fp32_under_autocast`: under autocast, and where gradients are taken, the attention itself (not
+    the projections) runs in float32. Set per machine by what turns autocast on (training): torch's
+    CPU attention backward can run slower in bf16 than in float32 even where bf16 matmuls are faster.
+    Without gradients (validation's decoding) bf16 attention is as fast, and casting a growing
+    key/value cache to float32 at every step would not be.
     """
 
     fp32_under_autocast = False
@@ -101,7 +103,7 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None:
             queries = rotary(queries, offset=offset)
         device = queries.device.type
-        in_fp32 = self.fp32_under_autocast and torch.is_autocast_enabled(device)
+        in_fp32 = self.fp32_under_autocast and torch.is_autocast_enabled(device) and torch.is_grad_enabled()
         if in_fp32:
             queries, keys, values = queries.float(), keys.float(), values.float()
         attn_mask = mask

@@ -1,0 +1,284 @@
+"""What pays on this machine: the precision `auto` resolves to, for training and for translation.
+
+    fp32   float32 weights and activations
+    bf16   bfloat16: bf16-mixed autocast in training; bf16 weights in translation
+    int8   (translation, CPU) int8 linear layers (seq2seq/model/numerics.py); outputs differ slightly
+           from fp32, as CTranslate2's int8 does, so it is never chosen for you
+    auto   bf16 where bf16 matmuls are fast, fp32 elsewhere
+
+How `auto` decides, from what does not move with the machine's load first, so that the same command
+gives the same output on the same machine:
+- a GPU: bf16 from compute capability 8.0 (Ampere) on; older GPUs only emulate it, slowly;
+- an x86 CPU: its flags (Linux's /proc/cpuinfo). With bf16 matmul units (`amx_bf16`: Intel
+  Sapphire Rapids on; `avx512_bf16`: AMD Zen 4 on, Intel Cooper Lake) bf16 matmuls beat fp32 ones;
+  without them (AVX2-only CPUs) torch emulates bf16, far slower;
+- any other CPU (ARM, or an x86 whose flags cannot be read): bf16 and fp32 matmuls are timed, and
+  bf16 is chosen only where it is MARGIN times faster. The first verdict is kept, in a cache file
+  per machine (CPU model, flags, torch version): a timing under load would otherwise decide
+  differently from one run to the next.
+Training asks one more question under bf16 autocast, answered by timing and the same cache: whether
+attention's forward and backward run faster in bf16 than in float32 (torch's CPU attention kernels
+can be slower in bf16 even where its matmuls are faster).
+
+The process's memory is tuned here too (`tune_process_memory`, which the faces call): glibc keeps
+freed blocks, and oneDNN's cache of compiled kernels stays bounded.
+"""
+
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+Precision = Literal["auto", "fp32", "bf16", "int8"]
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8")
+# Training's `precision: auto` as decided by the process the user started ("cpu=32-true"): the DDP
+# processes Lightning launches inherit it instead of deciding for themselves (seq2seq/fit.py).
+AUTO_TRAINING_PRECISION_ENV = "_SEQ2SEQ_AUTO_PRECISION"
+BF16_UNITS = ("amx_bf16", "avx512_bf16")  # x86 flags of bf16 matmul units
+# A timed verdict picks bf16 only where it is this much faster: near-ties stay fp32, whatever the noise.
+MARGIN = 1.25
+
+
+@dataclass(frozen=True)
+class CPU:
+    arch: str  # platform.machine(): x86_64, AMD64, aarch64, arm64, ...
+    model: str
+    flags: frozenset[str]
+
+    @property
+    def is_x86(self) -> bool:
+        return self.arch.lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@cache
+def this_cpu() -> CPU:
+    """This machine's processor: Linux's /proc/cpuinfo (`flags` on x86, `Features` on ARM); elsewhere no
+    flags, and the model platform.processor() names."""
+    model, flags = "", frozenset[str]()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model") and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = frozenset(value.split())
+    except OSError:
+        pass
+    return CPU(arch=platform.machine(), model=model or platform.processor() or "unknown CPU", flags=flags)
+
+
+def device_name(device: torch.device) -> str:
+    """What to call the device in messages: the GPU's or the CPU's model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return this_cpu().model if device.type == "cpu" else str(device)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether bf16 pays for one use on one device, and why (printed with the choice)."""
+
+    bf16: bool
+    why: str
+
+
+def bf16_matmuls(device: torch.device, *, training: bool = False) -> Verdict:
+    """Whether bf16 linear layers run faster than fp32 ones here: shaped like a decoding step's or,
+    with `training`, like a training batch's forward and backward."""
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        native = capability >= (8, 0)
+        return Verdict(native, f"compute capability {capability[0]}.{capability[1]}"
+                               f"{'' if native else ' emulates bf16 (native from 8.0)'}")
+    if device.type != "cpu":
+        return Verdict(False, f"no measurement of ours for {device.type}")
+    cpu = this_cpu()
+    if cpu.is_x86 and cpu.flags:  # no flags: not Linux (Windows, macOS on Intel), timed as below
+        units = [flag for flag in BF16_UNITS if flag in cpu.flags]
+        if units:
+            return Verdict(True, f"this CPU has bf16 matmul units: {', '.join(units)}")
+        return Verdict(False, f"this CPU has no bf16 matmul units ({' or '.join(BF16_UNITS)}): torch emulates bf16")
+    use = "training" if training else "decoding"
+    return timed_verdict(f"matmul-{use}", lambda dtype: _fastest_linear(dtype, device, training=training),
+                         what="bf16 matmuls")
+
+
+def bf16_matmuls_pay(device: torch.device, *, training: bool = False) -> bool:
+    return bf16_matmuls(device, training=training).bf16
+
+
+def bf16_attention(device: torch.device, *, dropout: bool) -> Verdict:
+    """Under bf16 autocast, whether attention's forward and backward (training's) run faster in bf16 than
+    in float32; with attention dropout or without, which takes another kernel."""
+    if device.type != "cpu":  # GPU attention kernels are made for bf16 (flash attention)
+        return Verdict(True, f"{device.type} attention kernels are made for bf16")
+    kind = "dropout" if dropout else "flash"
+    return timed_verdict(f"attention-{kind}-training", lambda dtype: _fastest_attention(dtype, dropout=dropout),
+                         what="bf16 attention")
+
+
+def resolve_precision(precision: str, device: torch.device) -> Literal["fp32", "bf16", "int8"]:
+    """Translation's `auto` made concrete for this device; a ValueError naming the choices for anything else."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "int8" and device.type != "cpu":
+        raise ValueError(f"precision int8 runs on CPUs only (fbgemm's kernels), not on {device}; use bf16 or fp32")
+    if precision == "int8" and "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError("precision int8 needs torch's fbgemm int8 kernels (x86 CPUs), which this torch lacks; "
+                         "use fp32")
+    if precision == "auto":
+        return "bf16" if bf16_matmuls_pay(device) else "fp32"
+    return precision  # type: ignore[return-value]
+
+
+# ---- timing, once per machine ------------------------------------------------------------------
+
+
+def timed_verdict(key: str, seconds: Callable[[torch.dtype], float], *, what: str) -> Verdict:
+    """bf16 if it is MARGIN times faster than float32, timed once per machine and kept in its cache file.
+
+    The first verdict written is the machine's: a process that timed at the same moment as another
+    takes the verdict the other wrote first, so that both decide alike.
+    """
+    path = verdict_cache() / f"{key}.json"
+    measured = read_verdict(path)
+    if measured is None:
+        with torch.random.fork_rng(devices=[]):  # a seeded run draws the same numbers, timed or not
+            bf16, fp32 = seconds(torch.bfloat16), seconds(torch.float32)
+        measured = keep_first_verdict(path, {"bf16": fp32 > MARGIN * bf16, "speed-up": round(fp32 / bf16, 2)})
+    speed_up = measured.get("speed-up", "?")
+    return Verdict(measured["bf16"], f"{what} timed at {speed_up}x the speed of fp32 here, "
+                                     f"{'over' if measured['bf16'] else 'under'} the {MARGIN}x asked; kept in {path}")
+
+
+def verdict_cache() -> Path:
+    """The folder of this machine's verdicts: one per CPU model, flags and torch version, under XDG_CACHE_HOME."""
+    cpu = this_cpu()
+    identity = json.dumps([cpu.arch, cpu.model, sorted(cpu.flags), torch.__version__])
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "seq2seq" / f"machine-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def read_verdict(path: Path) -> dict[str, Any] | None:
+    """A verdict file's content, or None where there is none to trust (absent, unreadable, damaged)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("bf16"), bool) else None
+
+
+def keep_first_verdict(path: Path, verdict: dict[str, Any]) -> dict[str, Any]:
+    """Write `verdict` where no valid one is yet, whole or not at all; return the one the file holds then.
+
+    A hard link publishes the file only if none is there (a rename would replace one another process
+    just wrote). A cache that cannot be written costs only a new timing next time.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(verdict, f)
+            if read_verdict(path) is None:  # none yet, or a damaged one to replace
+                path.unlink(missing_ok=True)
+            try:
+                os.link(temporary, path)
+            except FileExistsError:  # another process was first: its verdict is the machine's
+                pass
+            except OSError:  # a filesystem without hard links
+                os.replace(temporary, path)
+        finally:
+            Path(temporary).unlink(missing_ok=True)
+    except OSError:
+        return verdict
+    return read_verdict(path) or verdict
+
+
+def _fastest(run: Callable[[], None], *, repeats: int = 3) -> float:
+    run()  # warm-up: kernel selection, first-touch
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()  # on a CPU the call returns when the work is done
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _fastest_linear(dtype: torch.dtype, device: torch.device, *, training: bool) -> float:
+    """Seconds of a linear layer shaped like a decoding step's or, with `training`, like a training
+    batch's forward and backward (whose transposed layouts are the ones AVX2 CPUs run slowest in bf16)."""
+    rows, d_in, d_out = (2048, 256, 1024) if training else (128, 256, 512)
+    x = torch.randn(rows, d_in, device=device).to(dtype).requires_grad_(training)
+    weight = torch.randn(d_out, d_in, device=device).to(dtype).requires_grad_(training)
+    grad = torch.randn(rows, d_out, device=device).to(dtype)
+
+    def run() -> None:
+        y = F.linear(x, weight)
+        if training:
+            y.backward(grad)
+
+    with torch.inference_mode(not training):
+        return _fastest(run)
+
+
+def _fastest_attention(dtype: torch.dtype, *, dropout: bool) -> float:
+    """Seconds of a CPU self-attention's forward and backward shaped like a training batch's."""
+    batch, heads, length, head_dim = 64, 4, 32, 64
+    q, k, v = (torch.randn(batch, heads, length, head_dim).to(dtype).requires_grad_() for _ in range(3))
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    grad = torch.randn(batch, heads, length, head_dim).to(dtype)
+
+    def run() -> None:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1 if dropout else 0.0).backward(grad)
+
+    return _fastest(run)
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+# Kernels oneDNN keeps compiled, one per matmul shape (its default: 1,024). A training or decoding step
+# runs a few dozen shapes, and the next step others (batch shapes vary, by design: token budgets), so
+# the cache mostly holds kernels never used again; each holds megabytes. With 1,024 the RSS of bf16
+# training grew by ~16 MB a step, and the steps slowed as it filled (README, Results). 64 keeps every
+# shape of one step (the layers of a stack share them), which is all that is ever reused.
+KERNEL_CACHE_CAPACITY = 64
+
+
+def tune_process_memory() -> None:
+    """What a process that trains or translates should set before its first step: keep_freed_memory, and a
+    bounded oneDNN kernel cache (a capacity set in ONEDNN_PRIMITIVE_CACHE_CAPACITY is kept). oneDNN reads
+    the variable when it first compiles a kernel, so this works after `import torch`, not after a matmul.
+    Process-wide: the faces call it (fit, the CLIs, the server), not the library."""
+    keep_freed_memory()
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed memory for reuse instead of giving large blocks back to the system.
+
+    A decoding or training step allocates and frees tensors of tens of MB (the logits of every
+    hypothesis, a loss chunk's, activations); glibc serves large blocks from a fresh mmap and unmaps
+    them when freed, so the next step page-faults all of it in again (README, Results, has what that
+    cost). With mmap off, blocks come from the heap and are reused; the process keeps its peak memory.
+    False where the C library is not glibc (nothing changed).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
