@@ -117,7 +117,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
-                        help="auto: bf16 where this machine's bf16 matmuls measure faster than fp32, else fp32; "
+                        help="auto: bf16 where bf16 matmuls are fast here (AMX, AVX512-BF16, a GPU from Ampere on), else fp32; "
                              "int8 (CPU): quantised linear layers, faster, outputs differ slightly (default: auto)")
 
 

@@ -66,8 +66,8 @@ class Translator:
         precision: Precision = "auto",
         search: SearchConfig = DEFAULT_SEARCH,
     ):
-        """`precision` (seq2seq/precision.py): auto picks bf16 where bf16 matmuls measure faster
-        than fp32 (a GPU, AMX, AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
+        """`precision` (seq2seq/precision.py): auto picks bf16 where bf16 matmuls are fast (a GPU from
+        Ampere on, a CPU with AMX or AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
         slightly. The model is converted in place; `self.precision` says what auto chose. `search`
         is what the translate methods use when given none."""
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see module.py)
