@@ -24,6 +24,7 @@ from seq2seq.checkpoint import (
     CHECKPOINT_KEY,
     CheckpointError,
     InferenceCheckpoint,
+    check_training_state,
     inference_entry,
     load_checkpoint,
     model_weights,
@@ -41,6 +42,7 @@ def read_weights(path: str | Path, *, weights: str) -> InferenceCheckpoint:
     if not isinstance(trained, dict):
         raise CheckpointError(f"{path} holds no trained weights besides its inference ones (no EMA in its run); "
                               "use --weights inference")
+    check_training_state(path, checkpoint)  # no other checksum covers the trained weights
     trained = model_weights(trained)
     if {k: tuple(v.shape) for k, v in trained.items()} != {k: tuple(v.shape) for k, v in loaded.weights.items()}:
         raise CheckpointError(f"{path}: its trained weights do not match its model config; the file is damaged")

@@ -3,8 +3,11 @@
 A training checkpoint is Lightning's dict (weights under "state_dict" as "model.*", optimiser and
 loop state) plus, under the key "seq2seq", what inference needs as plain types: the model config,
 the tokenizer (serialized sentencepiece proto), the language pair, optionally the search options
-tuned on validation (`search`: e.g. the length penalty, the translation default) and a SHA-256 of
-all of them and of the weights. It loads with `torch.load(weights_only=True)` and needs no other file.
+tuned on validation (`search`: e.g. the length penalty, the translation default), a SHA-256 of
+all of them and of the weights, and a second one (`training_sha256`) of everything else in the file:
+the weights the optimiser trained (an EMA run's `current_model_state`), the optimiser's moments, the
+loop, callback and RNG state that a resume or `average --weights trained` loads. It loads with
+`torch.load(weights_only=True)` and needs no other file.
 
 Training writes through `inference_entry` and `save_atomic`; Translator (and resume) read through
 `load_checkpoint` and `read_inference`, which trust nothing in the file before checking it:
@@ -12,8 +15,9 @@ Training writes through `inference_entry` and `save_atomic`; Translator (and res
 - the model config is a valid TransformerConfig whose tensors have exactly the stored shapes,
   compared on the meta device (no memory) before anything is allocated, and whose position
   tables (not stored: computed from the config) stay within bounds;
+- the tokenizer loads and has one piece per embedding row;
 - the checksum matches, so flipped bytes in the weights or the tokenizer are caught, not
-  translated into garbage.
+  translated into garbage; `check_training_state` does the same for the rest, before a resume.
 Every failure is a CheckpointError: one line naming the file and the problem.
 """
 
@@ -33,10 +37,13 @@ from torch import Tensor
 
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.search import SearchConfig
+from seq2seq.tokenizer import Tokenizer
 
 CHECKPOINT_KEY = "seq2seq"
-CHECKPOINT_FORMAT = 3  # 2 added "sha256", 3 "search"; bump on any change to what the entry holds
-READABLE_FORMATS = (1, 2, 3)  # format 1 has no checksum: read, with a warning that it cannot be verified
+CHECKPOINT_FORMAT = 4  # 2 added "sha256", 3 "search", 4 "training_sha256"; bump on any change to the entry
+READABLE_FORMATS = (1, 2, 3, 4)
+# What the entry's "sha256" covers; "training_sha256" covers every other key of the file.
+INFERENCE_KEYS = (CHECKPOINT_KEY, "state_dict")  # format 1 has no checksum: read, with a warning that it cannot be verified
 # Position tables are computed from max_positions, not stored; a config asking for more than this
 # beyond its stored weights is refused (a hostile 30 KB file could otherwise ask for gigabytes).
 MAX_UNSTORED_BYTES = 1 << 30
@@ -93,16 +100,53 @@ def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig,
     return entry
 
 
+def training_checksum(checkpoint: dict[str, Any]) -> str:
+    """SHA-256 over every key of a checkpoint but the inference ones (their own checksum covers them):
+    trained weights, optimiser moments, loop, callback and RNG state, in a canonical order."""
+    digest = hashlib.sha256()
+    for key in sorted(key for key in checkpoint if key not in INFERENCE_KEYS):
+        _digest(digest, key)
+        _digest(digest, checkpoint[key])
+    return digest.hexdigest()
+
+
+def _digest(digest: Any, value: Any) -> None:
+    # Dicts by sorted key, sets by sorted element: their iteration order is not stored in the file.
+    if isinstance(value, Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"T|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().data)
+    elif isinstance(value, dict):
+        digest.update(f"D|{len(value)}|".encode())
+        for key in sorted(value, key=repr):
+            _digest(digest, key)
+            _digest(digest, value[key])
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        digest.update(f"{type(value).__name__}|{len(items)}|".encode())
+        for item in items:
+            _digest(digest, item)
+    else:  # str, int, float (repr is exact), bool, None, bytes, and whatever else weights_only admits
+        digest.update(f"{type(value).__name__}|{value!r}|".encode())
+
+
+def seal_training_state(checkpoint: dict[str, Any]) -> None:
+    """Store the training checksum in the entry; call it last, when nothing else will change the dict."""
+    checkpoint[CHECKPOINT_KEY]["training_sha256"] = training_checksum(checkpoint)
+
+
 def store_search_defaults(path: str | Path, search: dict[str, Any]) -> None:
     """Write `search` (SearchConfig fields, e.g. a tuned length_penalty) into checkpoint `path` as the
     translation default, re-checksummed, atomically."""
     SearchConfig.from_dict(search)  # a ConfigError now rather than a damaged file later
     checkpoint = load_checkpoint(path)
     loaded = read_inference(path, checkpoint)  # a damaged file must not come out with a valid checksum
+    check_training_state(path, checkpoint)
     checkpoint[CHECKPOINT_KEY] = inference_entry(
         state_dict=checkpoint["state_dict"], config=loaded.config, tokenizer=loaded.tokenizer,
         src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang, search=search,
     )
+    seal_training_state(checkpoint)
     save_atomic(checkpoint, path)
 
 
@@ -130,6 +174,17 @@ def save_atomic(checkpoint: dict[str, Any], path: str | Path) -> None:
         os.fsync(directory)  # the rename itself survives a power cut
     finally:
         os.close(directory)
+
+
+def remove_partial_writes(folder: str | Path) -> list[Path]:
+    """Delete what save_atomic left in `folder` when killed mid-write (its `.NAME.ckpt.*.partial` files, each
+    as large as a checkpoint), and say which. Call it before a run writes there, not during one."""
+    removed = []
+    for partial in sorted(Path(folder).glob(".*.ckpt.*.partial")):
+        if partial.is_file() and not partial.is_symlink():
+            partial.unlink(missing_ok=True)
+            removed.append(partial)
+    return removed
 
 
 def _read_umask() -> int:
@@ -222,11 +277,43 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
         if actual != stored:
             raise CheckpointError(f"{path} is damaged: its weights or tokenizer do not match the checksum stored "
                                   "when it was written; copy it again or use another checkpoint")
+    _check_tokenizer(path, config, entry["tokenizer"])
     bad = next((name for name, t in weights.items() if t.is_floating_point() and not t.isfinite().all()), None)
     if bad is not None:  # a run that diverged: it would translate every sentence into nothing
         raise CheckpointError(f"{path}: its weight '{bad}' holds NaN or infinite values (the training run "
                               "diverged); use an earlier checkpoint")
     return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"], search)
+
+
+def check_training_state(path: str | Path, checkpoint: dict[str, Any]) -> None:
+    """CheckpointError unless what a resume or `average --weights trained` loads beside the inference
+    weights (see training_checksum) is what was written."""
+    entry = checkpoint[CHECKPOINT_KEY]
+    stored = entry.get("training_sha256")
+    if stored is None and entry.get("format", 0) < 4:
+        if any(key not in INFERENCE_KEYS for key in checkpoint):
+            warnings.warn(f"{path}: checkpoint format {entry.get('format')} has no checksum of its training state "
+                          "(trained weights, optimiser), so damage there cannot be detected", stacklevel=2)
+        return
+    if stored is None and all(key in INFERENCE_KEYS for key in checkpoint):
+        return  # an averaged checkpoint: nothing but the inference weights
+    if not isinstance(stored, str) or training_checksum(checkpoint) != stored:
+        raise CheckpointError(f"{path} is damaged: its training state (the trained weights, the optimiser's moments, "
+                              "the loop's position) does not match the checksum stored when it was written; "
+                              "use another checkpoint")
+
+
+def _check_tokenizer(path: str | Path, config: TransformerConfig, proto: bytes) -> None:
+    """The tokenizer must load and give one id per embedding row: a mismatched one would index past the
+    embeddings (an IndexError deep in decoding) or read every id as another piece."""
+    try:
+        pieces = Tokenizer.from_bytes(proto).vocab_size
+    except ValueError as error:
+        raise CheckpointError(f"{path}: its stored tokenizer cannot be loaded ({error})") from None
+    if pieces != config.vocab_size:
+        raise CheckpointError(f"{path}: its tokenizer has {pieces} pieces but its model has {config.vocab_size} "
+                              "embedding rows (vocab_size); they come from different runs: use a checkpoint "
+                              "written by training")
 
 
 def _check_layer_counts(path: str | Path, config: TransformerConfig, weights: dict[str, Tensor]) -> None:

@@ -44,7 +44,14 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference, save_atomic
+from seq2seq.checkpoint import (
+    CheckpointError,
+    check_training_state,
+    load_checkpoint,
+    read_inference,
+    remove_partial_writes,
+    save_atomic,
+)
 from seq2seq.data import DataError, TranslationDataModule, os_reason
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.module import NO_END, TrainingDiverged, TranslationModule, check_hyperparameters, max_time_timer
@@ -163,11 +170,17 @@ def check_writable(folder: str | Path, *, option: str) -> None:
 
 
 def check_output_folders(trainer: pl.Trainer) -> None:
+    """Every checkpoint folder writable, and cleared of the unfinished writes of a killed run."""
     # On every rank: harmless when repeated, and then all ranks stop alike instead of some waiting.
     check_writable(trainer.default_root_dir, option="trainer.default_root_dir")
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             check_writable(callback.dirpath, option="ModelCheckpoint dirpath")
+            if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # the rank that writes checkpoints
+                removed = remove_partial_writes(callback.dirpath)
+                if removed:
+                    print(f"removed {len(removed)} unfinished checkpoint write(s) of an interrupted run from "
+                          f"{callback.dirpath}: {', '.join(path.name for path in removed)}", flush=True)
 
 
 def check_budget(model: TranslationModule, trainer: pl.Trainer) -> None:
@@ -207,7 +220,9 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
     else:
         path = Path(ckpt_path)
     try:
-        stored = read_inference(path, load_checkpoint(path))
+        checkpoint = load_checkpoint(path)
+        stored = read_inference(path, checkpoint)
+        check_training_state(path, checkpoint)  # the trained weights, the optimiser: what a resume loads
     except CheckpointError as error:
         raise CheckpointError(f"--ckpt_path {ckpt_path}: {error}; or leave out --ckpt_path to start afresh") from None
     ours = model.config.to_dict()

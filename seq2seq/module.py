@@ -34,7 +34,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry
+from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, seal_training_state
 from seq2seq.loss import label_smoothed_nll, training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
@@ -222,14 +222,15 @@ class TranslationModule(L.LightningModule):
             rank_zero_info(f"attention under {precision}: {low_name if low else 'float32'} ({verdict.why})")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Lightning calls this after filling checkpoint["state_dict"] (and after callbacks such as
-        # weight averaging replaced it), which the entry's checksum covers.
+        # Lightning calls this last, after filling checkpoint["state_dict"] (and after callbacks such as
+        # weight averaging replaced it, keeping the trained weights beside): both checksums see it whole.
         assert self.tokenizer is not None, "setup() takes the tokenizer before any checkpoint is written"
         checkpoint[CHECKPOINT_KEY] = inference_entry(
             state_dict=checkpoint["state_dict"], config=self.config, tokenizer=self.tokenizer.to_bytes(),
             src_lang=self.src_lang, tgt_lang=self.tgt_lang,
         )
         checkpoint[RNG_KEY] = gather_rng_states(self.device)
+        seal_training_state(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Dropout then draws the masks an unbroken run would have drawn (with the data loader's position,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from seq2seq.checkpoint import CheckpointError, load_checkpoint, read_inference
+from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.model import Transformer
 from seq2seq.model.numerics import for_inference
 from seq2seq.precision import Precision, resolve_precision
@@ -86,10 +86,7 @@ class Translator:
         loaded = read_inference(path, load_checkpoint(path))
         model = Transformer(loaded.config)
         model.load_state_dict(loaded.weights)  # names and shapes were checked against the config
-        try:
-            tokenizer = Tokenizer.from_bytes(loaded.tokenizer)
-        except ValueError as error:  # not a sentencepiece model, or not our special ids
-            raise CheckpointError(f"{path}: its stored tokenizer cannot be loaded ({error})") from None
+        tokenizer = Tokenizer.from_bytes(loaded.tokenizer)  # read_inference loaded it once: it loads
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
                    device=device, precision=precision, search=SearchConfig.from_dict(loaded.search))
 

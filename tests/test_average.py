@@ -75,3 +75,22 @@ def test_a_written_average_reads_back_bitwise(ema_run: Path, tmp_path: Path):
     write(averaged, tmp_path / "one.ckpt")
     again = read_inference(tmp_path / "one.ckpt", load_checkpoint(tmp_path / "one.ckpt"))
     assert all(torch.equal(again.weights[n], t) for n, t in averaged.weights.items())
+
+
+def flip_bit(tensor: torch.Tensor) -> None:
+    """One flipped bit in the middle of a float tensor, as a bad disk or a bad copy would leave it."""
+    flat = tensor.view(-1)
+    flat[flat.numel() // 2 : flat.numel() // 2 + 1].view(torch.int32).bitwise_xor_(1 << 30)
+
+
+def test_a_flipped_bit_in_the_trained_weights_is_refused(ema_run: Path, tmp_path: Path):
+    """The trained weights of an EMA run (current_model_state) have a checksum of their own: one flipped
+    bit there made a freshly checksummed average that translated everything to ⁇."""
+    damaged = tmp_path / "damaged.ckpt"
+    checkpoint = torch.load(steps(ema_run)[1], weights_only=True)
+    flip_bit(checkpoint["current_model_state"]["model.encoder.layers.0.ffn.w_in.weight"])
+    torch.save(checkpoint, damaged)
+    read_inference(damaged, load_checkpoint(damaged))  # what it translates with is intact
+    with pytest.raises(CheckpointError, match=r"damaged\.ckpt is damaged: its training state \(the trained weights"):
+        average([steps(ema_run)[0], str(damaged)], weights="trained")
+    average([steps(ema_run)[0], str(damaged)], weights="inference")  # the EMA weights are another matter

@@ -17,6 +17,7 @@ from conftest import write_not_ours
 from seq2seq.checkpoint import (
     CHECKPOINT_KEY,
     CheckpointError,
+    check_training_state,
     checksum,
     load_checkpoint,
     model_weights,
@@ -25,6 +26,7 @@ from seq2seq.checkpoint import (
     store_search_defaults,
 )
 from seq2seq.model import ConfigError, Transformer
+from seq2seq.tokenizer import Tokenizer
 from seq2seq.translator import Translator
 
 
@@ -307,3 +309,50 @@ def test_search_defaults_are_stored_checksummed_and_checked(checkpoint: Path, tm
     with pytest.raises(ConfigError):
         store_search_defaults(path, {"beam_sizes": 4})  # refused before the file is touched
     assert read(path).search == {"beam_size": 3, "length_penalty": 1.5}
+
+
+def test_a_tokenizer_of_another_size_than_the_embeddings_is_refused(checkpoint: Path, tmp_path: Path,
+                                                                    tokenizer: Tokenizer):
+    """Re-checksummed with the public inference_entry, such a file used to load, then die in decoding
+    (IndexError: piece id is out of range) or make a server answer every request 500."""
+    assert tokenizer.vocab_size != read(checkpoint).config.vocab_size
+
+    def swap(loaded: dict) -> None:
+        entry = loaded[CHECKPOINT_KEY]
+        entry["tokenizer"] = tokenizer.to_bytes()
+        resign(loaded)
+
+    message = load_error(rewrite(checkpoint, tmp_path / "swapped.ckpt", swap))
+    assert re.search(r"swapped\.ckpt: its tokenizer has 2000 pieces but its model has \d+ embedding rows "
+                     r"\(vocab_size\); they come from different runs", message), message
+
+
+def test_the_training_state_is_checksummed_and_kept_so_by_stored_search_defaults(checkpoint: Path, tmp_path: Path):
+    path = tmp_path / "tuned.ckpt"
+    shutil.copy(checkpoint, path)
+    check_training_state(path, load_checkpoint(path))
+    store_search_defaults(path, {"length_penalty": 1.2})  # rewrites the entry: the training state stays sealed
+    loaded = load_checkpoint(path)
+    assert set(loaded) > {"optimizer_states", "loops", "callbacks", "rng_states"}
+    check_training_state(path, loaded)
+
+    def damage(loaded: dict) -> None:  # one flipped bit in Adam's second moment, which no other checksum covers
+        moment = next(iter(loaded["optimizer_states"][0]["state"].values()))["exp_avg_sq"].view(-1)
+        moment[:1].view(torch.int32).bitwise_xor_(1 << 20)
+
+    damaged = rewrite(path, tmp_path / "damaged.ckpt", damage)
+    read(damaged)  # what inference reads is intact
+    with pytest.raises(CheckpointError, match=r"damaged\.ckpt is damaged: its training state"):
+        check_training_state(damaged, load_checkpoint(damaged))
+    for change in (lambda loaded: loaded["loops"]["fit_loop"].update(epoch_progress={}),
+                   lambda loaded: loaded[CHECKPOINT_KEY].pop("training_sha256")):
+        with pytest.raises(CheckpointError, match="its training state"):
+            check_training_state(path, load_checkpoint(rewrite(path, tmp_path / "changed.ckpt", change)))
+
+    def format_3(loaded: dict) -> None:  # written before training_sha256 existed: read, with a warning
+        loaded[CHECKPOINT_KEY].pop("training_sha256")
+        loaded[CHECKPOINT_KEY]["format"] = 3
+
+    older = rewrite(path, tmp_path / "format3.ckpt", format_3)
+    with pytest.warns(UserWarning, match="format 3 has no checksum of its training state"):
+        check_training_state(older, load_checkpoint(older))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import MULTI30K, write_tiny_run
 from machines import MACHINES, pretend_machine
 
@@ -252,6 +253,24 @@ def test_resume_from_a_damaged_last_checkpoint_is_explained(tmp_path: Path):
         main(["--config", str(config), "--ckpt_path", "last"])
 
 
+def test_resume_from_a_checkpoint_with_damaged_training_state_is_refused(tiny_run, tmp_path: Path):
+    """What a resume loads beyond the inference weights (Adam's moments here) is checksummed too."""
+    _, checkpoints = tiny_run
+    root = tmp_path / "resume"
+    config = write_tiny_run(root, max_steps=16)
+    shutil.copytree(checkpoints, root / "checkpoints")
+    shutil.copy(checkpoints.parent / "spm.model", root / "spm.model")
+    last = root / "checkpoints" / "last.ckpt"
+    loaded = torch.load(last, weights_only=True)
+    moment = loaded["optimizer_states"][0]["state"][0]["exp_avg"].view(-1)
+    moment[:1].view(torch.int32).bitwise_xor_(1 << 30)
+    torch.save(loaded, last)
+    with pytest.raises(SystemExit, match=r"^error: --ckpt_path last: .*last\.ckpt is damaged: its training state "
+                                         r"\(the trained weights, the optimiser's moments, the loop's position\) does "
+                                         "not match the checksum"):
+        main(["--config", str(config), "--ckpt_path", "last"])
+
+
 @contextmanager
 def writes_denied(folder: Path):
     """Creating files under `folder` raises PermissionError, as for a read-only folder (tests run as root,
@@ -351,6 +370,47 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_clear_error(tmp_path: Path
                                               r"free there\); free space"):
         AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_last_ckpt_follows_every_validation_and_every_n_updates_and_partial_writes_are_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    """configs/wmt.yaml's two last.ckpt writers (after each validation; every N updates), as shipped but for
+    the folder and N: last.ckpt holds every validation's and every N-th update's state, newest last. The
+    unfinished writes a killed run left (`.last.ckpt.*.partial`, each a checkpoint's size) go at the start."""
+
+    shipped = yaml.safe_load((REPO / "configs" / "wmt.yaml").read_text(encoding="utf-8"))["trainer"]["callbacks"]
+    writers = [c for c in shipped if c["class_path"].endswith("ModelCheckpoint") and c["init_args"]["filename"] == "last"]
+    assert len(writers) == 2 and writers[1]["init_args"]["every_n_train_steps"] == 1000
+    writers[1]["init_args"]["every_n_train_steps"] = 3
+    checkpoints = tmp_path / "checkpoints"
+    for writer in writers:
+        writer["init_args"]["dirpath"] = str(checkpoints)
+    config = write_tiny_run(tmp_path, max_steps=10, train_pairs=400, val_pairs=4)
+    text = config.read_text(encoding="utf-8")
+    start, end = text.index("  callbacks:\n"), text.index("model:\n")
+    callbacks = yaml.safe_dump({"callbacks": writers}, default_flow_style=False)
+    config.write_text(text[:start] + "".join(f"  {line}\n" for line in callbacks.splitlines()) + text[end:],
+                      encoding="utf-8")
+    checkpoints.mkdir()
+    leftovers = [checkpoints / ".last.ckpt.k2j4x9q1.partial", checkpoints / ".best.ckpt.0a9b8c7d.partial"]
+    for leftover in leftovers:
+        leftover.write_bytes(b"PK\x03\x04" + b"\0" * 1000)  # what a kill -9 during a save leaves
+    (checkpoints / ".notes.partial").write_text("not ours")  # not a checkpoint write: kept
+    real_save, saved = seq2seq.fit.save_atomic, []
+
+    def record(checkpoint: dict, path) -> None:
+        saved.append((Path(path).name, checkpoint["global_step"]))
+        real_save(checkpoint, path)
+
+    monkeypatch.setattr("seq2seq.fit.save_atomic", record)
+    main(["--config", str(config), "--trainer.val_check_interval=4", "--trainer.check_val_every_n_epoch=null",
+          "--trainer.max_epochs=-1"])
+    assert [step for name, step in saved if name == "last.ckpt"] == [3, 4, 6, 8, 9]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 9
+    assert not any(leftover.exists() for leftover in leftovers) and (checkpoints / ".notes.partial").exists()
+    assert re.search(r"^removed 2 unfinished checkpoint write\(s\) of an interrupted run from .*checkpoints: "
+                     r"\.best\.ckpt\.0a9b8c7d\.partial, \.last\.ckpt\.k2j4x9q1\.partial$", capsys.readouterr().out,
+                     re.MULTILINE)
 
 
 # ---- exact resume ------------------------------------------------------------------------------
