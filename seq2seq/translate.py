@@ -6,23 +6,29 @@ N empty translations with score 0). With --ref, sacreBLEU and chrF (with their s
 stderr, so stdout stays the translations. Input, references and output are UTF-8 (a byte-order
 mark at the start of a file is dropped).
 
-Every option, the output path and the checkpoint are checked before any sentence is translated.
-Each translation is written (and flushed) as soon as it and every line before it are done, so an
-interrupted run keeps them; lines are batched by length within windows of 1,000. On a terminal,
-stderr shows a progress bar (not when stderr is piped or redirected).
+Every option, the output path, the checkpoint and (for a file) every input line are checked before
+any sentence is translated; the output may not be the input, the references, the checkpoint or any
+file that is not text. The input is streamed (a pipe or an endless one costs no more memory than a
+window of 1,000 lines, batched by length). Each translation is written as soon as it and every
+line before it are done, a whole line at a time, so an interrupted run or a full disk leaves a file
+of whole lines, and the message says how many. On a terminal, stderr shows a progress bar (not
+when stderr is piped or redirected).
 """
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import os
 import re
 import sys
 import time
 import typing
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 import sacrebleu
 import torch
@@ -37,36 +43,74 @@ from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, resolve_
 WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
 
 
-def read_lines(path: str, *, option: str = "--input") -> list[str]:
-    """The lines of a UTF-8 file, or of stdin for "-", without their line ends.
+MAX_LINE_BYTES = 1 << 20  # a "line" longer than this is no sentence: a binary file, /dev/zero
+BOM = "\ufeff".encode()
 
-    Lines end at "\n" only (a "\r" before it goes too): str.splitlines would also split at
-    U+2028, U+0085, form feeds and the like inside a sentence, and the output would then have more
-    lines than the input, out of step with the references. Stdin is read as bytes, so it is UTF-8
-    whatever the locale says, and a bad byte is reported with its line like a file's. A UTF-8 BOM
-    (which Windows editors write) is not part of the first sentence.
+
+class InputError(Exception):
+    """Input that cannot be translated; the message names the file (or stdin) and the line."""
+
+
+def iter_lines(path: str, *, option: str = "--input") -> Iterator[str]:
+    """The lines of a UTF-8 file, or of stdin for "-", without their line ends, read as they are needed.
+
+    Streamed, so a huge or endless input (a pipe, /dev/zero) costs no more memory than a window of
+    lines, and a line of more than MAX_LINE_BYTES is refused rather than read whole. Lines end at
+    "\n" only (a "\r" before it goes too): str.splitlines would also split at U+2028, U+0085, form
+    feeds and the like inside a sentence, and the output would then have more lines than the input,
+    out of step with the references. Bytes are decoded here, so the input is UTF-8 whatever the locale
+    says, and a bad byte is reported with its line. A UTF-8 BOM (which Windows editors write) is not
+    part of the first sentence. Raises InputError (a missing file: SystemExit, before anything is read).
     """
     name = "stdin" if path == "-" else path
     try:
-        data = read_stdin() if path == "-" else Path(path).read_bytes()
+        stream = stdin_bytes() if path == "-" else open(path, "rb")  # noqa: SIM115  # closed below
     except FileNotFoundError:
         raise SystemExit(f"error: {option} {path} does not exist") from None
     except OSError as error:
         raise SystemExit(f"error: {option}: cannot read {path}: {error.strerror}") from None
+    with contextlib.nullcontext(stream) if path == "-" else stream:  # stdin stays open
+        number = 0
+        while True:
+            try:
+                raw = stream.readline(MAX_LINE_BYTES + 1)
+            except OSError as error:
+                raise InputError(f"{option}: cannot read {name} after line {number}: {error.strerror}") from None
+            if not raw:
+                return
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise InputError(f"{name} line {number} is longer than {MAX_LINE_BYTES >> 20} MiB: not a text file "
+                                 "with one sentence per line")
+            try:
+                text = (raw.removeprefix(BOM) if number == 1 else raw).decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{name} line {number} is not UTF-8; convert the file to UTF-8") from None
+            yield text.removesuffix("\n").removesuffix("\r")
+
+
+def read_lines(path: str, *, option: str = "--input") -> list[str]:
+    """All the lines iter_lines gives, or exit with its one-line error."""
     try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise SystemExit(f"error: {name} line {line} is not UTF-8; convert the file to UTF-8") from None
-    lines = text.split("\n")
-    if lines[-1] == "":  # the newline that ends the last line; an empty input has no lines
-        lines.pop()
-    return [line.removesuffix("\r") for line in lines]
+        return list(iter_lines(path, option=option))
+    except InputError as error:
+        raise SystemExit(f"error: {error}") from None
 
 
-def read_stdin() -> bytes:
+def count_lines(path: str, *, option: str = "--input") -> int | None:
+    """How many lines a regular file has, every one checked as it will be read (so that a bad line
+    stops the run before anything is translated); None for stdin, a pipe or a device, read only once."""
+    if path == "-" or not Path(path).is_file():
+        return None
+    try:
+        return sum(1 for _ in iter_lines(path, option=option))
+    except InputError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def stdin_bytes() -> BinaryIO:
     stdin = getattr(sys.stdin, "buffer", None)  # a StringIO put in place of stdin has none
-    return sys.stdin.read().encode("utf-8") if stdin is None else stdin.read()
+    return io.BytesIO(sys.stdin.read().encode("utf-8")) if stdin is None else stdin
 
 
 def utf8_stdout() -> TextIO:
@@ -175,8 +219,10 @@ def one_line_warnings() -> None:
     warnings.simplefilter("always", UserWarning)
 
 
-def check_output_path(path: str, *, inputs: list[str]) -> None:
-    """Refuse an output that cannot be written now, not after the whole input has been translated."""
+def check_output_path(path: str, *, inputs: dict[str, str]) -> None:
+    """Refuse an output that cannot be written now, not after the whole input has been translated, and
+    one that would overwrite a file the user did not name as output: an input (`inputs`: option →
+    path, the checkpoint among them) or any file that is not text (a checkpoint under another name)."""
     if path == "-":
         return
     target = Path(path)
@@ -189,9 +235,13 @@ def check_output_path(path: str, *, inputs: list[str]) -> None:
         raise SystemExit(f"error: --output {path}: {folder} is a file, not a folder")
     if not folder.is_dir():
         raise SystemExit(f"error: --output {path}: the folder {folder} does not exist; create it first")
-    for other in inputs:
+    for option, other in inputs.items():
         if other != "-" and target.exists() and Path(other).exists() and target.samefile(other):
-            raise SystemExit(f"error: --output {path} is the input file {other}: it would be overwritten")
+            what = "the input file" if option == "--input" else f"the {option} file"
+            raise SystemExit(f"error: --output {path} is {what} {other}: it would be overwritten")
+    if target.is_file() and not looks_like_text(target):
+        raise SystemExit(f"error: --output {path} exists and is not a text file (a checkpoint, an archive?): it "
+                         "would be overwritten; give another path, or delete it first if it is yours to lose")
     existed = target.exists()
     try:
         with open(target, "a", encoding="utf-8"):  # "a": an existing file is not emptied by the check
@@ -200,6 +250,81 @@ def check_output_path(path: str, *, inputs: list[str]) -> None:
         raise SystemExit(f"error: --output {path} cannot be written ({error.strerror})") from None
     if not existed:
         target.unlink()
+
+
+def looks_like_text(path: Path) -> bool:
+    """No NUL byte in the first 8 KiB and no zip archive (a torch checkpoint is one): translations are text."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8192)
+    except OSError:
+        return True  # unreadable: the write check that follows says what is wrong
+    return b"\0" not in head and not head.startswith(b"PK\x03\x04")
+
+
+class UpToABadLine:
+    """The lines before the first one that cannot be read, then the end: those are translated and
+    written before the error (kept in `error`) is reported."""
+
+    def __init__(self, lines: Iterator[str]) -> None:
+        self.lines = lines
+        self.error: InputError | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self.lines
+        except InputError as error:
+            self.error = error
+
+
+class Output:
+    """Where translations go, whole lines at a time: a file written unbuffered, cut back to its last
+    whole line when a write fails (a full disk) or is interrupted, or stdout."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lines = 0  # lines written whole: counted after the write
+        if path == "-":
+            self.stream: TextIO | None = utf8_stdout()
+            self.fd = -1
+        else:
+            self.stream = None
+            try:
+                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            except OSError as error:  # the folder changed since check_output_path
+                raise SystemExit(f"error: --output {path} cannot be written ({error.strerror})") from None
+        self.whole = 0  # bytes of whole lines in the file
+
+    def write(self, text: str) -> None:
+        """`text`: one input line's output, ending in a newline."""
+        if self.stream is not None:
+            self.stream.write(text)
+            self.stream.flush()  # a reader (or an interrupted run) has every line done
+        else:
+            data = memoryview(text.encode("utf-8"))
+            while data:
+                data = data[os.write(self.fd, data):]
+            self.whole += len(text.encode("utf-8"))
+        self.lines += 1
+
+    def flush(self) -> None:
+        """Nothing to do: each write went out whole (stdout is flushed by write)."""
+
+    def cut_to_whole_lines(self) -> None:
+        """After a failed or interrupted write: drop the part of a line that got out (not possible on stdout)."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):  # /dev/full and other devices cannot be truncated
+                os.ftruncate(self.fd, self.whole)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)  # inside the caller's try: a close that fails (quota, NFS) is a write error too
+
+
+
+def where(path: str) -> str:
+    return "stdout" if path == "-" else f"--output {path}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,45 +336,62 @@ def main(argv: list[str] | None = None) -> None:
     add_search_arguments(parser)
     args = parser.parse_args(argv)
     search = search_config(parser, args)
-    check_output_path(args.output, inputs=[args.input] + ([args.ref] if args.ref else []))
+    inputs = {"--input": args.input, "--checkpoint": args.checkpoint} | ({"--ref": args.ref} if args.ref else {})
+    check_output_path(args.output, inputs=inputs)
     one_line_warnings()
+    try:
+        run(parser, args, search)
+    except KeyboardInterrupt:  # before the first line was written (run reports an interruption after that)
+        print(f"\ninterrupted before any line was translated; {where(args.output)} was not written",
+              file=sys.stderr)
+        raise SystemExit(130) from None
 
-    sources = read_lines(args.input)
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace, search: SearchConfig) -> None:
+    total = count_lines(args.input)
     references = read_lines(args.ref, option="--ref") if args.ref else None
-    if references is not None and len(references) != len(sources):
-        source_name = "stdin" if args.input == "-" else args.input
-        raise SystemExit(
-            f"error: {source_name} has {len(sources)} lines but {args.ref} has {len(references)}; "
-            "the references must be line-aligned with the input"
-        )
+    source_name = "stdin" if args.input == "-" else args.input
+    if references is not None and total is not None and len(references) != total:
+        raise SystemExit(f"error: {source_name} has {total} lines but {args.ref} has {len(references)}; "
+                         "the references must be line-aligned with the input")
     translator = load_translator(args, search)
     search = checkpoint_search(parser, args, translator)
     start = time.perf_counter()
-    best: list[str] = []
-    output = utf8_stdout() if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    best: list[str] | None = [] if references is not None else None  # kept only for the scores
+    output = Output(args.output)
+    lines = UpToABadLine(iter_lines(args.input))
+    results = translator.translate_stream(lines, search, max_tokens=args.max_tokens, window=WINDOW)
     try:
-        write_translations(translator.translate_stream(sources, search, max_tokens=args.max_tokens, window=WINDOW),
-                           output, nbest=search.nbest, best=best, total=len(sources))
-        if output is not sys.stdout:
-            output.close()  # inside the try: a close that fails (quota, NFS) is a write error too
+        write_translations(results, output, nbest=search.nbest, best=best, total=total)
+        output.close()
+        if lines.error is not None:  # found only now in a stream that could not be checked first (stdin)
+            raise lines.error
     except KeyboardInterrupt:
-        print(f"\ninterrupted: {where(args)} holds the translations of the first {len(best)} lines", file=sys.stderr)
+        output.cut_to_whole_lines()
+        print(f"\ninterrupted: {where(args.output)} holds the translations of the first {output.lines} lines",
+              file=sys.stderr)
         raise SystemExit(130) from None
     except BrokenPipeError:  # `... | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         raise SystemExit(141) from None
+    except InputError as error:
+        raise SystemExit(f"error: {error}; {where(args.output)} holds the translations of the {output.lines} lines "
+                         "before it") from None
     except OSError as error:  # a full disk, /dev/full
-        raise SystemExit(f"error: cannot write {where(args)} ({error.strerror}); it holds the translations of "
-                         f"at most the first {len(best)} lines") from None
+        output.cut_to_whole_lines()
+        partial = " and maybe part of the next" if args.output == "-" else ""
+        raise SystemExit(f"error: cannot write {where(args.output)} ({error.strerror}); it holds the translations of "
+                         f"the first {output.lines} lines{partial}") from None
     finally:
-        if output is not sys.stdout and not output.closed:
-            try:
-                output.close()
-            except OSError:
-                pass  # an error is already being reported
-    print(f"translated {len(sources)} lines in {time.perf_counter() - start:.1f}s ({translator.precision}, "
+        with contextlib.suppress(OSError):  # an error is already being reported
+            output.close()
+    print(f"translated {output.lines} lines in {time.perf_counter() - start:.1f}s ({translator.precision}, "
           f"{torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr)
-    if references is not None:
+    if references is not None and best is not None:
+        if len(references) != len(best):
+            raise SystemExit(f"error: {source_name} had {len(best)} lines but {args.ref} has {len(references)}: no "
+                             f"scores (the references must be line-aligned with the input); {where(args.output)} holds "
+                             "every translation")
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
         print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
@@ -261,26 +403,24 @@ def describe(search: SearchConfig) -> str:
     return "greedy" if search.beam_size == 1 else f"beam {search.beam_size}, length penalty {search.length_penalty:g}"
 
 
-def where(args: argparse.Namespace) -> str:
-    return "stdout" if args.output == "-" else f"--output {args.output}"
-
-
-def write_translations(results, output: TextIO, *, nbest: int, best: list[str], total: int | None = None,
-                       progress: TextIO | None = None) -> None:
-    """Write each line's translation(s) as soon as it and every line before it are done, flushed at
-    once; `best` collects the 1-bests. A progress bar goes to `progress` if it is a terminal (not
-    when piped or redirected, where it would fill a log)."""
+def write_translations(results: Iterable[list[Translation]], output: Output | TextIO, *, nbest: int,
+                       best: list[str] | None = None, total: int | None = None, progress: TextIO | None = None) -> None:
+    """Write each line's translation(s) as soon as it and every line before it are done, one whole line
+    (n-best: one group of lines) per write; `best` collects the 1-bests. A progress bar goes to
+    `progress` if it is a terminal (not when piped or redirected, where it would fill a log)."""
     progress = progress if progress is not None else sys.stderr
     with tqdm(total=total, file=progress, unit=" lines", dynamic_ncols=True, leave=False,
               disable=not progress.isatty()) as bar:
         for i, hyps in enumerate(results):
-            best.append(one_line(hyps[0].text) if hyps else "")
+            first = one_line(hyps[0].text) if hyps else ""
             if nbest > 1:
                 text = "".join(f"{line}\n" for line in format_nbest(hyps, nbest=nbest, prefix=f"{i}\t"))
             else:
-                text = best[-1] + "\n"
+                text = first + "\n"
             output.write(text)
-            output.flush()  # one line at a time: a reader (or an interrupted run) has every line done
+            output.flush()
+            if best is not None:
+                best.append(first)
             bar.update()
 
 

@@ -386,14 +386,20 @@ def test_cli_reference_line_count_mismatch(tmp_path: Path):
         main(["--checkpoint", "unused.ckpt", "--input", str(tmp_path / "in.de"), "--ref", str(tmp_path / "ref.en")])
 
 
-def test_cli_names_the_line_that_is_not_utf8(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    data = "Ein Hund.\nZwei Männer.\n".encode() + b"Dr\xe4i Frauen.\n"  # latin-1 ä on line 3
+def test_cli_names_the_line_that_is_not_utf8(checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture):
+    data = "Ein Hund.\nZwei Männer.\n".encode() + b"Dr\xe4i Frauen.\nVier.\n"  # latin-1 ä on line 3
     (tmp_path / "in.de").write_bytes(data)
-    with pytest.raises(SystemExit, match=r"in\.de line 3 is not UTF-8; convert the file to UTF-8"):
+    # A file is checked whole before the checkpoint is read (this one need not exist).
+    with pytest.raises(SystemExit, match=r"in\.de line 3 is not UTF-8; convert the file to UTF-8$"):
         main(["--checkpoint", "unused.ckpt", "--input", str(tmp_path / "in.de")])
+    # stdin is read once, as it comes: the lines before the bad one are translated and kept.
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
-    with pytest.raises(SystemExit, match="stdin line 3 is not UTF-8"):
-        main(["--checkpoint", "unused.ckpt"])
+    with pytest.raises(SystemExit, match="^error: stdin line 3 is not UTF-8; convert the file to UTF-8; stdout holds "
+                                         "the translations of the 2 lines before it$"):
+        main(["--checkpoint", str(checkpoint), "--precision", "fp32"])
+    expected = Translator.from_checkpoint(checkpoint, precision="fp32").translate(["Ein Hund.", "Zwei Männer."])
+    assert capsys.readouterr().out == "".join(f"{line}\n" for line in expected)
 
 
 def test_cli_explains_bad_checkpoints(tmp_path: Path):
@@ -475,7 +481,7 @@ def test_cli_write_errors_are_one_line_and_a_closed_pipe_is_quiet(checkpoint: Pa
                                                                  monkeypatch: pytest.MonkeyPatch):
     (tmp_path / "in.de").write_text("Ein Hund.\nZwei.\n", encoding="utf-8")
     with pytest.raises(SystemExit, match=r"^error: cannot write --output /dev/full \(No space left on device\); it "
-                                         "holds the translations of at most the first"):
+                                         "holds the translations of the first 0 lines$"):
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", "/dev/full"])
     read_end, write_end = os.pipe()
     os.close(read_end)  # `| head -0`: nobody reads
@@ -509,6 +515,98 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(checkpoint
     monkeypatch.setattr(Translator, "_translate_batches", real)
     expected = Translator.from_checkpoint(checkpoint).translate(sources[:6])
     assert output.read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)  # two whole windows
+
+
+def test_cli_never_overwrites_the_checkpoint_or_a_file_that_is_not_text(checkpoint: Path, tmp_path: Path):
+    """`--output c.ckpt` made a 121 MB checkpoint 650 bytes of text, exit 0."""
+    (tmp_path / "in.de").write_text("Ein Hund.\n", encoding="utf-8")
+    copy = tmp_path / "model.ckpt"
+    shutil.copy(checkpoint, copy)
+    before = copy.read_bytes()
+    with pytest.raises(SystemExit, match=r"^error: --output .*model\.ckpt is the --checkpoint file .*model\.ckpt: it "
+                                         "would be overwritten$"):
+        main(["--checkpoint", str(copy), "--input", str(tmp_path / "in.de"), "--output", str(copy)])
+    other = tmp_path / "other.ckpt"  # another checkpoint, or any binary file, under a name of its own
+    shutil.copy(checkpoint, other)
+    with pytest.raises(SystemExit, match=r"^error: --output .*other\.ckpt exists and is not a text file"):
+        main(["--checkpoint", str(copy), "--input", str(tmp_path / "in.de"), "--output", str(other)])
+    assert copy.read_bytes() == before and other.read_bytes() == before
+    old = tmp_path / "old.en"  # earlier translations are the user's output to replace
+    old.write_text("stale\n", encoding="utf-8")
+    main(["--checkpoint", str(copy), "--input", str(tmp_path / "in.de"), "--output", str(old)])
+    assert old.read_text(encoding="utf-8").count("\n") == 1 and "stale" not in old.read_text(encoding="utf-8")
+
+
+def test_a_full_disk_leaves_whole_lines_and_says_how_many(checkpoint: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    """The disk fills in the middle of line 3: the file keeps lines 1-2 whole (no partial third line), and
+    the message counts the lines written, not the one being written."""
+    sources = [SENTENCES[i % len(SENTENCES)] for i in range(5)]
+    (tmp_path / "in.de").write_text("\n".join(sources) + "\n", encoding="utf-8")
+    real_write, writes = os.write, []
+
+    def disk_fills_on_the_third_line(fd: int, data) -> int:
+        writes.append(len(data))
+        if len(writes) == 3:
+            real_write(fd, bytes(data[: len(data) // 2]))  # the first half gets out, then the disk is full
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr("seq2seq.translate.os.write", disk_fills_on_the_third_line)
+    output = tmp_path / "out.en"
+    with pytest.raises(SystemExit, match=r"^error: cannot write --output .*out\.en \(No space left on device\); it "
+                                         r"holds the translations of the first 2 lines$"):
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output),
+              "--precision", "fp32"])
+    expected = Translator.from_checkpoint(checkpoint, precision="fp32").translate(sources[:2])
+    assert output.read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)
+
+
+def test_cli_failures_around_model_load_are_one_line(checkpoint: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    (tmp_path / "in.de").write_text("Ein Hund.\n", encoding="utf-8")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    real = Translator.from_checkpoint
+
+    def folder_goes_during_load(*args, **kwargs):
+        folder.rmdir()  # an unmounted disk, a cleaned-up folder: the output cannot be opened any more
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(Translator, "from_checkpoint", folder_goes_during_load)
+    with pytest.raises(SystemExit, match=r"^error: --output .*out\.en cannot be written \(No such file or directory\)$"):
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(folder / "out.en")])
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the model loads
+
+    monkeypatch.setattr(Translator, "from_checkpoint", interrupted)
+    (tmp_path / "kept.en").write_text("kept\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(tmp_path / "kept.en")])
+    assert caught.value.code == 130
+    assert capsys.readouterr().err.strip() == f"interrupted before any line was translated; --output {tmp_path / 'kept.en'} was not written"
+    assert (tmp_path / "kept.en").read_text(encoding="utf-8") == "kept\n"
+
+
+def test_cli_streams_its_input_and_refuses_what_has_no_lines(checkpoint: Path):
+    """`--input /dev/zero` read everything first (+456 MiB, then MemoryError); now the input is read a
+    window at a time, and a "line" of more than 1 MiB is refused."""
+    result = run_cli("--checkpoint", str(checkpoint), "--input", "/dev/zero")
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+        "error: /dev/zero line 1 is longer than 1 MiB: not a text file with one sentence per line; stdout holds the "
+        "translations of the 0 lines before it"), result.stderr
+    # The first window's translations come out while stdin is still open: the input is streamed.
+    command = [sys.executable, "-m", "seq2seq.translate", "--checkpoint", str(checkpoint), "--precision", "fp32"]
+    with subprocess.Popen(command, cwd=REPO, env=python_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL) as process:
+        process.stdin.write(("Ein Hund.\n" * 1000).encode())  # one window (seq2seq.translate.WINDOW)
+        process.stdin.flush()
+        read_line(process, timeout=120)  # fails unless the first line arrives before the end of the input
+        process.stdin.write(b"Zwei.\n")
+        process.stdin.close()
+        rest = process.stdout.read().decode().split("\n")
+        assert process.wait(timeout=60) == 0 and len(rest) == 1001  # 999, the 1001st, and "" after the last newline
 
 
 # ---------------------------------------------------------------------------------------------
