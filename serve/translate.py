@@ -15,6 +15,7 @@ import sys
 
 from seq2seq.precision import tune_process_memory
 from seq2seq.translate import (
+    MAX_LINE_BYTES,
     add_search_arguments,
     checkpoint_search,
     describe,
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     while True:
         if interactive:
             print(f"{translator.src_lang}> ", end="", file=sys.stderr, flush=True)
-        raw = stdin.readline()
+        raw = stdin.readline(MAX_LINE_BYTES + 1)  # bounded: /dev/zero has no line end
         if not raw:
             break
         number += 1
@@ -54,6 +55,12 @@ def main(argv: list[str] | None = None) -> None:
             line = raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
         except UnicodeDecodeError:
             print(f"error: input line {number} is not UTF-8; translating it as an empty line", file=sys.stderr)
+            line = ""
+        if len(raw) > MAX_LINE_BYTES:
+            while raw and not raw.endswith(b"\n"):  # the rest of the line, read and dropped in bounded pieces
+                raw = stdin.readline(MAX_LINE_BYTES)
+            print(f"error: input line {number} is longer than {MAX_LINE_BYTES >> 20} MiB; translating it as an "
+                  "empty line", file=sys.stderr)
             line = ""
         if number == 1:
             line = line.removeprefix("\ufeff")  # a byte-order mark is not part of the sentence

@@ -673,6 +673,15 @@ def test_serve_reports_each_truncated_line_with_its_own_number(checkpoint: Path,
                       "translating its first 128 tokens only" for n in (1, 3)]
 
 
+def test_serve_answers_a_line_of_megabytes_with_an_empty_line_and_goes_on(checkpoint: Path, translator: Translator):
+    """A 3 MiB line (a binary file piped in) was read whole; now it is one error and one empty line."""
+    process = serve(checkpoint)
+    out, err = process.communicate(b"\0" * (3 << 20) + f"\n{SENTENCES[0]}\n".encode(), timeout=120)
+    assert process.returncode == 0, err.decode()
+    assert out.decode("utf-8").split("\n") == ["", translator.translate([SENTENCES[0]])[0], ""]
+    assert "error: input line 1 is longer than 1 MiB; translating it as an empty line" in err.decode()
+
+
 def test_the_checkpoint_s_tuned_search_is_the_default_and_flags_override_it(checkpoint: Path, tmp_path: Path):
     tuned = tmp_path / "tuned.ckpt"
     shutil.copy(checkpoint, tuned)
