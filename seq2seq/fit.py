@@ -269,9 +269,18 @@ def fit(args: list[str] | None) -> TranslationCLI:
         best = checkpoint.best_model_score
         print(
             f"best {checkpoint.monitor} = {best.item() if best is not None else float('nan'):.2f}: "
-            f"{checkpoint.best_model_path or '(none)'}; last: {checkpoint.last_model_path or '(none)'}"
+            f"{checkpoint.best_model_path or '(none)'}; last: {newest_last_checkpoint(trainer) or '(none)'}"
         )
     return cli
+
+
+def newest_last_checkpoint(trainer: pl.Trainer) -> str | None:
+    """The newest last*.ckpt any ModelCheckpoint wrote: Lightning's save_last one, or one of our configs'
+    `filename: last` writers (which Lightning counts as a "best by step")."""
+    written = [path for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)
+               for path in (callback.last_model_path, callback.best_model_path)
+               if path and Path(path).name.startswith("last") and Path(path).is_file()]
+    return max(written, key=lambda path: Path(path).stat().st_mtime, default=None)
 
 
 if __name__ == "__main__":

@@ -408,9 +408,10 @@ def test_last_ckpt_follows_every_validation_and_every_n_updates_and_partial_writ
     assert [step for name, step in saved if name == "last.ckpt"] == [3, 4, 6, 8, 9]
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 9
     assert not any(leftover.exists() for leftover in leftovers) and (checkpoints / ".notes.partial").exists()
+    out = capsys.readouterr().out
     assert re.search(r"^removed 2 unfinished checkpoint write\(s\) of an interrupted run from .*checkpoints: "
-                     r"\.best\.ckpt\.0a9b8c7d\.partial, \.last\.ckpt\.k2j4x9q1\.partial$", capsys.readouterr().out,
-                     re.MULTILINE)
+                     r"\.best\.ckpt\.0a9b8c7d\.partial, \.last\.ckpt\.k2j4x9q1\.partial$", out, re.MULTILINE)
+    assert re.search(r"; last: .*checkpoints/last\.ckpt$", out, re.MULTILINE), out  # not "(none)"
 
 
 # ---- exact resume ------------------------------------------------------------------------------
