@@ -8,6 +8,11 @@ from a `TransformerSpec` that `_load` fills (no hand-written binary files). The 
 sentencepiece model too (`source.spm`, `target.spm`: the same joint model), so that
 `ctranslate2.Translator` + `sentencepiece` translate with it alone (README).
 
+The output folder: an export is written into a new folder beside `--output` and renamed into place
+only once it is whole, so a failure leaves `--output` as it was. `--force` replaces only a folder
+that holds nothing but an earlier export's files (EXPORT_FILES): never the checkpoint, other files
+or sub-folders, since the user named the folder for an export, not for everything in it.
+
 How our model maps onto the spec, and why each choice:
 - Positions: our sinusoid table interleaves sin and cos (even and odd channels); CTranslate2's
   default puts them in two halves. The table is passed explicitly (as learned positions are).
@@ -30,6 +35,12 @@ How our model maps onto the spec, and why each choice:
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +56,128 @@ QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16
 
 
 class ExportError(ValueError):
-    """The model cannot be exported to the asked engine; the message names the option and why."""
+    """The model cannot be exported to the asked engine, or not to that folder; the message names the
+    option, why, and what to do."""
+
+
+# What an export of ours writes, to either engine, across the versions the [export] extra allows
+# (CTranslate2's converter; MarianMTModel's and MarianTokenizer's save_pretrained): --force replaces
+# a folder that holds nothing else, so one engine's export may replace the other's.
+EXPORT_FILES = frozenset({
+    "model.bin", "config.json", "source.spm", "target.spm",
+    *(f"{kind}vocabulary.{ext}" for kind in ("", "shared_", "source_", "target_") for ext in ("json", "txt")),
+    "generation_config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+    "pytorch_model.bin.index.json", "vocab.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "tokenizer.json",
+})
+_WEIGHT_SHARD = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)  # a hard or symbolic link to the checkpoint is the checkpoint
+    except OSError:
+        return False
+
+
+def check_output(output: Path, *, checkpoint: Path, force: bool) -> None:
+    """Raise ExportError (naming --output and what to do) unless an export may write `output`: a new
+    folder, or with `force` one holding only an earlier export's files; never one holding the checkpoint."""
+    if output.is_symlink():
+        raise ExportError(f"--output {output} is a symbolic link: name the folder itself, or a new one")
+    if not output.exists():
+        return
+    if not output.is_dir():
+        what = "the checkpoint being exported" if _same_file(output, checkpoint) else "a file, not a folder"
+        raise ExportError(f"--output {output} is {what}: name a new folder for the export")
+    try:
+        entries = sorted(output.iterdir())
+    except OSError as error:
+        raise ExportError(f"--output {output} cannot be read ({error.strerror}): name a new folder") from None
+    holder = output.resolve()
+    inside = next((e for e in entries if _same_file(e, checkpoint)), None)
+    if inside is not None or holder in checkpoint.resolve().parents:
+        where = inside.name if inside is not None else checkpoint.resolve().relative_to(holder)
+        raise ExportError(f"--output {output} holds the checkpoint being exported ({where}): "
+                          "name a new folder for the export")
+    for entry in entries:
+        kind = "the link " if entry.is_symlink() else "the folder " if entry.is_dir() else ""
+        if not kind and entry.is_file() and (entry.name in EXPORT_FILES or _WEIGHT_SHARD.fullmatch(entry.name)):
+            continue
+        name = f"{entry.name}/" if kind == "the folder " else entry.name
+        raise ExportError(f"--output {output} holds {kind}{name}, which no export writes (--force replaces only an "
+                          f"earlier export): name a new folder, or move {name} out")
+    if not force:
+        raise ExportError(f"--output {output} exists: name a new folder, or pass --force to replace it")
+
+
+def _new_name(folder: Path, prefix: str) -> Path:
+    return folder / f"{prefix}{secrets.token_hex(4)}"
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and its ancestors that do not exist yet, deepest first (to create in reverse, remove in order)."""
+    missing = []
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first; one never created, or holding another process's files, stays
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
+def _swap_in(new: Path, target: Path) -> None:
+    """Rename `new` to `target`, setting an earlier export there aside first and removing it after; if
+    moving the new one in fails, the earlier one goes back, so `target` holds one whole export or the other."""
+    if not target.exists():
+        os.rename(new, target)
+        return
+    aside = _new_name(target.parent, f".{target.name}.replaced-")
+    os.rename(target, aside)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(aside, target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)  # the new export is in place; a leftover of the old one harms nothing
+
+
+@contextmanager
+def _export_folder(output: Path, *, checkpoint: Path, force: bool) -> Iterator[Path]:
+    """A new, empty folder beside `output` to write an export into; when the body returns, it takes
+    `output`'s place (check_output's rules, checked again, as the folder may have changed meanwhile).
+    On any failure it is removed, with any parent folder made for it, and `output` is left as it was."""
+    check_output(output, checkpoint=checkpoint, force=force)
+    target = Path(os.path.abspath(output))  # `.` and `ct2/` have a name and a parent to write beside
+    created = _missing_folders(target.parent)  # made for the export: removed if it fails
+    try:
+        for folder in reversed(created):
+            folder.mkdir()
+        staging = _new_name(target.parent, f".{target.name}.partial-")
+        staging.mkdir()
+    except OSError as error:
+        _remove_empty(created)
+        raise ExportError(f"--output {output}: cannot create a folder in {target.parent} ({error.strerror or error}): "
+                          "name a folder you can write to") from None
+    try:
+        yield staging
+        check_output(output, checkpoint=checkpoint, force=force)
+        _swap_in(staging, target)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(created)
+        raise ExportError(f"--output {output}: writing the export failed ({error.strerror or error}); nothing was "
+                          "changed: free some space, or name a folder you can write to") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(created)
+        raise
 
 
 def ctranslate2_refusal(config: TransformerConfig) -> str | None:
@@ -169,10 +301,12 @@ def ctranslate2_spec(loaded: InferenceCheckpoint, tokenizer: Tokenizer) -> Any:
 
 def export_ctranslate2(checkpoint: str | Path, output: str | Path, *, quantization: str | None = None,
                        force: bool = False) -> Path:
-    """Write a CTranslate2 model folder (model.bin, vocabularies, config, source.spm / target.spm)."""
+    """Write a CTranslate2 model folder (model.bin, vocabularies, config, source.spm / target.spm);
+    `force` replaces an earlier export there (see check_output)."""
     import ctranslate2
 
     checkpoint, output = Path(checkpoint), Path(output)
+    check_output(output, checkpoint=checkpoint, force=force)  # before the conversion's minutes
     loaded = read_inference(checkpoint, load_checkpoint(checkpoint))
     tokenizer = Tokenizer.from_bytes(loaded.tokenizer)
     spec = ctranslate2_spec(loaded, tokenizer)
@@ -181,9 +315,11 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, *, quantizati
         def _load(self) -> Any:
             return spec
 
-    _Converter().convert(str(output), quantization=quantization, force=force)
-    for name in ("source.spm", "target.spm"):
-        (output / name).write_bytes(loaded.tokenizer)
+    with _export_folder(output, checkpoint=checkpoint, force=force) as folder:
+        # force: the converter empties the folder it is given, here our own new one and nothing else
+        _Converter().convert(str(folder), quantization=quantization, force=True)
+        for name in ("source.spm", "target.spm"):
+            (folder / name).write_bytes(loaded.tokenizer)
     return output
 
 
@@ -260,14 +396,16 @@ def marian_state_dict(loaded: InferenceCheckpoint) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().float().contiguous() for name, tensor in out.items()}
 
 
-def export_huggingface(checkpoint: str | Path, output: str | Path) -> Path:
-    """Write a MarianMTModel folder (config, safetensors weights, MarianTokenizer files)."""
+def export_huggingface(checkpoint: str | Path, output: str | Path, *, force: bool = False) -> Path:
+    """Write a MarianMTModel folder (config, safetensors weights, MarianTokenizer files); `force`
+    replaces an earlier export there (see check_output)."""
     import json
     import tempfile
 
     from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 
     checkpoint, output = Path(checkpoint), Path(output)
+    check_output(output, checkpoint=checkpoint, force=force)
     loaded = read_inference(checkpoint, load_checkpoint(checkpoint))
     config = loaded.config
     refusal = marian_refusal(config)
@@ -290,14 +428,15 @@ def export_huggingface(checkpoint: str | Path, output: str | Path) -> Path:
     if unexpected or [name for name in missing if name not in state]:
         raise ExportError(f"MarianMTModel's weights do not match ours: missing {missing}, unexpected {unexpected}")
     model.generation_config.bad_words_ids = [[0], [2]]  # PAD and BOS are never generated, as in ours
-    model.save_pretrained(output)
     tokenizer = Tokenizer.from_bytes(loaded.tokenizer)
-    with tempfile.TemporaryDirectory() as scratch:
+    with _export_folder(output, checkpoint=checkpoint, force=force) as folder, \
+            tempfile.TemporaryDirectory() as scratch:
+        model.save_pretrained(folder)
         spm_path, vocab_path = Path(scratch) / "spm.model", Path(scratch) / "vocab.json"
         spm_path.write_bytes(loaded.tokenizer)
         vocab_path.write_text(json.dumps({piece: i for i, piece in enumerate(tokenizer.pieces())}), encoding="utf-8")
         MarianTokenizer(source_spm=str(spm_path), target_spm=str(spm_path), vocab=str(vocab_path),
-                        source_lang=loaded.src_lang, target_lang=loaded.tgt_lang).save_pretrained(output)
+                        source_lang=loaded.src_lang, target_lang=loaded.tgt_lang).save_pretrained(folder)
     return output
 
 
@@ -308,23 +447,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="the folder to write (must not exist, unless --force)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="CTranslate2 weight type (default: float32 as trained)")
-    parser.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --output if it holds an earlier export (and nothing else)")
     args = parser.parse_args(argv)
+    if args.to == "huggingface" and args.quantization:
+        parser.error("--quantization is for --to ctranslate2")
+    if not args.output:
+        raise SystemExit("error: --output is empty: name a new folder for the export")
     output = Path(args.output)
-    if output.exists() and not args.force:
-        parser.error(f"--output {output} exists; choose another folder or pass --force")
+    try:  # before the engine's import and the checkpoint's reading, which take seconds
+        check_output(output, checkpoint=Path(args.checkpoint), force=args.force)
+    except ExportError as error:
+        raise SystemExit(f"error: {error}") from None
     package = {"ctranslate2": "ctranslate2", "huggingface": "transformers"}[args.to]
     try:
         __import__(package)
     except ImportError:
         raise SystemExit(f"error: --to {args.to} needs the {package} package: pip install -e '.[export]'") from None
-    if args.to == "huggingface" and args.quantization:
-        parser.error("--quantization is for --to ctranslate2")
     try:
         if args.to == "ctranslate2":
             export_ctranslate2(args.checkpoint, output, quantization=args.quantization, force=args.force)
         else:
-            export_huggingface(args.checkpoint, output)
+            export_huggingface(args.checkpoint, output, force=args.force)
     except (CheckpointError, ExportError) as error:
         raise SystemExit(f"error: {error}") from None
     print(f"wrote {output} ({args.to}{', ' + args.quantization if args.quantization else ''})")

@@ -7,11 +7,18 @@ Two checks, each where it cannot be flaky:
   biases included, perturbed, so a transposed, swapped or missing tensor shows at once;
 - search: on a model trained for a few hundred steps (decisive distributions), greedy and beam-4
   outputs equal ours token for token but for near-ties, which our own model confirms are ties;
-- int8: the exported weights are exactly the per-row quantization of ours (scored in float32).
+- int8: the exported weights are exactly the per-row quantization of ours (scored in float32);
+- the output folder: an export takes --output's place whole or not at all, and --force replaces only
+  an earlier export, never the checkpoint or anything else the folder holds.
 """
 
 import copy
+import errno
 import gzip
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import ctranslate2
@@ -241,3 +248,200 @@ def test_marian_generates_what_ours_decodes(trained: Path, tmp_path: Path):
             generated = marian.eval().generate(**batch, num_beams=beam_size, max_new_tokens=127, do_sample=False,
                                              length_penalty=0.0, early_stopping=True)  # ranked by log-prob, as ours
         assert hf_tokenizer.batch_decode(generated, skip_special_tokens=True) == [hyps[0].text for hyps in ours]
+
+
+
+# ---- The output folder: written beside, renamed into place; --force replaces only an earlier export ----
+
+ENGINES = ("ctranslate2", "huggingface")
+
+
+@pytest.fixture
+def checkpoint(tokenizer: Tokenizer, tmp_path: Path) -> Path:
+    return write_checkpoint(tmp_path / "m.ckpt", random_model(tokenizer), tokenizer)
+
+
+def export(checkpoint: Path, output: Path | str, engine: str, *flags: str) -> None:
+    main(["--checkpoint", str(checkpoint), "--to", engine, "--output", str(output), *flags])
+
+
+def tree(folder: Path) -> dict[str, bytes | None]:
+    """Every file and folder under `folder`, hidden ones (a half-written export) included, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def earlier_export(folder: Path) -> Path:
+    folder.mkdir()
+    for name in ("model.bin", "config.json", "shared_vocabulary.json", "source.spm", "target.spm"):
+        (folder / name).write_text(name)
+    return folder
+
+
+FOREIGN = {  # what the folder holds besides an earlier export, and how the error names it
+    "the checkpoint": r"holds the checkpoint being exported \(m\.ckpt\): name a new folder for the export$",
+    "the checkpoint as model.bin": r"holds the checkpoint being exported \(model\.bin\)",
+    "the checkpoint, in the working directory": r"holds the checkpoint being exported \(m\.ckpt\)",
+    "another file": r"holds notes\.txt, which no export writes \(--force replaces only an earlier export\): "
+                    r"name a new folder, or move notes\.txt out$",
+    "a sub-folder": r"holds the folder runs/, which no export writes .*: name a new folder, or move runs/ out$",
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("holds", FOREIGN)
+def test_force_never_replaces_a_folder_holding_what_no_export_writes(holds: str, engine: str, checkpoint: Path,
+                                                                      tmp_path: Path, monkeypatch):
+    """CTranslate2's converter deleted --output whole under --force (the checkpoint and all else in it), and
+    `--output . --force` the working directory; Hugging Face's wrote into it, beside what was there."""
+    output = earlier_export(tmp_path / "out")
+    if holds == "the checkpoint":
+        checkpoint = checkpoint.rename(output / "m.ckpt")
+    elif holds == "the checkpoint as model.bin":
+        (output / "model.bin").unlink()
+        checkpoint = checkpoint.rename(output / "model.bin")
+    elif holds == "the checkpoint, in the working directory":
+        checkpoint = checkpoint.rename(output / "m.ckpt")
+        monkeypatch.chdir(output)
+        output = Path(".")
+    elif holds == "another file":
+        (output / "notes.txt").write_text("mine")
+    else:
+        (output / "runs").mkdir()
+        (output / "runs" / "log.txt").write_text("mine")
+    before = tree(tmp_path)
+    with pytest.raises(SystemExit, match=f"^error: --output {re.escape(str(output))} {FOREIGN[holds]}"):
+        export(checkpoint, output, engine, "--force")
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("output", ["notes.txt", "m.ckpt"])
+def test_a_file_as_output_is_refused_even_with_force(output: str, engine: str, checkpoint: Path, tmp_path: Path):
+    """It was a NotADirectoryError traceback (CTranslate2), or 'wrote notes.txt' and nothing written (Hugging Face)."""
+    (tmp_path / "notes.txt").write_text("mine")
+    what = "the checkpoint being exported" if output == "m.ckpt" else "a file, not a folder"
+    before = tree(tmp_path)
+    with pytest.raises(SystemExit, match=f"^error: --output {re.escape(str(tmp_path / output))} is {what}: "
+                                         "name a new folder for the export$"):
+        export(checkpoint, tmp_path / output, engine, "--force")
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("output", ["", "link"])
+def test_an_empty_or_linked_output_is_refused(output: str, checkpoint: Path, tmp_path: Path, monkeypatch):
+    """`--output ''` was the working directory, which --force deleted; a link's target is not what was named."""
+    monkeypatch.chdir(earlier_export(tmp_path / "out"))
+    Path("link").symlink_to(tmp_path / "out")
+    message = "is empty: name a new folder" if output == "" else "link is a symbolic link: name the folder itself"
+    before = tree(tmp_path)
+    with pytest.raises(SystemExit, match=f"^error: --output {message}"):
+        export(checkpoint, output, "ctranslate2", "--force")
+    assert tree(tmp_path) == before
+
+
+@pytest.fixture
+def unwritable(tmp_path: Path, monkeypatch) -> Path:
+    """A folder no one may create anything in; as root, who ignores its mode, mkdir refuses as the kernel
+    would for anyone else."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):
+        real_mkdir = os.mkdir
+
+        def mkdir(path, *args, **kwargs):
+            if Path(path).parent == folder:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real_mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "mkdir", mkdir)
+    yield folder
+    folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_unwritable_output_is_one_line_naming_it(engine: str, checkpoint: Path, unwritable: Path, tmp_path: Path):
+    before = tree(tmp_path)
+    with pytest.raises(SystemExit, match=f"^error: --output {re.escape(str(unwritable / 'ct2'))}: cannot create a "
+                                         f"folder in {re.escape(str(unwritable))} \\(Permission denied\\): name a "
+                                         "folder you can write to$"):
+        export(checkpoint, unwritable / "ct2", engine)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_output_in_proc_is_one_line_naming_it(engine: str, checkpoint: Path):
+    with pytest.raises(SystemExit, match=r"^error: --output /proc/ct2: cannot create a folder in /proc \(No such file "
+                                         r"or directory\): name a folder you can write to$"):
+        export(checkpoint, "/proc/ct2", engine, "--force")
+    assert not Path("/proc/ct2").exists()
+
+
+def test_the_command_line_says_one_line_and_exits_1(checkpoint: Path, tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = subprocess.run([sys.executable, "-m", "seq2seq.export", "--checkpoint", str(checkpoint), "--to",
+                             "ctranslate2", "--output", str(tmp_path / "notes.txt"), "--force"],
+                            capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.splitlines() == [f"error: --output {tmp_path / 'notes.txt'} is a file, not a folder: "
+                                          "name a new folder for the export"]
+
+
+@pytest.mark.parametrize(("earlier", "engine"), [("ctranslate2", "huggingface"), ("huggingface", "ctranslate2"),
+                                                 ("ctranslate2", "ctranslate2")])
+def test_force_replaces_an_earlier_export_whole(earlier: str, engine: str, checkpoint: Path, tmp_path: Path):
+    """Nothing of the earlier export stays (Hugging Face's used to write beside CTranslate2's model.bin), and
+    nothing beside it either: the folder written next to --output was renamed into its place."""
+    export(checkpoint, tmp_path / "fresh", engine)
+    export(checkpoint, tmp_path / "out", earlier, *(["--quantization", "int8"] if earlier == engine else []))
+    export(checkpoint, tmp_path / "out", engine, "--force")
+    assert tree(tmp_path / "out") == tree(tmp_path / "fresh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "m.ckpt", "out"]
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(("engine", "failure"), [("ctranslate2", "disk full"), ("huggingface", "disk full"),
+                                                 ("ctranslate2", "Ctrl-C"), ("ctranslate2", "moving it in"),
+                                                 ("huggingface", "disk full, in new folders")])
+def test_a_failed_export_leaves_the_earlier_one_and_nothing_else(engine: str, failure: str, tokenizer: Tokenizer,
+                                                                 checkpoint: Path, tmp_path: Path, monkeypatch):
+    """The converter removed the earlier export before writing the new one: a full disk lost both. Folders
+    made for --output (new/deep/) go too."""
+    output = tmp_path / "new" / "deep" / "out" if failure.endswith("new folders") else tmp_path / "out"
+    export(checkpoint, tmp_path / "out", engine)
+    other = write_checkpoint(tmp_path / "other.ckpt", random_model(tokenizer, activation="gelu"), tokenizer)
+    before = tree(tmp_path)
+    if failure == "moving it in":  # after the earlier export was set aside: it goes back
+        real_rename = os.rename
+        monkeypatch.setattr(os, "rename", lambda a, b: no_space() if ".partial-" in str(a) else real_rename(a, b))
+    else:  # the sentencepiece model is written after the weights, by either engine
+        monkeypatch.setattr(Path, "write_bytes", interrupted if failure == "Ctrl-C" else no_space)
+    if failure == "Ctrl-C":
+        with pytest.raises(KeyboardInterrupt):
+            export(other, output, engine, "--force")
+    else:
+        with pytest.raises(SystemExit, match=f"^error: --output {re.escape(str(output))}: writing the export failed "
+                                             r"\(No space left on device\); nothing was changed: "):
+            export(other, output, engine, "--force")
+    monkeypatch.undo()
+    assert tree(tmp_path) == before
+
+
+def test_the_python_api_refuses_and_replaces_as_the_command_line_does(checkpoint: Path, tmp_path: Path):
+    export_ctranslate2(checkpoint, tmp_path / "ct2")
+    with pytest.raises(ExportError, match=r"^--output .*ct2 exists: name a new folder, or pass --force to replace it$"):
+        export_ctranslate2(checkpoint, tmp_path / "ct2")  # was CTranslate2's RuntimeError
+    assert export_ctranslate2(checkpoint, tmp_path / "ct2", quantization="int8", force=True) == tmp_path / "ct2"
+    assert export_huggingface(checkpoint, str(tmp_path / "ct2"), force=True) == tmp_path / "ct2"
+    assert (tmp_path / "ct2" / "model.safetensors").is_file() and not (tmp_path / "ct2" / "model.bin").exists()
+    (tmp_path / "ct2" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="holds notes.txt, which no export writes"):
+        export_huggingface(checkpoint, tmp_path / "ct2", force=True)
