@@ -21,6 +21,7 @@ import dataclasses
 import io
 import os
 import re
+import stat
 import sys
 import time
 import typing
@@ -73,12 +74,13 @@ def iter_lines(path: str, *, option: str = "--input") -> Iterator[str]:
         number = 0
         while True:
             try:
-                raw = stream.readline(MAX_LINE_BYTES + 1)
+                raw = stream.readline(MAX_LINE_BYTES + 3)  # the text, "\r\n", and one byte to see a longer one
             except OSError as error:
                 raise InputError(f"{option}: cannot read {name} after line {number}: {error.strerror}") from None
-            if not raw:
+            if not raw or (number == 0 and raw == BOM):  # a file of nothing but a BOM has no line
                 return
             number += 1
+            raw = raw.removesuffix(b"\n").removesuffix(b"\r")
             if len(raw) > MAX_LINE_BYTES:
                 raise InputError(f"{name} line {number} is longer than {MAX_LINE_BYTES >> 20} MiB: not a text file "
                                  "with one sentence per line")
@@ -86,7 +88,7 @@ def iter_lines(path: str, *, option: str = "--input") -> Iterator[str]:
                 text = (raw.removeprefix(BOM) if number == 1 else raw).decode("utf-8")
             except UnicodeDecodeError:
                 raise InputError(f"{name} line {number} is not UTF-8; convert the file to UTF-8") from None
-            yield text.removesuffix("\n").removesuffix("\r")
+            yield text
 
 
 def read_lines(path: str, *, option: str = "--input") -> list[str]:
@@ -109,6 +111,8 @@ def count_lines(path: str, *, option: str = "--input") -> int | None:
 
 
 def stdin_bytes() -> BinaryIO:
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise SystemExit("error: --input -: stdin is closed; give --input FILE, or pipe the sentences in")
     stdin = getattr(sys.stdin, "buffer", None)  # a StringIO put in place of stdin has none
     return io.BytesIO(sys.stdin.read().encode("utf-8")) if stdin is None else stdin
 
@@ -219,6 +223,30 @@ def one_line_warnings() -> None:
     warnings.simplefilter("always", UserWarning)
 
 
+def check_input_path(path: str, *, option: str) -> None:
+    """Exit with one line unless `path` can be read: checked before --output is opened (and emptied)."""
+    if path == "-":
+        return
+    if not os.path.exists(path):
+        raise SystemExit(f"error: {option} {path} does not exist")
+    if os.path.isdir(path):
+        raise SystemExit(f"error: {option} {path} is a folder; give a file")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as error:
+        raise SystemExit(f"error: {option}: cannot read {path}: {error.strerror}") from None
+
+
+def same_file(path: Path, fd: int) -> bool:
+    """Whether `path` is the file open as `fd` (stdin): `--output F < F` would empty the input."""
+    try:
+        a, b = path.stat(), os.fstat(fd)
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISREG(a.st_mode) and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def check_output_path(path: str, *, inputs: dict[str, str]) -> None:
     """Refuse an output that cannot be written now, not after the whole input has been translated, and
     one that would overwrite a file the user did not name as output: an input (`inputs`: option →
@@ -236,9 +264,14 @@ def check_output_path(path: str, *, inputs: dict[str, str]) -> None:
     if not folder.is_dir():
         raise SystemExit(f"error: --output {path}: the folder {folder} does not exist; create it first")
     for option, other in inputs.items():
+        what = "the input file" if option == "--input" else f"the {option} file"
         if other != "-" and target.exists() and Path(other).exists() and target.samefile(other):
-            what = "the input file" if option == "--input" else f"the {option} file"
             raise SystemExit(f"error: --output {path} is {what} {other}: it would be overwritten")
+        if other == "-" and same_file(target, 0):
+            raise SystemExit(f"error: --output {path} is {what}, read from stdin: it would be overwritten; "
+                             "write to another file")
+    if target.exists() and not target.is_file():  # a FIFO, /dev/null, a terminal: written as they are, never emptied
+        return
     if target.is_file() and not looks_like_text(target):
         raise SystemExit(f"error: --output {path} exists and is not a text file (a checkpoint, an archive?): it "
                          "would be overwritten; give another path, or delete it first if it is yours to lose")
@@ -289,8 +322,9 @@ class Output:
             self.fd = -1
         else:
             self.stream = None
+            regular = not os.path.exists(path) or os.path.isfile(path)  # a FIFO or a device is not truncated
             try:
-                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if regular else 0), 0o666)
             except OSError as error:  # the folder changed since check_output_path
                 raise SystemExit(f"error: --output {path} cannot be written ({error.strerror})") from None
         self.whole = 0  # bytes of whole lines in the file
@@ -337,6 +371,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     search = search_config(parser, args)
     inputs = {"--input": args.input, "--checkpoint": args.checkpoint} | ({"--ref": args.ref} if args.ref else {})
+    for option in ("--input", "--ref"):  # the checkpoint says what is wrong with it when it loads
+        if inputs.get(option):
+            check_input_path(inputs[option], option=option)
+    if args.ref == "-" and args.input == "-":
+        parser.error("--ref - and --input - would both read stdin; give one of them as a file")
     check_output_path(args.output, inputs=inputs)
     one_line_warnings()
     try:

@@ -47,21 +47,23 @@ def main(argv: list[str] | None = None) -> None:
     while True:
         if interactive:
             print(f"{translator.src_lang}> ", end="", file=sys.stderr, flush=True)
-        raw = stdin.readline(MAX_LINE_BYTES + 1)  # bounded: /dev/zero has no line end
+        raw = stdin.readline(MAX_LINE_BYTES + 3)  # bounded (/dev/zero has no line end): the text, "\r\n", one more
         if not raw:
             break
         number += 1
-        try:
-            line = raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
-        except UnicodeDecodeError:
-            print(f"error: input line {number} is not UTF-8; translating it as an empty line", file=sys.stderr)
-            line = ""
-        if len(raw) > MAX_LINE_BYTES:
+        text = raw.removesuffix(b"\n").removesuffix(b"\r")
+        if len(text) > MAX_LINE_BYTES:
             while raw and not raw.endswith(b"\n"):  # the rest of the line, read and dropped in bounded pieces
                 raw = stdin.readline(MAX_LINE_BYTES)
             print(f"error: input line {number} is longer than {MAX_LINE_BYTES >> 20} MiB; translating it as an "
                   "empty line", file=sys.stderr)
             line = ""
+        else:
+            try:
+                line = text.decode("utf-8")
+            except UnicodeDecodeError:
+                print(f"error: input line {number} is not UTF-8; translating it as an empty line", file=sys.stderr)
+                line = ""
         if number == 1:
             line = line.removeprefix("\ufeff")  # a byte-order mark is not part of the sentence
         hyps = translator.translate_nbest([line], search, max_tokens=args.max_tokens, first_line=number)[0]

@@ -8,6 +8,7 @@ the outputs vary in length and content. Where results must match to the last tok
 in float64, so that padding a sentence among others cannot flip a near-tie.
 """
 
+import contextlib
 import gzip
 import io
 import os
@@ -17,6 +18,7 @@ import select
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -537,6 +539,74 @@ def test_cli_never_overwrites_the_checkpoint_or_a_file_that_is_not_text(checkpoi
     assert old.read_text(encoding="utf-8").count("\n") == 1 and "stale" not in old.read_text(encoding="utf-8")
 
 
+def test_cli_never_empties_its_output_for_an_input_it_cannot_read(checkpoint: Path, tmp_path: Path):
+    """A missing or folder --input was found only after --output had been emptied; `--output F < F`
+    emptied F, the input being read."""
+    old = tmp_path / "old.en"
+    old.write_text("earlier translations\n", encoding="utf-8")
+    (tmp_path / "folder").mkdir()
+    for source, message in (("nope.de", "does not exist"), ("folder", "is a folder; give a file")):
+        with pytest.raises(SystemExit, match=f"^error: --input .*{source} {message}"):
+            main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / source), "--output", str(old)])
+    with old.open("rb") as stdin:  # the shell's `< old.en`
+        result = subprocess.run([sys.executable, "-m", "seq2seq.translate", "--checkpoint", str(checkpoint),
+                                 "--output", str(old)], cwd=REPO, env=python_env(), stdin=stdin, capture_output=True,
+                                text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip() == (
+        f"error: --output {old} is the input file, read from stdin: it would be overwritten; write to another file")
+    assert old.read_text(encoding="utf-8") == "earlier translations\n"
+
+
+def test_cli_stdin_read_twice_or_closed_is_one_line(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", "unused.ckpt", "--ref", "-"])
+    assert "--ref - and --input - would both read stdin" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", None)  # what Python sets when started with fd 0 closed (`<&-`)
+    with pytest.raises(SystemExit, match="^error: --input -: stdin is closed; give --input FILE"):
+        read_lines("-")
+
+
+def test_cli_writes_into_a_fifo_without_emptying_or_closing_it_first(checkpoint: Path, translator: Translator,
+                                                                     tmp_path: Path):
+    """The writability check opened and closed the FIFO: it hung without a reader, and a reader got EOF
+    before the first translation."""
+    (tmp_path / "in.de").write_text(f"{SENTENCES[0]}\n{SENTENCES[1]}\n", encoding="utf-8")
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    command = [sys.executable, "-m", "seq2seq.translate", "--checkpoint", str(checkpoint), "--precision", "fp32",
+               "--input", str(tmp_path / "in.de"), "--output", str(fifo)]
+    process = subprocess.Popen(command, cwd=REPO, env=python_env(), stderr=subprocess.PIPE)
+
+    def unblock() -> None:  # a writer that never opens the FIFO would leave open() below waiting for ever
+        process.kill()
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    timer = threading.Timer(120, unblock)
+    timer.start()
+    try:
+        with fifo.open("r", encoding="utf-8") as reader:  # open() waits for the writer, read() for its close
+            got = reader.read()
+        assert process.wait(timeout=60) == 0, process.stderr.read()
+    finally:
+        timer.cancel()
+        process.kill()
+    assert got.splitlines() == translator.translate(SENTENCES[:2])
+
+
+def test_lines_of_exactly_the_limit_are_read_and_one_byte_more_is_refused(tmp_path: Path):
+    from seq2seq.translate import MAX_LINE_BYTES, InputError, iter_lines
+
+    path = tmp_path / "in.txt"
+    path.write_bytes(b"a" * MAX_LINE_BYTES + b"\r\n" + b"b" * MAX_LINE_BYTES + b"\n" + b"c" * MAX_LINE_BYTES)
+    assert [len(line) for line in iter_lines(str(path))] == [MAX_LINE_BYTES] * 3
+    path.write_bytes(b"ok\n" + b"d" * (MAX_LINE_BYTES + 1) + b"\n")
+    with pytest.raises(InputError, match="line 2 is longer than 1 MiB"):
+        list(iter_lines(str(path)))
+    path.write_bytes("\ufeff".encode())  # a BOM alone is an empty file, not one empty line
+    assert read_lines(str(path)) == []
+
+
 def test_a_full_disk_leaves_whole_lines_and_says_how_many(checkpoint: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch):
     """The disk fills in the middle of line 3: the file keeps lines 1-2 whole (no partial third line), and
@@ -676,10 +746,12 @@ def test_serve_reports_each_truncated_line_with_its_own_number(checkpoint: Path,
 def test_serve_answers_a_line_of_megabytes_with_an_empty_line_and_goes_on(checkpoint: Path, translator: Translator):
     """A 3 MiB line (a binary file piped in) was read whole; now it is one error and one empty line."""
     process = serve(checkpoint)
-    out, err = process.communicate(b"\0" * (3 << 20) + f"\n{SENTENCES[0]}\n".encode(), timeout=120)
+    multibyte = "ä" * (1 << 19) + "a"  # 1 MiB + 1 byte, cut inside a character when read in bounded pieces
+    out, err = process.communicate(b"\0" * (3 << 20) + f"\n{multibyte}\n{SENTENCES[0]}\n".encode(), timeout=120)
     assert process.returncode == 0, err.decode()
-    assert out.decode("utf-8").split("\n") == ["", translator.translate([SENTENCES[0]])[0], ""]
-    assert "error: input line 1 is longer than 1 MiB; translating it as an empty line" in err.decode()
+    assert out.decode("utf-8").split("\n") == ["", "", translator.translate([SENTENCES[0]])[0], ""]
+    assert err.decode().splitlines() == [f"error: input line {n} is longer than 1 MiB; translating it as an empty "
+                                         "line" for n in (1, 2)], err.decode()
 
 
 def test_the_checkpoint_s_tuned_search_is_the_default_and_flags_override_it(checkpoint: Path, tmp_path: Path):
