@@ -35,6 +35,7 @@ How our model maps onto the spec, and why each choice:
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import secrets
@@ -82,37 +83,43 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def check_output(output: Path, *, checkpoint: Path, force: bool) -> None:
     """Raise ExportError (naming --output and what to do) unless an export may write `output`: a new
-    folder, or with `force` one holding only an earlier export's files; never one holding the checkpoint."""
-    if output.is_symlink():
-        raise ExportError(f"--output {output} is a symbolic link: name the folder itself, or a new one")
+    folder, or with `force` one holding only an earlier export's files; never one holding the checkpoint.
+    The folder checked is the one written: `output` made absolute and normalised as _export_folder does
+    (`typo/..` is the working folder there, though the kernel finds no such path)."""
+    shown, output = output, Path(os.path.abspath(output))
+    if shown.is_symlink() or output.is_symlink():
+        raise ExportError(f"--output {shown} is a symbolic link: name the folder itself, or a new one")
     if not output.exists():
         return
     if not output.is_dir():
         what = "the checkpoint being exported" if _same_file(output, checkpoint) else "a file, not a folder"
-        raise ExportError(f"--output {output} is {what}: name a new folder for the export")
+        raise ExportError(f"--output {shown} is {what}: name a new folder for the export")
     try:
         entries = sorted(output.iterdir())
     except OSError as error:
-        raise ExportError(f"--output {output} cannot be read ({error.strerror}): name a new folder") from None
+        raise ExportError(f"--output {shown} cannot be read ({error.strerror}): name a new folder") from None
     holder = output.resolve()
     inside = next((e for e in entries if _same_file(e, checkpoint)), None)
     if inside is not None or holder in checkpoint.resolve().parents:
         where = inside.name if inside is not None else checkpoint.resolve().relative_to(holder)
-        raise ExportError(f"--output {output} holds the checkpoint being exported ({where}): "
+        raise ExportError(f"--output {shown} holds the checkpoint being exported ({where}): "
                           "name a new folder for the export")
     for entry in entries:
         kind = "the link " if entry.is_symlink() else "the folder " if entry.is_dir() else ""
         if not kind and entry.is_file() and (entry.name in EXPORT_FILES or _WEIGHT_SHARD.fullmatch(entry.name)):
             continue
         name = f"{entry.name}/" if kind == "the folder " else entry.name
-        raise ExportError(f"--output {output} holds {kind}{name}, which no export writes (--force replaces only an "
+        raise ExportError(f"--output {shown} holds {kind}{name}, which no export writes (--force replaces only an "
                           f"earlier export): name a new folder, or move {name} out")
     if not force:
-        raise ExportError(f"--output {output} exists: name a new folder, or pass --force to replace it")
+        raise ExportError(f"--output {shown} exists: name a new folder, or pass --force to replace it")
 
 
 def _new_name(folder: Path, prefix: str) -> Path:
-    return folder / f"{prefix}{secrets.token_hex(4)}"
+    # Cut to 200 bytes: beside a --output whose name has the most a file system takes (255), the
+    # prefix and the suffix would not fit.
+    short = prefix.encode()[:200].decode(errors="ignore")
+    return folder / f"{short}{secrets.token_hex(4)}"
 
 
 def _missing_folders(folder: Path) -> list[Path]:
@@ -172,8 +179,11 @@ def _export_folder(output: Path, *, checkpoint: Path, force: bool) -> Iterator[P
     except OSError as error:
         shutil.rmtree(staging, ignore_errors=True)
         _remove_empty(created)
+        advice = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
+                  errno.EBUSY: f"{output} is in use (a mount point?): name a folder inside it, or a new one",
+                  errno.EXDEV: f"{output} is a mount point: name a folder inside it, or a new one"}
         raise ExportError(f"--output {output}: writing the export failed ({error.strerror or error}); nothing was "
-                          "changed: free some space, or name a folder you can write to") from None
+                          f"changed: {advice.get(error.errno, 'name a folder you can write to')}") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         _remove_empty(created)

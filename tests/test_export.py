@@ -339,6 +339,29 @@ def test_an_empty_or_linked_output_is_refused(output: str, checkpoint: Path, tmp
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("output", ["typo/..", "out/typo/../..", "./typo/../."])
+def test_an_output_through_a_missing_folder_and_dotdot_is_the_folder_it_names(output: str, checkpoint: Path,
+                                                                              tmp_path: Path, monkeypatch):
+    """`typo/..` does not exist for the kernel, so it passed the checks, then was made absolute, which
+    is the working folder: --force (and without it too) set that folder aside and deleted it, checkpoint
+    and all. The checks now look at the folder that would be written."""
+    monkeypatch.chdir(tmp_path)
+    earlier_export(tmp_path / "out")
+    checkpoint = checkpoint.rename(tmp_path / "m.ckpt")
+    before = tree(tmp_path)
+    for flags in ([], ["--force"]):
+        with pytest.raises(SystemExit, match=f"^error: --output {re.escape(str(Path(output)))} (holds the checkpoint|exists)"):
+            export(checkpoint, output, "ctranslate2", *flags)
+        assert tree(tmp_path) == before
+
+
+def test_an_output_with_the_longest_name_a_folder_may_have_is_written(checkpoint: Path, tmp_path: Path):
+    """The export is written beside --output under a longer name first: it was ENAMETOOLONG at 238+ bytes."""
+    output = tmp_path / ("é" * 127)  # 254 bytes
+    export(checkpoint, output, "ctranslate2")
+    assert (output / "model.bin").is_file() and [p.name for p in tmp_path.iterdir()] == sorted(["m.ckpt", output.name])
+
+
 @pytest.fixture
 def unwritable(tmp_path: Path, monkeypatch) -> Path:
     """A folder no one may create anything in; as root, who ignores its mode, mkdir refuses as the kernel
@@ -431,6 +454,27 @@ def test_a_failed_export_leaves_the_earlier_one_and_nothing_else(engine: str, fa
         with pytest.raises(SystemExit, match=f"^error: --output {re.escape(str(output))}: writing the export failed "
                                              r"\(No space left on device\); nothing was changed: "):
             export(other, output, engine, "--force")
+    monkeypatch.undo()
+    assert tree(tmp_path) == before
+
+
+def test_an_output_that_cannot_be_renamed_says_why_not_that_space_is_short(checkpoint: Path, tmp_path: Path,
+                                                                          monkeypatch):
+    """--force over a mount point: rename() answers EBUSY, and the advice was to free some space."""
+    output = earlier_export(tmp_path / "mounted")
+    before = tree(tmp_path)
+    real_rename = os.rename
+
+    def rename(a, b):
+        if Path(a) == output:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(a))
+        return real_rename(a, b)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(SystemExit, match=f"^error: --output {re.escape(str(output))}: writing the export failed "
+                                         r"\(Device or resource busy\); nothing was changed: .* is in use \(a mount "
+                                         r"point\?\): name a folder inside it, or a new one$"):
+        export(checkpoint, output, "ctranslate2", "--force")
     monkeypatch.undo()
     assert tree(tmp_path) == before
 
