@@ -183,7 +183,7 @@ def _export_folder(output: Path, *, checkpoint: Path, force: bool) -> Iterator[P
                   errno.EBUSY: f"{output} is in use (a mount point?): name a folder inside it, or a new one",
                   errno.EXDEV: f"{output} is a mount point: name a folder inside it, or a new one"}
         raise ExportError(f"--output {output}: writing the export failed ({error.strerror or error}); nothing was "
-                          f"changed: {advice.get(error.errno, 'name a folder you can write to')}") from None
+                          f"changed: {advice.get(error.errno or 0, 'name a folder you can write to')}") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         _remove_empty(created)
