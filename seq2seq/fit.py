@@ -225,6 +225,11 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
         check_training_state(path, checkpoint)  # the trained weights, the optimiser: what a resume loads
     except CheckpointError as error:
         raise CheckpointError(f"--ckpt_path {ckpt_path}: {error}; or leave out --ckpt_path to start afresh") from None
+    missing = [key for key in ("optimizer_states", "loops") if key not in checkpoint]
+    if missing:  # written by seq2seq.average (or stripped): Lightning would fail with a KeyError deep in restore
+        raise CheckpointError(f"--ckpt_path {ckpt_path}: {path} holds a model's weights but no training state "
+                              f"({', '.join(missing)}), as an averaged checkpoint does: it can be translated with "
+                              "or exported, not resumed; resume from a checkpoint that training wrote")
     ours = model.config.to_dict()
     differ = [key for key, value in stored.config.to_dict().items() if ours.get(key) != value]
     if differ:

@@ -20,6 +20,7 @@ from conftest import MULTI30K, write_tiny_run
 from machines import MACHINES, pretend_machine
 
 import seq2seq.fit
+from seq2seq.average import main as average_main
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.data import TranslationDataModule
 from seq2seq.fit import AtomicCheckpointIO, Trainer, TranslationCLI, main
@@ -269,6 +270,20 @@ def test_resume_from_a_checkpoint_with_damaged_training_state_is_refused(tiny_ru
                                          r"\(the trained weights, the optimiser's moments, the loop's position\) does "
                                          "not match the checksum"):
         main(["--config", str(config), "--ckpt_path", "last"])
+
+
+def test_resume_from_an_averaged_checkpoint_is_refused_in_one_line(tiny_run, tmp_path: Path):
+    """An averaged checkpoint has the weights but no optimiser or loop: Lightning's restore raised a KeyError."""
+    _, checkpoints = tiny_run
+    root = tmp_path / "resume"
+    config = write_tiny_run(root, max_steps=16)
+    shutil.copy(checkpoints.parent / "spm.model", root / "spm.model")
+    averaged = root / "averaged.ckpt"
+    average_main(["--checkpoints", str(checkpoints / "last.ckpt"), str(checkpoints / "last.ckpt"),
+                  "--output", str(averaged)])
+    with pytest.raises(SystemExit, match=r"^error: --ckpt_path .*averaged\.ckpt holds a model's weights but no "
+                                         r"training state \(optimizer_states, loops\), as an averaged checkpoint does"):
+        main(["--config", str(config), "--ckpt_path", str(averaged)])
 
 
 @contextmanager
