@@ -1,6 +1,11 @@
 """Tests for serve/server.py: a real server on 127.0.0.1, called by LibreTranslate's own client,
-by httpx with JSON and form bodies, concurrently (batching), and with every kind of bad request."""
+by httpx with JSON and form bodies, concurrently (batching), and with every kind of bad request;
+then hostile ones: costly requests, failing batches, gone clients, big, slow and many connections."""
 
+import json
+import logging
+import resource
+import select
 import signal
 import socket
 import subprocess
@@ -21,7 +26,7 @@ from seq2seq.translator import Translator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "serve"))
-from server import Batcher, Busy, create_app  # noqa: E402
+from server import AcceptErrors, Batcher, Busy, create_app, decoding_cost, uvicorn_config  # noqa: E402
 
 SENTENCES = ["A dog runs across the meadow .", "Two men play football in the park .", "A woman reads a book .",
              "The children sing .", "A man rides a bike in the city while it rains .", "People stand outside ."]
@@ -29,13 +34,14 @@ SEARCH = SearchConfig(beam_size=3)
 
 
 class Running:
-    """A uvicorn server in a thread of this process, on a free loopback port."""
+    """A uvicorn server in a thread of this process, on a free loopback port; `options` for uvicorn_config."""
 
-    def __init__(self, app):
+    def __init__(self, app, **options):
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", **options))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -185,7 +191,7 @@ class Blocking:
         self.src_lang, self.tgt_lang = translator.src_lang, translator.tgt_lang
         self.release = threading.Event()
 
-    def translate_nbest(self, texts, search, *, max_tokens):
+    def translate_nbest(self, texts, search, *, max_tokens, **options):
         self.release.wait(timeout=30)
         return [[] for _ in texts]
 
@@ -255,3 +261,311 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(trained: Path):
         assert "Traceback" not in process.stderr.read()
     finally:
         process.kill()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile requests: what a request may cost, and what happens to the others when one fails.
+
+
+def test_a_request_over_its_token_budget_is_refused_before_it_is_queued(server: Running):
+    """Why a 25 KB request took ~8 GB: q as 4,999 one-token sentences ("a") made one decoder batch (the
+    batch budget counted source tokens), 25,000 beam rows each holding a vocabulary-wide row of scores.
+    A request's cost is now counted before it is queued, in decoder tokens: per sentence, its beam x its
+    output limit (max_len_a x source tokens + max_len_b, capped by max_positions), at least 16."""
+    before = httpx.get(server.url + "/health").json()["requests"]
+    reply = httpx.post(server.url + "/translate", json={"q": ["a"] * 400, "source": "en", "target": "de"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert "may decode 19200 tokens" in error and "limit of 16384 per request (--max-request-tokens)" in error
+    assert httpx.get(server.url + "/health").json()["requests"] == before  # never queued
+    greedy = httpx.post(server.url + "/v1/translate", json={"q": ["a"] * 400, "beam_size": 1}, timeout=60)
+    assert greedy.status_code == 200 and len(greedy.json()["translations"]) == 400  # 400 x 1 x 16: within it
+    assert decoding_cost(1, SearchConfig(beam_size=5), max_positions=256) == 5 * 16  # "a": 11 steps + EOS, charged 16
+    assert decoding_cost(100, SearchConfig(beam_size=5), max_positions=128) == 5 * 128  # 160 steps, capped
+    assert decoding_cost(20, SearchConfig(sampling=True), max_positions=128) == 1 * 41  # 1.5 x 20 + 10, + EOS
+    assert decoding_cost(0, SearchConfig(), max_positions=128) == 0  # an empty line is not decoded
+
+
+def test_the_beam_size_is_capped(server: Running):
+    reply = httpx.post(server.url + "/v1/translate", json={"q": "a", "beam_size": 400})  # the vocabulary allows 500
+    assert reply.status_code == 400
+    assert "beam_size 400 is more than this server's limit of 16 (--max-beam-size)" in reply.json()["error"]
+
+
+class Recording:
+    """A Translator stand-in: decodes with the real one, records the texts of every decoder call, and
+    raises `error` for a call holding "boom"; with `gated`, its first call waits until released."""
+
+    def __init__(self, translator: Translator, *, error: Exception | None = None, gated: bool = False):
+        self.translator, self.error, self.calls = translator, error, []
+        self.tokenizer, self.model, self.precision = translator.tokenizer, translator.model, "fp32"
+        self.src_lang, self.tgt_lang, self.device = translator.src_lang, translator.tgt_lang, translator.device
+        self.release = threading.Event()
+        if not gated:
+            self.release.set()
+
+    def translate_nbest(self, texts, search, **options):
+        self.calls.append(list(texts))
+        self.release.wait(timeout=30)
+        if self.error is not None and any("boom" in text for text in texts):
+            raise self.error
+        return self.translator.translate_nbest(texts, search, **options)
+
+
+def test_a_batch_is_decoded_in_calls_within_its_token_budget(translator: Translator):
+    recording = Recording(translator)
+    running = Running(create_app(recording, SEARCH, max_batch_tokens=300, max_beam_size=4))
+    try:
+        texts = [SENTENCES[i % len(SENTENCES)] for i in range(12)]
+        reply = httpx.post(running.url + "/translate", json={"q": texts, "source": "en", "target": "de"}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["translatedText"] == [alone(translator, t) for t in texts]
+        max_positions = translator.model.config.max_positions
+        cost = {t: decoding_cost(len(ids), SEARCH, max_positions=max_positions)
+                for t, ids in zip(texts, translator.tokenizer.encode(texts), strict=True)}
+        assert len(recording.calls) > 1 and all(sum(cost[t] for t in call) <= 300 for call in recording.calls)
+        over = httpx.post(running.url + "/translate", json={"q": "a", "source": "en", "target": "de", "alternatives": 4})
+        assert over.status_code == 400 and "limit of 4 (--max-beam-size)" in over.json()["error"]
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("error,status,message", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)"), 503, "out of memory"),
+    (MemoryError(), 503, "out of memory"),
+    (ValueError("invariant broken at 0x7f3a"), 500, "internal error"),
+])
+def test_a_failing_request_does_not_fail_its_batch_mates(translator: Translator, error: Exception, status: int,
+                                                         message: str, capfd: pytest.CaptureFixture[str]):
+    recording = Recording(translator, error=error)
+    running = Running(create_app(recording, SEARCH, max_wait=0.5))
+    try:
+        texts = [*SENTENCES[:3], "boom"]
+        with ThreadPoolExecutor(len(texts)) as pool:
+            replies = list(pool.map(lambda text: httpx.post(running.url + "/translate", timeout=60, json={
+                "q": text, "source": "en", "target": "de"}), texts))
+        assert sorted(recording.calls[0]) == sorted(texts)  # one batch, which failed
+        assert [r.json().get("translatedText") for r in replies[:3]] == [alone(translator, t) for t in texts[:3]]
+        culprit = replies[3]
+        assert culprit.status_code == status and message in culprit.json()["error"], culprit.text
+        assert not any(word in culprit.text for word in ("alloc", "8589934592", "0x7f3a", "Error"))
+        assert type(error).__name__ in capfd.readouterr().err  # the details are in the log
+    finally:
+        running.stop()
+
+
+def test_work_for_a_client_that_has_gone_is_not_decoded(translator: Translator):
+    gated = Recording(translator, gated=True)
+    running = Running(create_app(gated, SEARCH, batching=False))
+    try:
+        url = running.url + "/translate"
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, url, json={"q": SENTENCES[0], "source": "en", "target": "de"}, timeout=60)
+            while not gated.calls:  # the decoder is busy with the first request
+                time.sleep(0.01)
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+                httpx.post(url, json={"q": "A client that gave up .", "source": "en", "target": "de"}, timeout=0.5)
+            time.sleep(0.2)
+            gated.release.set()
+            assert first.result().status_code == 200
+        after = httpx.post(url, json={"q": SENTENCES[1], "source": "en", "target": "de"}, timeout=60)
+        assert after.status_code == 200  # decoded after the request of the client that had gone
+        assert [call for call in gated.calls if "A client that gave up ." in call] == []
+    finally:
+        gated.release.set()
+        running.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Connections: big bodies, slow clients, many connections, no file descriptors left.
+
+
+def read_until_closed(sock: socket.socket, wait: float) -> bytes:
+    """What arrives on `sock` until the server closes it or `wait` seconds pass."""
+    chunks, deadline = [], time.monotonic() + wait
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def exchange(running: Running, data: bytes, *, wait: float = 5.0) -> tuple[int, str]:
+    """(status, error message) the server answers to raw `data` on a new connection; (0, "") for none."""
+    with socket.create_connection(("127.0.0.1", running.port)) as sock:
+        sock.sendall(data)
+        return status_and_error(read_until_closed(sock, wait))
+
+
+def status_and_error(response: bytes) -> tuple[int, str]:
+    if not response:
+        return 0, ""
+    head, _, body = response.partition(b"\r\n\r\n")
+    is_json = b"application/json" in head.lower()
+    return int(head.split(b" ")[1]), json.loads(body).get("error", "") if is_json else body.decode()
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server: Running):
+    head = b"POST /translate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 314572800\r\n\r\n"
+    status, error = exchange(server, head + b'{"q": "', wait=5)
+    assert status == 413 and "314572800 bytes, more than this server's limit of 1048576 (--max-body-size)" in error
+
+
+def test_a_chunked_body_is_cut_at_the_limit_while_it_streams(translator: Translator):
+    running = Running(create_app(translator, SEARCH, max_body_size=100_000))
+    try:
+        with socket.create_connection(("127.0.0.1", running.port)) as sock:
+            sock.sendall(b"POST /translate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            chunk, sent = b"x" * 8192, 0
+            while sent < 1_000_000 and not select.select([sock], [], [], 0.002)[0]:  # until the server answers
+                try:
+                    sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                except OSError:
+                    break
+                sent += len(chunk)
+            status, error = status_and_error(read_until_closed(sock, 5))
+        assert status == 413 and "over this server's limit of 100000 bytes (--max-body-size)" in error
+        assert sent < 400_000  # answered when the limit was passed, not at the end of the body
+    finally:
+        running.stop()
+
+
+def test_slow_clients_get_408_and_are_closed(translator: Translator):
+    running = Running(create_app(translator, SEARCH), read_timeout=0.5)
+    try:
+        for data in (b"", b"POST /translate HTTP/1.1\r\nHost: t\r\nContent-Ty",  # nothing; headers, then a stall
+                     b"POST /translate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+                     b'\r\n{"q": '):  # a body that stops halfway
+            started = time.monotonic()
+            status, error = exchange(running, data, wait=5)
+            assert status == 408 and "not received whole within 0.5 s (--read-timeout)" in error, data
+            assert time.monotonic() - started < 3
+        reply = httpx.post(running.url + "/translate", json={"q": SENTENCES[0], "source": "en", "target": "de"})
+        assert reply.status_code == 200
+    finally:
+        running.stop()
+
+
+def test_connections_beyond_the_cap_close_the_longest_waiting_first(translator: Translator):
+    running = Running(create_app(translator, SEARCH), max_connections=8, read_timeout=30)
+    stalled = []
+    try:
+        for _ in range(20):
+            sock = socket.create_connection(("127.0.0.1", running.port))
+            sock.sendall(b"POST /transl")  # and never the rest
+            stalled.append(sock)
+            time.sleep(0.01)
+        reply = httpx.post(running.url + "/translate", json={"q": SENTENCES[0], "source": "en", "target": "de"},
+                           timeout=10)
+        assert reply.status_code == 200
+        answers = [status_and_error(read_until_closed(sock, 0.3)) for sock in stalled]
+        closed = [answer for answer in answers if answer[0]]
+        assert len(closed) >= 20 - 8 + 1, answers  # the cap held, the new request included
+        assert all(status == 503 and "connection limit" in error for status, error in closed)
+        assert answers[-1] == (0, "")  # the most recent ones were kept
+    finally:
+        for sock in stalled:
+            sock.close()
+        running.stop()
+
+
+def test_malformed_requests_are_answered_400_and_logged_once(translator: Translator):
+    lines: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = lines.append  # type: ignore[method-assign]
+    running = Running(create_app(translator, SEARCH))
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        for _ in range(30):
+            assert exchange(running, b"NOT HTTP AT ALL\r\n\r\n", wait=2) == (400, "Invalid HTTP request received.")
+    finally:
+        logger.removeHandler(handler)
+        running.stop()
+    assert len([line for line in lines if "Invalid HTTP request" in line.getMessage()]) <= 1
+
+
+def test_accept_errors_are_one_line_not_a_traceback_each(capsys: pytest.CaptureFixture[str]):
+    import asyncio
+
+    handler, loop = AcceptErrors(None), asyncio.new_event_loop()
+    for _ in range(2048):  # what one wake-up of Python 3.11's accept loop tries when no descriptor is left
+        handler(loop, {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")})
+    loop.close()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Too many open files" in err and "ulimit -n" in err, err
+
+
+def test_out_of_file_descriptors_the_server_keeps_serving(trained: Path, tmp_path: Path):
+    """With `ulimit -n 192`, 300 stalled connections: the cap (lowered to fit the limit) closes the
+    longest waiting instead of running out of descriptors; a normal request is served."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, str(REPO / "serve/server.py"), "--checkpoint", str(trained), "--port", str(port),
+               "--precision", "fp32", "--threads", "1", "--read-timeout", "60"]
+    log = tmp_path / "stderr.log"  # a file, not a pipe: a flood of lines would block the server on a full pipe
+    process = subprocess.Popen(command, cwd=REPO, stderr=log.open("w"),
+                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (192, 192)))
+    stalled = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and process.poll() is None, "the server did not start"
+                time.sleep(0.1)
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"GET /hea")
+            stalled.append(sock)
+        reply = httpx.post(url + "/translate", json={"q": SENTENCES[0], "source": "en", "target": "de"}, timeout=10)
+        assert reply.status_code == 200
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+        err = log.read_text()
+        assert "--max-connections 512 lowered to 128" in err and "Traceback" not in err, err[-3000:]
+        assert err.count("Too many open files") <= 1, err[-3000:]
+    finally:
+        for sock in stalled:
+            sock.close()
+        process.kill()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bodies that broke the parsers: 400 and a message, never a 500.
+
+
+def multipart(fields: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join(b'--x\r\nContent-Disposition: form-data; name="%s"\r\n\r\n%s\r\n' % field for field in fields) + b"--x--\r\n"
+
+
+@pytest.mark.parametrize("content,content_type,message", [
+    (b"[" * 50_000, "application/json", "the JSON body is nested too deeply"),
+    (b'{"q": "a", "source": "en", "target": "de", "alternatives": ' + b"1" * 5000 + b"}", "application/json",
+     "a number too long to read"),
+    (multipart([(b"q", b"Hallo"), (b"source", b"en"), (b"target", b"de")]), "multipart/form-data",
+     "the multipart body has no boundary"),
+    (multipart([(b"q", b"a")] * 1001), "multipart/form-data; boundary=x", "more than 1000 fields"),
+    (b"&".join([b"q=a"] * 1001), "application/x-www-form-urlencoded", "more than 1000 fields"),
+    (multipart([(b"q", b"Caf\xe9 ?"), (b"source", b"en"), (b"target", b"de")]), "multipart/form-data; boundary=x",
+     "the form body is not UTF-8"),
+    (b"--x\r\nContent-Disposition: form-data\r\n\r\nHallo\r\n--x--\r\n", "multipart/form-data; boundary=x",
+     "has no name"),
+    (b"--x\r\nno header end", "multipart/form-data; boundary=x", "multipart body is malformed"),
+])
+def test_hostile_bodies_get_400_not_500(server: Running, content: bytes, content_type: str, message: str):
+    reply = httpx.post(server.url + "/translate", content=content, headers={"Content-Type": content_type})
+    assert reply.status_code == 400 and message in reply.json()["error"], reply.text
+    good = multipart([(b"q", "Caf\u00e9 ?".encode()), (b"source", b"en"), (b"target", b"de")])
+    reply = httpx.post(server.url + "/translate", content=good, headers={"Content-Type": "multipart/form-data; boundary=x"})
+    assert reply.status_code == 200  # UTF-8 is read as before
