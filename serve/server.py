@@ -455,15 +455,23 @@ class Server:
         if not search.sampling and search.beam_size > self.max_beam_size:
             raise BadRequest(f"beam_size {search.beam_size} is more than this server's limit of {self.max_beam_size} "
                              "(--max-beam-size); ask for a smaller beam")
+        rows = 1 if search.sampling else search.beam_size
+        sentences = sum(1 for text in texts if text)
+        # A floor from the count alone, checked before the tokenizer runs on the event loop: a flood of
+        # thousands of one-word sentences is refused without being tokenised.
+        if sentences * rows * MIN_STEPS_CHARGED > self.max_request_tokens:
+            raise self.over_budget(sentences * rows * MIN_STEPS_CHARGED, sentences, rows,
+                                   f"at least {MIN_STEPS_CHARGED}")
         costs = self.batcher.costs(texts, search)
         if sum(costs) > self.max_request_tokens:
-            rows = 1 if search.sampling else search.beam_size
-            raise BadRequest(
-                f"this request may decode {sum(costs)} tokens ({sum(1 for c in costs if c)} sentences x {rows} "
-                f"hypotheses x up to {max(costs) // rows} steps), more than this server's limit of "
-                f"{self.max_request_tokens} per request (--max-request-tokens); send fewer or shorter sentences "
-                "per request" + (", or ask for a smaller beam" if rows > 1 else ""))
+            raise self.over_budget(sum(costs), sentences, rows, f"up to {max(costs) // rows}")
         return costs
+
+    def over_budget(self, tokens: int, sentences: int, rows: int, steps: str) -> BadRequest:
+        return BadRequest(
+            f"this request may decode {tokens} tokens ({sentences} sentences x {rows} hypotheses x {steps} steps), "
+            f"more than this server's limit of {self.max_request_tokens} per request (--max-request-tokens); send "
+            "fewer or shorter sentences per request" + (", or ask for a smaller beam" if rows > 1 else ""))
 
     async def translate(self, request: Request, texts: list[str], search: SearchConfig) -> list[list[Translation]]:
         costs = self.check_cost(texts, search)

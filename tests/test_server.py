@@ -4,6 +4,7 @@ then hostile ones: costly requests, failing batches, gone clients, big, slow and
 
 import json
 import logging
+import re
 import resource
 import select
 import signal
@@ -277,6 +278,11 @@ def test_a_request_over_its_token_budget_is_refused_before_it_is_queued(server: 
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert "may decode 19200 tokens" in error and "limit of 16384 per request (--max-request-tokens)" in error
+    assert "at least 16 steps" in error  # refused by the count alone, before the tokenizer ran
+    long_outputs = httpx.post(server.url + "/v1/translate", json={"q": ["a"] * 60, "max_len_b": 500})
+    assert long_outputs.status_code == 400  # 60 x beam x 16 is under the budget; 60 x beam x max_positions is not
+    assert re.search(r"may decode \d+ tokens \(60 sentences x \d+ hypotheses x up to \d+ steps\)",
+                     long_outputs.json()["error"]), long_outputs.text
     assert httpx.get(server.url + "/health").json()["requests"] == before  # never queued
     greedy = httpx.post(server.url + "/v1/translate", json={"q": ["a"] * 400, "beam_size": 1}, timeout=60)
     assert greedy.status_code == 200 and len(greedy.json()["translations"]) == 400  # 400 x 1 x 16: within it
