@@ -109,6 +109,16 @@ def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
     return chosen
 
 
+def check_accelerator(accelerator: Any) -> None:
+    """A GPU asked for where torch has none is one line naming the key (configs/wmt.yaml asks for one):
+    Lightning would raise a MisconfigurationException, after `auto` had printed a choice for no device."""
+    if str(accelerator).lower() in ("gpu", "cuda") and not torch.cuda.is_available():
+        build = (f"this torch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None
+                 else f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) finds no GPU")
+        raise ConfigError("trainer.accelerator", f"{accelerator} asks for a CUDA GPU, but {build}; run on a GPU "
+                          "machine with a CUDA build of torch (README: Set-up), or pass --trainer.accelerator=cpu")
+
+
 class Trainer(pl.Trainer):
     """Lightning's Trainer with `precision: auto`, resolved before Lightning (whose choices it is not one of) sees it."""
 
@@ -133,6 +143,7 @@ class TranslationCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # Instantiating the data module trains the tokenizer (minutes on WMT): check the model first.
         check_model_section(self.config["model"])
+        check_accelerator(self.config["trainer"]["accelerator"])
 
 
 def check_model_section(model: Any) -> None:

@@ -238,6 +238,20 @@ def test_bad_hyperparameters_fail_before_any_data_work(override: str, message: s
     assert not (tmp_path / "spm.model").exists()  # refused before the tokenizer was trained
 
 
+@pytest.mark.parametrize("accelerator", ["gpu", "cuda"])
+def test_a_gpu_asked_for_where_torch_has_none_is_one_line(accelerator: str, tmp_path: Path, monkeypatch, capsys):
+    """configs/wmt.yaml's accelerator: gpu on a CPU machine: auto printed a choice for no device, then
+    Lightning's MisconfigurationException came as a traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CUDA build on a machine without a GPU too
+    config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
+    with pytest.raises(SystemExit, match=rf"^error: trainer.accelerator: {accelerator} asks for a CUDA GPU, but this "
+                                         r"torch \(.*\) (is a CPU-only build|finds no GPU); run on a GPU machine .*or "
+                                         r"pass --trainer.accelerator=cpu$"):
+        main(["--config", str(config), f"--trainer.accelerator={accelerator}"])
+    assert "trainer.precision auto" not in capsys.readouterr().out
+    assert not (tmp_path / "spm.model").exists()  # refused before the tokenizer was trained
+
+
 def test_resume_from_last_without_a_checkpoint_is_refused(tmp_path: Path):
     config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
     with pytest.raises(SystemExit, match=r"^error: --ckpt_path last: no last\*\.ckpt in .*checkpoints; to train from "
