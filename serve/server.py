@@ -840,6 +840,8 @@ def main(argv: list[str] | None = None) -> None:
                  "max_body_size", "max_connections"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     if args.max_wait_ms < 0 or args.timeout <= 0 or args.read_timeout <= 0:
         parser.error("--max-wait-ms must be >= 0, --timeout and --read-timeout > 0")
     if not search.sampling and search.beam_size > args.max_beam_size:
@@ -854,7 +856,11 @@ def main(argv: list[str] | None = None) -> None:
     one_line_warnings()
     if args.threads:
         torch.set_num_threads(args.threads)
-    translator = load_translator(args, search)
+    try:
+        translator = load_translator(args, search)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads: one line, as after it starts
+        print("\ninterrupted while loading the model; the server was not started", file=sys.stderr)
+        raise SystemExit(130) from None
     search = checkpoint_search(parser, args, translator)
     if not search.sampling and search.beam_size > args.max_beam_size:
         parser.error(f"the checkpoint's beam size {search.beam_size} is over --max-beam-size {args.max_beam_size}; "

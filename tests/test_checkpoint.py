@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import struct
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -27,7 +29,10 @@ from seq2seq.checkpoint import (
 )
 from seq2seq.model import ConfigError, Transformer
 from seq2seq.tokenizer import Tokenizer
+from seq2seq.translate import main as translate_main
 from seq2seq.translator import Translator
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -322,9 +327,17 @@ def test_a_tokenizer_of_another_size_than_the_embeddings_is_refused(checkpoint: 
         entry["tokenizer"] = tokenizer.to_bytes()
         resign(loaded)
 
-    message = load_error(rewrite(checkpoint, tmp_path / "swapped.ckpt", swap))
+    swapped = rewrite(checkpoint, tmp_path / "swapped.ckpt", swap)
+    message = load_error(swapped)
     assert re.search(r"swapped\.ckpt: its tokenizer has 2000 pieces but its model has \d+ embedding rows "
                      r"\(vocab_size\); they come from different runs", message), message
+    (tmp_path / "in.de").write_text("Ein Hund.\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"^error: .*swapped\.ckpt: its tokenizer has 2000 pieces"):
+        translate_main(["--checkpoint", str(swapped), "--input", str(tmp_path / "in.de")])
+    server = subprocess.run([sys.executable, str(REPO / "serve" / "server.py"), "--checkpoint", str(swapped),
+                             "--port", "0"], capture_output=True, text=True, timeout=120)  # it used to start, then 500
+    assert server.returncode == 1 and re.fullmatch(r"error: .*swapped\.ckpt: its tokenizer has 2000 pieces[^\n]*\n",
+                                                   server.stderr), server.stderr
 
 
 def test_the_training_state_is_checksummed_and_kept_so_by_stored_search_defaults(checkpoint: Path, tmp_path: Path):

@@ -27,7 +27,7 @@ from seq2seq.translator import Translator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "serve"))
-from server import AcceptErrors, Batcher, Busy, create_app, decoding_cost, uvicorn_config  # noqa: E402
+from server import AcceptErrors, Batcher, Busy, create_app, decoding_cost, main, uvicorn_config  # noqa: E402
 
 SENTENCES = ["A dog runs across the meadow .", "Two men play football in the park .", "A woman reads a book .",
              "The children sing .", "A man rides a bike in the city while it rains .", "People stand outside ."]
@@ -233,6 +233,25 @@ def test_batcher_refuses_beyond_its_queue(translator: Translator):
     asyncio.run(fill())
 
 
+def test_bad_flags_and_ctrl_c_while_loading_are_one_line(trained: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]):
+    for flags, message in ((["--threads", "-1"], "--threads must be at least 1, got -1"),  # torch's RuntimeError before
+                           (["--max-body-size", "0"], "--max-body-size must be at least 1"),
+                           (["--beam", "20"], "--beam 20 is over --max-beam-size 16")):
+        with pytest.raises(SystemExit) as caught:
+            main(["--checkpoint", str(trained), *flags])
+        assert caught.value.code == 2 and message in capsys.readouterr().err
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the model loads: a traceback of the loading code before
+
+    monkeypatch.setattr(Translator, "from_checkpoint", interrupted)
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(trained)])
+    assert caught.value.code == 130
+    assert capsys.readouterr().err.strip() == "interrupted while loading the model; the server was not started"
+
+
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(trained: Path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -339,6 +358,8 @@ def test_a_batch_is_decoded_in_calls_within_its_token_budget(translator: Transla
     (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
                   "tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)"), 503, "out of memory"),
     (MemoryError(), 503, "out of memory"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"), 503,
+     "out of memory"),  # what a GPU's allocator raises: the class exists in CPU builds too
     (ValueError("invariant broken at 0x7f3a"), 500, "internal error"),
 ])
 def test_a_failing_request_does_not_fail_its_batch_mates(translator: Translator, error: Exception, status: int,
