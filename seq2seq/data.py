@@ -24,7 +24,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import logging
-import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -477,12 +476,15 @@ class TranslationDataModule(L.LightningDataModule):
             # every iter(), which would shift the dropout masks of a resumed run against an unbroken one.
             "generator": torch.Generator().manual_seed(self.seed),
         }
-        if self.num_workers > 0 and "forkserver" in multiprocessing.get_all_start_methods():
-            # Not forked from this process: CPython 3.11 can fork while another of its threads (a
-            # loader's queue feeder, tqdm's monitor, gloo's) holds the interpreter's thread-state lock,
-            # and the worker then hangs before its first line (seen: a 2-process DDP run stuck for 10
-            # minutes in PyOS_AfterFork_Child). The fork server is a process with one thread.
-            kwargs["multiprocessing_context"] = "forkserver"
+        if self.num_workers > 0:
+            # Started fresh (fork + exec), not forked from this process: CPython 3.11 can fork while
+            # another of its threads (a loader's queue feeder, tqdm's monitor, gloo's) holds a lock the
+            # child then waits on forever (seen: a 2-process DDP run stuck for 10 minutes in
+            # PyOS_AfterFork_Child). Not "forkserver" either: a worker is then the fork server's child,
+            # so torch's watchdog (is my parent still the trainer?) never fires, and a kill -9 of the
+            # run left its workers and the fork server running for good. Workers persist, so the
+            # start (imports, the dataset pickled) is paid once per run.
+            kwargs["multiprocessing_context"] = "spawn"
         if split == "train" and self.trainer is not None:
             # The epoch the loop will train next (restored on a resume), before Lightning's first iter():
             # worker processes start fetching at iter(), before Lightning calls set_epoch.
