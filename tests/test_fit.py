@@ -462,11 +462,11 @@ RESUME_CALLBACKS = """  callbacks:
 """
 
 
-def fit_subprocess(config: Path, *extra: str) -> subprocess.CompletedProcess:
+def fit_subprocess(config: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**probe_env(), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "seq2seq.fit", "--config", str(config), "--seed_everything=7",
                "--model.transformer.dropout=0.2", "--trainer.precision=32-true", *extra]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def resume_run(root: Path, *, every: int = 4, tokenizer: Path | None = None) -> Path:
@@ -506,8 +506,11 @@ def test_a_run_killed_and_resumed_trains_exactly_as_one_that_never_stopped(tmp_p
     config = resume_run(broken, every=4)
     mid_epoch = 4 * (first_epoch // 4 + 2)
     assert mid_epoch not in (first_epoch, 2 * first_epoch) and mid_epoch < 28
+    # Returns once nothing holds its output pipes: a loader worker that outlived the killed run (a fork
+    # server's child, which torch's parent watchdog does not see die) held them until the timeout.
     result = fit_subprocess(config, "--ckpt_path", "last", "--data.num_workers=1",
-                            "--trainer.callbacks+=resume_probe.KillAt", f"--trainer.callbacks.step={mid_epoch + 2}")
+                            "--trainer.callbacks+=resume_probe.KillAt", f"--trainer.callbacks.step={mid_epoch + 2}",
+                            timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     result = fit_subprocess(config, "--ckpt_path", "last", "--data.num_workers=1")
     assert result.returncode == 0, result.stderr[-3000:]
