@@ -35,6 +35,7 @@ How our model maps onto the spec, and why each choice:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import re
@@ -115,11 +116,49 @@ def check_output(output: Path, *, checkpoint: Path, force: bool) -> None:
         raise ExportError(f"--output {shown} exists: name a new folder, or pass --force to replace it")
 
 
-def _new_name(folder: Path, prefix: str) -> Path:
+def _short(prefix: str) -> str:
     # Cut to 200 bytes: beside a --output whose name has the most a file system takes (255), the
     # prefix and the suffix would not fit.
-    short = prefix.encode()[:200].decode(errors="ignore")
-    return folder / f"{short}{secrets.token_hex(4)}"
+    return prefix.encode()[:200].decode(errors="ignore")
+
+
+def _new_name(folder: Path, prefix: str) -> Path:
+    """A new name in `folder`: `prefix`, the process id (whose death marks it a leftover), random hex."""
+    return folder / f"{_short(prefix)}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _leftovers(folder: Path, prefix: str) -> list[Path]:
+    """The names _new_name gave in `folder` for `prefix` to processes that are gone (killed mid-export)."""
+    short, found = _short(prefix), []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            match = re.fullmatch(r"(\d+)-[0-9a-f]{8}", entry.name[len(short):]) if entry.name.startswith(short) else None
+            if match and not _alive(int(match[1])):
+                found.append(Path(entry.path))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def _clean_up_after_a_killed_export(target: Path) -> None:
+    """What an export killed by kill -9 left beside `target`: its unfinished folder, removed; and if it
+    died between setting the earlier export aside and moving the new one in, the earlier one goes back."""
+    for staging in _leftovers(target.parent, f".{target.name}.partial-"):
+        shutil.rmtree(staging, ignore_errors=True)
+    for aside in _leftovers(target.parent, f".{target.name}.replaced-"):
+        if os.path.lexists(target):  # the new export got in; only removing the old one was cut short
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):  # else it stays, for the user to move back
+                os.rename(aside, target)
 
 
 def _missing_folders(folder: Path) -> list[Path]:
@@ -160,8 +199,9 @@ def _export_folder(output: Path, *, checkpoint: Path, force: bool) -> Iterator[P
     """A new, empty folder beside `output` to write an export into; when the body returns, it takes
     `output`'s place (check_output's rules, checked again, as the folder may have changed meanwhile).
     On any failure it is removed, with any parent folder made for it, and `output` is left as it was."""
-    check_output(output, checkpoint=checkpoint, force=force)
     target = Path(os.path.abspath(output))  # `.` and `ct2/` have a name and a parent to write beside
+    _clean_up_after_a_killed_export(target)
+    check_output(output, checkpoint=checkpoint, force=force)
     created = _missing_folders(target.parent)  # made for the export: removed if it fails
     try:
         for folder in reversed(created):

@@ -458,6 +458,30 @@ def test_a_failed_export_leaves_the_earlier_one_and_nothing_else(engine: str, fa
     assert tree(tmp_path) == before
 
 
+def test_what_a_killed_export_left_is_cleaned_up_and_an_earlier_export_put_back(checkpoint: Path, tmp_path: Path):
+    """kill -9 mid-export left its hidden .out.partial-* folder for good; killed between setting the earlier
+    export aside and moving the new one in, it left no --output at all (the earlier one hidden)."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names the folders of an export that is gone
+    staging = tmp_path / f".out.partial-{dead.pid}-0123abcd"
+    staging.mkdir()
+    (staging / "model.bin").write_bytes(b"half")
+    running = tmp_path / f".out.partial-{os.getpid()}-89abcdef"  # an export still running: not ours to remove
+    running.mkdir()
+    aside = earlier_export(tmp_path / f".out.replaced-{dead.pid}-4567cdef")
+    with pytest.raises(SystemExit, match=r"^error: --output .*out exists: name a new folder, or pass --force"):
+        export(checkpoint, tmp_path / "out", "ctranslate2")  # the earlier export is back, so --output exists
+    assert {p.name for p in tmp_path.iterdir()} - {checkpoint.name} == {running.name, "out"}
+    assert (tmp_path / "out" / "model.bin").read_text() == "model.bin"
+
+    # Killed after the new export got in, while the earlier one set aside was being removed: it goes.
+    aside = earlier_export(tmp_path / f".out.replaced-{dead.pid}-4567cdef")
+    export(checkpoint, tmp_path / "out", "ctranslate2", "--force")
+    assert not aside.exists()
+    assert {p.name for p in tmp_path.iterdir()} - {checkpoint.name} == {running.name, "out"}
+    assert (tmp_path / "out" / "model.bin").stat().st_size > 1000  # the export, not the stand-in
+
+
 def test_an_output_that_cannot_be_renamed_says_why_not_that_space_is_short(checkpoint: Path, tmp_path: Path,
                                                                           monkeypatch):
     """--force over a mount point: rename() answers EBUSY, and the advice was to free some space."""
