@@ -519,6 +519,34 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(checkpoint
     assert output.read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)  # two whole windows
 
 
+def test_ctrl_c_in_the_middle_of_a_line_leaves_whole_lines_and_says_how_many(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """Half of the third line written when Ctrl-C comes: that half is cut off, and the message counts the
+    lines that are whole (it said one more before)."""
+    sources = SENTENCES[:4]
+    (tmp_path / "in.de").write_text("\n".join(sources) + "\n", encoding="utf-8")
+    output = tmp_path / "out.en"
+    real_write, writes = os.write, []
+
+    def interrupted_halfway_through_the_third_line(fd: int, data) -> int:
+        if fd <= 2:  # the terminal and pytest's capture
+            return real_write(fd, data)
+        writes.append(bytes(data))
+        if len(writes) == 3:
+            real_write(fd, bytes(data)[: len(data) // 2])
+            raise KeyboardInterrupt
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", interrupted_halfway_through_the_third_line)
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output)])
+    monkeypatch.undo()
+    assert caught.value.code == 130
+    assert capsys.readouterr().err.strip().endswith(f"interrupted: --output {output} holds the translations of the "
+                                                    "first 2 lines")
+    assert output.read_bytes() == writes[0] + writes[1]  # the half line is gone
+
+
 def test_cli_never_overwrites_the_checkpoint_or_a_file_that_is_not_text(checkpoint: Path, tmp_path: Path):
     """`--output c.ckpt` made a 121 MB checkpoint 650 bytes of text, exit 0."""
     (tmp_path / "in.de").write_text("Ein Hund.\n", encoding="utf-8")
