@@ -199,8 +199,9 @@ def keep_first_verdict(path: Path, verdict: dict[str, Any]) -> dict[str, Any]:
                 os.link(temporary, path)
             except FileExistsError:  # another process was first: its verdict is the machine's
                 pass
-            except OSError:  # a filesystem without hard links
-                os.replace(temporary, path)
+            except OSError:  # a filesystem without hard links: a rename, unless a verdict came first
+                if read_verdict(path) is None:
+                    os.replace(temporary, path)
         finally:
             Path(temporary).unlink(missing_ok=True)
     except OSError:

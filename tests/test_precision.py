@@ -1,5 +1,6 @@
 """Tests for seq2seq.precision: what `auto` resolves to on every kind of machine, and how it decides."""
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -32,9 +33,16 @@ def fresh_verdict_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
+def pretend_quantized_engines(monkeypatch, engines: list[str]) -> None:
+    """torch's int8 engines as a build that has `engines` reports them: x86 builds have fbgemm, ARM ones
+    (qnnpack only) do not. `supported_engines` is a property of torch.backends.quantized's class."""
+    monkeypatch.setattr(type(torch.backends.quantized), "supported_engines", engines)
+
+
 @pytest.mark.parametrize("pays,expected", [(True, "bf16"), (False, "fp32")])
 def test_auto_picks_bf16_only_where_it_pays(monkeypatch, pays, expected):
     monkeypatch.setattr("seq2seq.precision.bf16_matmuls_pay", lambda device: pays)
+    pretend_quantized_engines(monkeypatch, ["qnnpack", "onednn", "x86", "fbgemm"])  # an x86 build's, on any CPU
     assert resolve_precision("auto", CPU) == expected
     for fixed in ("fp32", "bf16", "int8"):
         assert resolve_precision(fixed, CPU) == fixed  # an explicit choice is kept
@@ -130,6 +138,34 @@ def test_attention_is_timed_on_a_cpu_and_bf16_on_a_gpu(monkeypatch, dropout: boo
     assert bf16_attention(torch.device("cuda", 0), dropout=dropout).bf16 and len(calls) == 4  # flash attention
 
 
+@pytest.mark.parametrize("no_link", [PermissionError(errno.EPERM, "Operation not permitted"),
+                                     OSError(errno.EOPNOTSUPP, "Operation not supported")])
+def test_a_verdict_is_kept_on_a_filesystem_without_hard_links(monkeypatch, no_link: OSError):
+    """FAT, some network and FUSE filesystems refuse hard links (EPERM, EOPNOTSUPP): the verdict is then
+    published by a rename, whole, and no temporary file is left; a verdict already there stays the machine's."""
+    pretend_machine(monkeypatch, "arm")
+    links: list[str] = []
+
+    def refused(source, target, *args, **kwargs):
+        links.append(str(target))
+        raise no_link
+
+    monkeypatch.setattr(os, "link", refused)
+    path = verdict_cache() / "matmul-decoding.json"
+    assert keep_first_verdict(path, {"bf16": True, "speed-up": 2.0}) == {"bf16": True, "speed-up": 2.0}
+    assert links == [str(path)]  # the link was tried, and refused
+    assert json.loads(path.read_text()) == {"bf16": True, "speed-up": 2.0}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left beside it
+    assert keep_first_verdict(path, {"bf16": False, "speed-up": 0.5}) == {"bf16": True, "speed-up": 2.0}
+    assert json.loads(path.read_text()) == {"bf16": True, "speed-up": 2.0}  # the first one stays
+    path.write_text("{damaged")
+    assert keep_first_verdict(path, {"bf16": False, "speed-up": 0.5}) == {"bf16": False, "speed-up": 0.5}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    fake_timer(monkeypatch, "_fastest_linear", [3.0])  # and through the timing that writes it
+    path.unlink()
+    assert bf16_matmuls(CPU).bf16 and json.loads(path.read_text()) == {"bf16": True, "speed-up": 3.0}
+
+
 def test_the_first_verdict_written_is_the_machine_s(monkeypatch):
     """Two processes timing at once: the one that writes second takes the first one's verdict, so the
     two train and translate alike; the timing leaves the global random state as it found it."""
@@ -150,6 +186,26 @@ def test_the_timings_run_on_this_cpu():
     for dtype in (torch.float32, torch.bfloat16):
         assert 0 < _fastest_linear(dtype, CPU, training=False) < 5
         assert 0 < _fastest_attention(dtype, dropout=True) < 30
+
+
+def test_the_training_timing_runs_forward_and_backward_on_this_cpu(monkeypatch):
+    """The training-shaped linear timing (what `precision: auto` asks on a CPU no flag decides), for real:
+    a backward each run (the warm-up and 3 timed), outside inference mode, and far more work than a
+    decoding step's (~100x the multiply-adds: no scheduling noise turns that around)."""
+    backward = torch.Tensor.backward
+    calls: list[torch.dtype] = []
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.dtype)
+        return backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", counted)
+    for dtype in (torch.float32, torch.bfloat16):
+        training = _fastest_linear(dtype, CPU, training=True)
+        assert calls == [dtype] * 4
+        calls.clear()
+        assert 0 < training < 5
+        assert training > _fastest_linear(dtype, CPU, training=False) and calls == []  # decoding: no backward
 
 
 def test_this_cpu_is_read_from_the_machine():
@@ -173,6 +229,21 @@ def test_bad_precisions_are_refused_with_the_choices():
         resolve_precision("fp16", CPU)
     with pytest.raises(ValueError, match="int8 runs on CPUs only"):
         resolve_precision("int8", torch.device("cuda"))
+
+
+def test_int8_without_fbgemm_is_refused_with_what_to_use(monkeypatch):
+    """An ARM build of torch has no fbgemm (qnnpack only), on which our int8 layers cannot run: int8 is
+    refused before any model is built, naming what is missing and what to use (the CLIs and the server
+    print a ValueError as one `error:` line); every other precision is unchanged."""
+    pretend_quantized_engines(monkeypatch, ["qnnpack", "none"])
+    assert "fbgemm" not in torch.backends.quantized.supported_engines
+    with pytest.raises(ValueError, match=r"^precision int8 needs torch's fbgemm int8 kernels \(x86 CPUs\), which "
+                                         r"this torch lacks; use fp32$"):
+        resolve_precision("int8", CPU)
+    assert resolve_precision("fp32", CPU) == "fp32" and resolve_precision("bf16", CPU) == "bf16"
+    assert resolve_precision("auto", CPU) == "fp32"  # the pretended AVX2 machine: no bf16 units
+    pretend_quantized_engines(monkeypatch, ["qnnpack", "onednn", "x86", "fbgemm"])
+    assert resolve_precision("int8", CPU) == "int8"
 
 
 def test_process_memory_keeps_a_bounded_kernel_cache_and_a_capacity_given(monkeypatch):
