@@ -403,6 +403,56 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_clear_error(tmp_path: Path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_error_that_is_not_a_write_error_keeps_its_own_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A RuntimeError torch.save raises for another reason than a full disk (a CUDA error while the
+    tensors are copied, say) is not told as a disk problem: it goes up unchanged, and the checkpoint
+    already there is untouched, with no partial write left beside it."""
+    error = RuntimeError("CUDA error: device-side assert triggered")
+
+    def cuda_error(obj, f):
+        f.write(b"PK\x03\x04")
+        raise error
+
+    target = tmp_path / "last.ckpt"
+    target.write_bytes(b"the previous checkpoint")
+    monkeypatch.setattr("seq2seq.checkpoint.torch.save", cuda_error)
+    with pytest.raises(RuntimeError) as caught:
+        AtomicCheckpointIO().save_checkpoint({"step": 1}, target)
+    assert caught.value is error and type(caught.value) is RuntimeError and caught.value.__cause__ is None
+    assert list(tmp_path.iterdir()) == [target] and target.read_bytes() == b"the previous checkpoint"
+
+
+GOMP_PROBE = """
+import json, os, sys
+
+class AtTorch:  # what libgomp will read: the environment when torch (which loads it) is first imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print(json.dumps({key: os.environ.get(key) for key in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}))
+            sys.exit(0)  # the rest of the import is not what is tested: a fraction of a second instead of seconds
+
+sys.meta_path.insert(0, AtTorch())
+import seq2seq.fit
+print("seq2seq.fit imported without torch")
+"""
+
+
+@pytest.mark.parametrize("given,expected", [
+    ({}, {"GOMP_SPINCOUNT": "10000", "OMP_WAIT_POLICY": None}),  # a short spin by default
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": None, "OMP_WAIT_POLICY": "PASSIVE"}),  # a policy: kept alone
+    ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": None, "OMP_WAIT_POLICY": "active"}),
+    ({"GOMP_SPINCOUNT": "5"}, {"GOMP_SPINCOUNT": "5", "OMP_WAIT_POLICY": None}),  # the user's spin count
+], ids=["unset", "passive", "active", "spin_count_given"])
+def test_openmp_spins_briefly_unless_told_otherwise_before_torch_loads(given: dict[str, str], expected: dict):
+    """seq2seq.fit sets GOMP_SPINCOUNT at import, before torch loads libgomp (which reads it then), unless
+    the user set a wait policy or a spin count; in a new process, with no other OpenMP variable set."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OMP_", "GOMP_", "KMP_"))}
+    result = subprocess.run([sys.executable, "-c", GOMP_PROBE], cwd=REPO, env={**env, **given},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == expected
+
+
 def test_last_ckpt_follows_every_validation_and_every_n_updates_and_partial_writes_are_removed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """configs/wmt.yaml's two last.ckpt writers (after each validation; every N updates), as shipped but for

@@ -252,6 +252,25 @@ def test_bad_flags_and_ctrl_c_while_loading_are_one_line(trained: Path, monkeypa
     assert capsys.readouterr().err.strip() == "interrupted while loading the model; the server was not started"
 
 
+@pytest.mark.parametrize("device,message", [
+    ("cuda" if not torch.cuda.is_available() else "cuda:99", "--device: device 'cuda"),
+    ("abacus", "--device: device 'abacus' cannot be used here"),
+])
+def test_a_device_this_machine_lacks_is_one_usage_error_before_loading(device: str, message: str,
+                                                                       capsys: pytest.CaptureFixture[str]):
+    """--device cuda on a CPU-only torch (or a GPU index past the last): argparse's usage and one `error:` line,
+    exit status 2, no traceback; before the checkpoint is looked for (it does not exist)."""
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", "unused.ckpt", "--device", device])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("usage: python serve/server.py ") and "Traceback" not in err
+    errors = [line for line in lines if "error:" in line]
+    assert errors == [lines[-1]] and lines[-1].startswith("python serve/server.py: error: ") and message in lines[-1]
+    assert "use cpu, or a device this machine has" in lines[-1]
+
+
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(trained: Path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
