@@ -31,6 +31,7 @@ from seq2seq.checkpoint import (
     read_inference,
     save_atomic,
 )
+from seq2seq.search import SearchConfig
 
 
 def read_weights(path: str | Path, *, weights: str) -> InferenceCheckpoint:
@@ -64,7 +65,7 @@ def average(paths: list[str], *, weights: str = "inference") -> InferenceCheckpo
         for name, tensor in other.weights.items():
             sums[name] += tensor.double()
     averaged = {name: (total / len(paths)).to(first.weights[name].dtype) for name, total in sums.items()}
-    return first._replace(weights=averaged, search={})
+    return first._replace(weights=averaged, search=SearchConfig())  # tuned for other weights
 
 
 def write(checkpoint: InferenceCheckpoint, path: str | Path) -> None:

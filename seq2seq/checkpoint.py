@@ -59,7 +59,7 @@ class InferenceCheckpoint(NamedTuple):
     tokenizer: bytes  # serialized sentencepiece proto
     src_lang: str
     tgt_lang: str
-    search: dict[str, Any]  # SearchConfig fields tuned on validation: the translation defaults ({} if none)
+    search: SearchConfig  # the translation defaults: the fields tuned on validation over SearchConfig's own
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -260,11 +260,11 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
         raise CheckpointError(f"{path}: its weight '{not_tensor}' is not a tensor; the file is damaged")
     _check_layer_counts(path, config, weights)
     _check_shapes(path, config, weights)
-    search = entry.get("search", {})
+    stored_search = entry.get("search", {})
     try:
-        if not isinstance(search, dict):
-            raise ConfigError("search", f"is a {type(search).__name__}, not a dict")
-        SearchConfig.from_dict(search)
+        if not isinstance(stored_search, dict):
+            raise ConfigError("search", f"is a {type(stored_search).__name__}, not a dict")
+        search = SearchConfig.from_dict(stored_search)
     except ConfigError as error:
         raise CheckpointError(f"{path}: its stored search defaults are invalid ({error})") from None
     if "sha256" not in expected:

@@ -88,7 +88,7 @@ class Translator:
         model.load_state_dict(loaded.weights)  # names and shapes were checked against the config
         tokenizer = Tokenizer.from_bytes(loaded.tokenizer)  # read_inference loaded it once: it loads
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
-                   device=device, precision=precision, search=SearchConfig.from_dict(loaded.search))
+                   device=device, precision=precision, search=loaded.search)
 
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *,
                   max_tokens: int = 8192) -> list[str]:

@@ -28,6 +28,7 @@ from seq2seq.checkpoint import (
     store_search_defaults,
 )
 from seq2seq.model import ConfigError, Transformer
+from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.translate import main as translate_main
 from seq2seq.translator import Translator
@@ -294,8 +295,8 @@ def test_search_defaults_are_stored_checksummed_and_checked(checkpoint: Path, tm
     path = tmp_path / "tuned.ckpt"
     shutil.copy(checkpoint, path)
     store_search_defaults(path, {"beam_size": 3, "length_penalty": 1.5})
-    assert read(path).search == {"beam_size": 3, "length_penalty": 1.5}
-    assert read(checkpoint).search == {}  # a file without them: the translation defaults stay ours
+    assert read(path).search == SearchConfig(beam_size=3, length_penalty=1.5)
+    assert read(checkpoint).search == SearchConfig()  # a file without them: the translation defaults stay ours
 
     def edit(loaded: dict) -> None:  # changed by hand, checksum not updated
         loaded[CHECKPOINT_KEY]["search"]["length_penalty"] = 9.0
@@ -313,7 +314,7 @@ def test_search_defaults_are_stored_checksummed_and_checked(checkpoint: Path, tm
         rewrite(path, tmp_path / "invalid.ckpt", invalid))
     with pytest.raises(ConfigError):
         store_search_defaults(path, {"beam_sizes": 4})  # refused before the file is touched
-    assert read(path).search == {"beam_size": 3, "length_penalty": 1.5}
+    assert read(path).search == SearchConfig(beam_size=3, length_penalty=1.5)
 
 
 def test_a_tokenizer_of_another_size_than_the_embeddings_is_refused(checkpoint: Path, tmp_path: Path,
