@@ -17,17 +17,12 @@ when stderr is piped or redirected).
 
 import argparse
 import contextlib
-import dataclasses
 import io
 import os
-import re
 import stat
 import sys
 import time
-import typing
-import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import fields
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -35,16 +30,23 @@ import sacrebleu
 import torch
 from tqdm import tqdm
 
-from seq2seq.checkpoint import CheckpointError
-from seq2seq.model import ConfigError
-from seq2seq.precision import PRECISIONS, tune_process_memory
-from seq2seq.search import SearchConfig
-from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, resolve_device
+from seq2seq.cli import (
+    MAX_LINE_BYTES,
+    add_search_arguments,
+    describe,
+    format_nbest,
+    one_line,
+    one_line_warnings,
+    open_translator,
+    search_config,
+    utf8_stdout,
+)
+from seq2seq.precision import tune_process_memory
+from seq2seq.translator import Translation
 
 WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
 
 
-MAX_LINE_BYTES = 1 << 20  # a "line" longer than this is no sentence: a binary file, /dev/zero
 BOM = "\ufeff".encode()
 
 
@@ -115,112 +117,6 @@ def stdin_bytes() -> BinaryIO:
         raise SystemExit("error: --input -: stdin is closed; give --input FILE, or pipe the sentences in")
     stdin = getattr(sys.stdin, "buffer", None)  # a StringIO put in place of stdin has none
     return io.BytesIO(sys.stdin.read().encode("utf-8")) if stdin is None else stdin
-
-
-def utf8_stdout() -> TextIO:
-    """stdout writing UTF-8, as the input is read, whatever the locale's encoding says."""
-    reconfigure = getattr(sys.stdout, "reconfigure", None)  # a StringIO put in place of stdout has none
-    if reconfigure is not None:
-        reconfigure(encoding="utf-8")
-    return sys.stdout
-
-
-def one_line(text: str) -> str:
-    """A translation as one output line: the model can emit newline bytes (byte-fallback pieces)."""
-    return text.replace("\r", " ").replace("\n", " ")
-
-
-def format_nbest(hyps: list[Translation], *, nbest: int, prefix: str = "") -> list[str]:
-    """`prefix score<TAB>translation` lines, one per hypothesis (beam search gives `nbest`).
-
-    An empty input line has no hypotheses; it gets `nbest` empty translations with score 0 (the
-    log-probability of the only possible output), so that it too gives `nbest` lines.
-    """
-    if not hyps:
-        return [f"{prefix}{0.0:.4f}\t"] * nbest
-    return [f"{prefix}{t.score:.4f}\t{one_line(t.text)}" for t in hyps]
-
-
-def search_flags() -> dict[str, list[str]]:
-    """Each SearchConfig field's CLI flags: its older spelling first where it has one (`--beam`), then its
-    name with dashes (`--beam-size`). The first is the one messages use."""
-    return {f.name: [flag for flag in (f.metadata["flag"], f"--{f.name.replace('_', '-')}") if flag]
-            for f in fields(SearchConfig)}
-
-
-def add_search_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per SearchConfig field (its name with dashes; older spellings kept), and the run's options."""
-    group = parser.add_argument_group("search (SearchConfig in seq2seq/search.py)")
-    hints = typing.get_type_hints(SearchConfig)
-    all_flags = search_flags()
-    for f in fields(SearchConfig):
-        flags = all_flags[f.name]
-        if hints[f.name] is bool:
-            group.add_argument(*flags, dest=f.name, action="store_true", help=f.metadata["help"])
-        else:
-            kind = float if hints[f.name] is float else int  # int | None (the seed) is an int when given
-            # None: not given. The checkpoint's tuned value (its search defaults) then applies, else ours.
-            group.add_argument(*flags, dest=f.name, type=kind, default=None,
-                               help=f"{f.metadata['help']} (default: the checkpoint's, else {f.default})")
-    parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
-    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
-                        help="auto: bf16 where bf16 matmuls are fast here (AMX, AVX512-BF16, a GPU from Ampere on), else fp32; "
-                             "int8 (CPU): quantised linear layers, faster, outputs differ slightly (default: auto)")
-
-
-def flag_message(error: ConfigError) -> str:
-    """A SearchConfig error in the CLI's words: `--beam` where the config says `beam_size`."""
-    flags = {name: names[0] for name, names in search_flags().items()}
-    problem = re.sub(r"\b[a-z_]+\b", lambda word: flags.get(word[0], word[0]), error.problem)
-    return f"{flags.get(error.field, error.field)}: {problem}"
-
-
-def search_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                  defaults: SearchConfig = DEFAULT_SEARCH) -> SearchConfig:
-    """The flags given, over `defaults` (a checkpoint's `translator.search` once it is loaded), as a
-    SearchConfig, or a usage error naming the flag; the device and batch size checked too."""
-    given = {f.name: getattr(args, f.name) for f in fields(SearchConfig)
-             if getattr(args, f.name) is not None and getattr(args, f.name) is not False}
-    try:
-        search = dataclasses.replace(defaults, **given)
-    except ConfigError as error:
-        parser.error(flag_message(error))
-    if args.max_tokens < 1:
-        parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    try:
-        resolve_device(args.device)
-    except ValueError as error:
-        parser.error(f"--device: {error}")
-    return search
-
-
-def checkpoint_search(parser: argparse.ArgumentParser, args: argparse.Namespace, translator: Translator) -> SearchConfig:
-    """The search to run: the flags given over the checkpoint's tuned defaults, checked against its vocabulary."""
-    search = search_config(parser, args, translator.search)
-    try:
-        search.check_vocabulary(translator.model.config.vocab_size)
-    except ConfigError as error:
-        raise SystemExit(f"error: {flag_message(error)}") from None
-    return search
-
-
-def load_translator(args: argparse.Namespace, search: SearchConfig) -> Translator:
-    """The checkpoint's Translator, checked against the search options, or exit with one line (no traceback)."""
-    try:
-        translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
-        search.check_vocabulary(translator.model.config.vocab_size)
-    except ConfigError as error:
-        raise SystemExit(f"error: {flag_message(error)}") from None
-    except (CheckpointError, OSError, ValueError) as error:
-        raise SystemExit(f"error: {error}") from None
-    return translator
-
-
-def one_line_warnings() -> None:
-    """Warnings (a truncated line) as one `warning:` line on stderr, each one shown, not the first only."""
-    warnings.formatwarning = lambda message, *_args, **_kwargs: f"warning: {message}\n"
-    warnings.simplefilter("always", UserWarning)
 
 
 def check_input_path(path: str, *, option: str) -> None:
@@ -369,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ref", default=None, help="reference translations, line-aligned: print BLEU and chrF")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
-    search = search_config(parser, args)
+    search_config(parser, args)  # the flags alone, before anything is read or loaded
     inputs = {"--input": args.input, "--checkpoint": args.checkpoint} | ({"--ref": args.ref} if args.ref else {})
     for option in ("--input", "--ref"):  # the checkpoint says what is wrong with it when it loads
         if inputs.get(option):
@@ -379,22 +275,21 @@ def main(argv: list[str] | None = None) -> None:
     check_output_path(args.output, inputs=inputs)
     one_line_warnings()
     try:
-        run(parser, args, search)
+        run(parser, args)
     except KeyboardInterrupt:  # before the first line was written (run reports an interruption after that)
         print(f"\ninterrupted before any line was translated; {where(args.output)} was not written",
               file=sys.stderr)
         raise SystemExit(130) from None
 
 
-def run(parser: argparse.ArgumentParser, args: argparse.Namespace, search: SearchConfig) -> None:
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     total = count_lines(args.input)
     references = read_lines(args.ref, option="--ref") if args.ref else None
     source_name = "stdin" if args.input == "-" else args.input
     if references is not None and total is not None and len(references) != total:
         raise SystemExit(f"error: {source_name} has {total} lines but {args.ref} has {len(references)}; "
                          "the references must be line-aligned with the input")
-    translator = load_translator(args, search)
-    search = checkpoint_search(parser, args, translator)
+    translator, search = open_translator(parser, args)
     start = time.perf_counter()
     best: list[str] | None = [] if references is not None else None  # kept only for the scores
     output = Output(args.output)
@@ -434,12 +329,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, search: Searc
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
         print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
-
-
-def describe(search: SearchConfig) -> str:
-    if search.sampling:
-        return "sampling"
-    return "greedy" if search.beam_size == 1 else f"beam {search.beam_size}, length penalty {search.length_penalty:g}"
 
 
 def write_translations(results: Iterable[list[Translation]], output: Output | TextIO, *, nbest: int,

@@ -79,17 +79,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from seq2seq.cli import add_search_arguments, describe, one_line_warnings, open_translator, search_config
 from seq2seq.model import ConfigError
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
-from seq2seq.translate import (
-    add_search_arguments,
-    checkpoint_search,
-    describe,
-    load_translator,
-    one_line_warnings,
-    search_config,
-)
 from seq2seq.translator import Translation, Translator
 
 LANGUAGE_NAMES = {"cs": "Czech", "de": "German", "en": "English", "fr": "French", "es": "Spanish", "it": "Italian",
@@ -857,11 +850,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        translator = load_translator(args, search)
+        translator, search = open_translator(parser, args)
     except KeyboardInterrupt:  # Ctrl-C while the model loads: one line, as after it starts
         print("\ninterrupted while loading the model; the server was not started", file=sys.stderr)
         raise SystemExit(130) from None
-    search = checkpoint_search(parser, args, translator)
     if not search.sampling and search.beam_size > args.max_beam_size:
         parser.error(f"the checkpoint's beam size {search.beam_size} is over --max-beam-size {args.max_beam_size}; "
                      "raise --max-beam-size or give --beam")

@@ -13,19 +13,18 @@ accepts is truncated, with a warning naming its line number. Ctrl-D or an end of
 import argparse
 import sys
 
-from seq2seq.precision import tune_process_memory
-from seq2seq.translate import (
+from seq2seq.cli import (
     MAX_LINE_BYTES,
     add_search_arguments,
-    checkpoint_search,
     describe,
     format_nbest,
-    load_translator,
     one_line,
     one_line_warnings,
+    open_translator,
     search_config,
     utf8_stdout,
 )
+from seq2seq.precision import tune_process_memory
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,10 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
-    search = search_config(parser, args)
+    search_config(parser, args)  # the flags alone, before the checkpoint loads
     one_line_warnings()
-    translator = load_translator(args, search)
-    search = checkpoint_search(parser, args, translator)
+    translator, search = open_translator(parser, args)
     # Bytes in, decoded here: a stray non-UTF-8 byte must not end the session with a traceback.
     stdin = sys.stdin.buffer
     stdout = utf8_stdout()

@@ -1,0 +1,135 @@
+"""What the faces share (python -m seq2seq.translate, serve/translate.py, serve/server.py): one flag per
+SearchConfig field, `open_translator` (the checkpoint's Translator and the search to run, or one line
+saying what is wrong), and how a translation is written as text. Faces import this, never each other.
+"""
+
+import argparse
+import dataclasses
+import re
+import sys
+import typing
+import warnings
+from dataclasses import fields
+from typing import TextIO
+
+from seq2seq.checkpoint import CheckpointError
+from seq2seq.model import ConfigError
+from seq2seq.precision import PRECISIONS
+from seq2seq.search import SearchConfig
+from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, resolve_device
+
+MAX_LINE_BYTES = 1 << 20  # a "line" longer than this is no sentence: a binary file, /dev/zero
+
+
+# ---------------------------------------------------------------------------------------------
+# The search flags, and the Translator they run on.
+
+
+def search_flags() -> dict[str, list[str]]:
+    """Each SearchConfig field's CLI flags: its older spelling first where it has one (`--beam`), then its
+    name with dashes (`--beam-size`). The first is the one messages use."""
+    return {f.name: [flag for flag in (f.metadata["flag"], f"--{f.name.replace('_', '-')}") if flag]
+            for f in fields(SearchConfig)}
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per SearchConfig field (its name with dashes; older spellings kept), and the run's options."""
+    group = parser.add_argument_group("search (SearchConfig in seq2seq/search.py)")
+    hints = typing.get_type_hints(SearchConfig)
+    all_flags = search_flags()
+    for f in fields(SearchConfig):
+        flags = all_flags[f.name]
+        if hints[f.name] is bool:
+            group.add_argument(*flags, dest=f.name, action="store_true", help=f.metadata["help"])
+        else:
+            kind = float if hints[f.name] is float else int  # int | None (the seed) is an int when given
+            # None: not given. The checkpoint's tuned value (its search defaults) then applies, else ours.
+            group.add_argument(*flags, dest=f.name, type=kind, default=None,
+                               help=f"{f.metadata['help']} (default: the checkpoint's, else {f.default})")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="auto: bf16 where bf16 matmuls are fast here (AMX, AVX512-BF16, a GPU from Ampere on), else fp32; "
+                             "int8 (CPU): quantised linear layers, faster, outputs differ slightly (default: auto)")
+
+
+def flag_message(error: ConfigError) -> str:
+    """A SearchConfig error in the CLI's words: `--beam` where the config says `beam_size`."""
+    flags = {name: names[0] for name, names in search_flags().items()}
+    problem = re.sub(r"\b[a-z_]+\b", lambda word: flags.get(word[0], word[0]), error.problem)
+    return f"{flags.get(error.field, error.field)}: {problem}"
+
+
+def search_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  defaults: SearchConfig = DEFAULT_SEARCH) -> SearchConfig:
+    """The flags given, over `defaults` (a checkpoint's `translator.search` once it is loaded), as a
+    SearchConfig, or a usage error naming the flag; the device and batch size checked too."""
+    given = {f.name: getattr(args, f.name) for f in fields(SearchConfig)
+             if getattr(args, f.name) is not None and getattr(args, f.name) is not False}
+    try:
+        search = dataclasses.replace(defaults, **given)
+    except ConfigError as error:
+        parser.error(flag_message(error))
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    try:
+        resolve_device(args.device)
+    except ValueError as error:
+        parser.error(f"--device: {error}")
+    return search
+
+
+def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Translator, SearchConfig]:
+    """The checkpoint's Translator (`--checkpoint`, `--device`, `--precision`) and the search to run: the
+    flags given over the checkpoint's tuned defaults, checked against its vocabulary. Anything wrong is
+    one line naming the file or the flag, and an exit."""
+    try:
+        translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
+    except (CheckpointError, OSError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    search = search_config(parser, args, translator.search)
+    try:
+        search.check_vocabulary(translator.model.config.vocab_size)
+    except ConfigError as error:
+        raise SystemExit(f"error: {flag_message(error)}") from None
+    return translator, search
+
+
+def describe(search: SearchConfig) -> str:
+    if search.sampling:
+        return "sampling"
+    return "greedy" if search.beam_size == 1 else f"beam {search.beam_size}, length penalty {search.length_penalty:g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Translations as text.
+
+
+def one_line(text: str) -> str:
+    """A translation as one output line: the model can emit newline bytes (byte-fallback pieces)."""
+    return text.replace("\r", " ").replace("\n", " ")
+
+
+def format_nbest(hyps: list[Translation], *, nbest: int, prefix: str = "") -> list[str]:
+    """`prefix score<TAB>translation` lines, one per hypothesis (beam search gives `nbest`).
+
+    An empty input line has no hypotheses; it gets `nbest` empty translations with score 0 (the
+    log-probability of the only possible output), so that it too gives `nbest` lines.
+    """
+    if not hyps:
+        return [f"{prefix}{0.0:.4f}\t"] * nbest
+    return [f"{prefix}{t.score:.4f}\t{one_line(t.text)}" for t in hyps]
+
+
+def utf8_stdout() -> TextIO:
+    """stdout writing UTF-8, as the input is read, whatever the locale's encoding says."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # a StringIO put in place of stdout has none
+    if reconfigure is not None:
+        reconfigure(encoding="utf-8")
+    return sys.stdout
+
+
+def one_line_warnings() -> None:
+    """Warnings (a truncated line) as one `warning:` line on stderr, each one shown, not the first only."""
+    warnings.formatwarning = lambda message, *_args, **_kwargs: f"warning: {message}\n"
+    warnings.simplefilter("always", UserWarning)
