@@ -51,7 +51,7 @@ import torch
 
 from seq2seq.checkpoint import CheckpointError, InferenceCheckpoint, load_checkpoint, read_inference
 from seq2seq.model import TransformerConfig
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
                  "float32")
@@ -344,8 +344,8 @@ def ctranslate2_spec(loaded: InferenceCheckpoint, tokenizer: Tokenizer) -> Any:
     pieces = tokenizer.pieces()
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
-    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = pieces[2], pieces[3], pieces[1]
-    spec.config.decoder_start_token = pieces[2]
+    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = pieces[BOS_ID], pieces[EOS_ID], pieces[UNK_ID]
+    spec.config.decoder_start_token = pieces[BOS_ID]
     return spec
 
 
@@ -468,7 +468,8 @@ def export_huggingface(checkpoint: str | Path, output: str | Path, *, force: boo
         encoder_ffn_dim=config.d_ff, decoder_ffn_dim=config.d_ff, activation_function=config.activation,
         max_position_embeddings=config.max_positions, scale_embedding=config.scale_embeddings,
         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        pad_token_id=0, eos_token_id=3, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=3,
+        pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID, decoder_start_token_id=BOS_ID,
+        forced_eos_token_id=EOS_ID,
         share_encoder_decoder_embeddings=config.tie_embeddings == "all",
         tie_word_embeddings=config.tie_embeddings != "none",
     )

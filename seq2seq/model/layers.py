@@ -28,10 +28,10 @@ PLAIN: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, 
 class Dropout(nn.Module):
     """nn.Dropout, with a cheaper random mask on CPU.
 
-    On CPU, torch's dropout draws one Bernoulli sample per element (~9 ns each on our 2-core
-    machine). Here each random 64-bit word gives four 16-bit uniforms: dropout runs ~4x faster, a
-    Multi30k training step 3-7% faster (bench/train_ablation.py), and backward keeps a bool mask. `p` is
-    rounded to a multiple of 1/65536. Other devices use F.dropout, which is fused on GPUs.
+    On CPU, torch's dropout draws one Bernoulli sample per element. Here each random 64-bit word gives
+    four 16-bit uniforms, which makes dropout and the training step faster (bench/train_ablation.py;
+    the README has its figures), and backward keeps a bool mask. `p` is rounded to a multiple of
+    1/65536. Other devices use F.dropout, which is fused on GPUs.
     """
 
     def __init__(self, p: float):
