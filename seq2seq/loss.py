@@ -9,9 +9,9 @@ softmax(z) - (1 - ε) * onehot(y) - ε / V.
 
 Why a fused training loss: the (tokens, V) logits of a Multi30k batch are 4k x 8k floats (130 MB).
 Computed whole, the projection, log-softmax, its backward and the gather/mean backward each write
-such a tensor; on our 2-core CPU those passes (and the page faults of allocating them) took ~30% of
-a training step, and fusing makes the whole step 1.34-1.50x faster (bench/train_ablation.py). `linear_label_smoothed_nll` instead walks the tokens in chunks small enough to stay
-in cache, computes each chunk's logits, loss and gradient at once, and keeps only the (tokens, D)
+such a tensor; on a CPU those passes (and the page faults of allocating them) are a large share of a
+training step (bench/train_ablation.py measures what fusing gains; the README has the figures).
+`linear_label_smoothed_nll` instead walks the tokens in chunks small enough to stay in cache, computes each chunk's logits, loss and gradient at once, and keeps only the (tokens, D)
 and (V, D) gradients (the idea of Liger-Kernel's fused linear cross-entropy). No FLOPs are added:
 the two gradient matmuls move from the backward pass into the forward pass.
 """
