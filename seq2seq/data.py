@@ -319,6 +319,7 @@ class TranslationDataModule(L.LightningDataModule):
         self._tokenizer: Tokenizer | None = None
         self.datasets: dict[str, datasets.Dataset] = {}  # "train"/"valid"/"test": tokenised, filtered
         self.sizes: dict[str, np.ndarray] = {}  # (N,) padded positions of each pair in `datasets`
+        self.reported: set[str] = set()  # splits whose counts were shown (prepare_data, then setup, build each)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -432,7 +433,9 @@ class TranslationDataModule(L.LightningDataModule):
         report += f"; kept {int(kept.sum())}"
         if not kept.any():
             raise DataError(f"no {split} data left after filtering: {report}")
-        _info(report)
+        if split not in self.reported:
+            _info(report)
+            self.reported.add(split)
         filtered = tokenized.filter(_kept, input_columns="status", batched=True, desc=f"filtering {split}")
         return filtered, tokenized.data.column("size").to_numpy()[kept]
 

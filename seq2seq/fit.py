@@ -17,6 +17,7 @@ beside their target and a failed write ends the run. A bad input ends with one `
 
 from __future__ import annotations
 
+import logging
 import os
 
 # OpenMP threads that finish an operation spin, waiting for the next one: libgomp (torch's OpenMP on
@@ -30,6 +31,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -256,10 +258,32 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
 
 def main(args: list[str] | None = None) -> TranslationCLI:
     tune_process_memory()  # large blocks reused, not page-faulted in again; oneDNN's kernel cache bounded
+    show_our_reports()
     try:
         return fit(args)
     except (ConfigError, DataError, CheckpointError, TrainingDiverged) as error:
         raise SystemExit(f"error: {error}") from None
+
+
+def show_our_reports() -> None:
+    """Our INFO lines (the tokenizer trained, how many pairs were read, dropped and kept) on stdout, as
+    Lightning shows its own: Python's default level (WARNING) hid them, so a user preparing millions of
+    pairs saw nothing of it. Where the program has configured logging itself, its handlers decide."""
+    logger = logging.getLogger("seq2seq")
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().handlers and not any(isinstance(h, StdoutHandler) for h in logger.handlers):
+        handler = StdoutHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+
+
+class StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is when a line comes, not the one there when it was made (fit is
+    also called in-process, by tests or a notebook, each with a stdout of its own)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout
+        super().emit(record)
 
 
 def fit(args: list[str] | None) -> TranslationCLI:

@@ -150,6 +150,20 @@ def test_linear_schedule_follows_the_clock_under_max_time(tmp_path: Path):
     assert cli.trainer.optimizers[0].param_groups[0]["lr"] < 0.003 * 0.5
 
 
+def test_a_run_reports_its_tokenizer_and_its_data(tmp_path: Path):
+    """The data module's lines (the tokenizer trained, pairs read, dropped and kept) were logged at INFO,
+    which Python's default level hid: a user preparing millions of pairs saw nothing of it. Each split's
+    counts once, though prepare_data and setup each build it."""
+    config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
+    result = fit_subprocess(config, "--trainer.limit_val_batches=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert sum(bool(re.fullmatch(r"trained .*spm\.model on 50 pairs in [\d.]+s", line)) for line in lines) == 1, lines
+    assert sum(bool(re.fullmatch(r"train: 50 pairs read; dropped 0 with an empty side, .*; kept 50", line))
+               for line in lines) == 1, lines
+    assert sum(bool(re.fullmatch(r"valid: 4 pairs read; .*; kept 4", line)) for line in lines) == 1, lines
+
+
 def test_linear_schedule_without_an_end_is_refused(tmp_path: Path):
     config = write_tiny_run(tmp_path, max_steps=1, train_pairs=50, val_pairs=4)
     with pytest.raises(SystemExit, match=r"^error: model.lr_schedule: linear decays the rate to 0 at the end of the "
