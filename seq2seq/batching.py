@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ class TokenBatchSampler:
         self.shuffle_window, self.seed, self.rank, self.world_size = shuffle_window, seed, rank, world_size
         self.epoch = 0
         self._skip = 0  # batches of this epoch trained before a resume: the next iteration starts after them
-        self._cached: tuple[int, list[list[int]]] | None = None  # (epoch, this rank's batches)
+        self._cached: tuple[int, Plan] | None = None  # (epoch, this rank's batches)
 
     @property
     def sampler(self) -> TokenBatchSampler:
@@ -69,7 +69,9 @@ class TokenBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         skip, self._skip = self._skip, 0  # only the first iteration after a resume skips
-        yield from self._batches()[skip:]  # a generator: batches are made at the first `next`
+        plan = self._plan()  # made here, at the first `next` (a generator)
+        for start, end in zip(plan.starts[skip:].tolist(), plan.ends[skip:].tolist(), strict=True):
+            yield plan.rows[start:end].tolist()
 
     def state_dict(self, *, batches_done: int) -> dict[str, int]:
         return {"epoch": self.epoch, "batches_done": batches_done, **self._order()}
@@ -86,47 +88,67 @@ class TokenBatchSampler:
             warnings.warn(f"the data order changed since the checkpoint ({', '.join(changed)}): training goes on, "
                           "but not on the batches the first run would have seen", stacklevel=2)
         self.epoch, self._skip = state["epoch"], state["batches_done"]
-        if self._skip >= len(self._batches()):
+        if self._skip >= len(self):
             self.epoch, self._skip = self.epoch + 1, 0
 
     def __len__(self) -> int:
-        return len(self._batches())
+        return len(self._plan().starts)
 
-    def _batches(self) -> list[list[int]]:
+    def _plan(self) -> Plan:
         if self._cached is None or self._cached[0] != self.epoch:
-            batches = self._all_batches()
+            plan = self._all_batches()
             if self.world_size > 1:
-                total = math.ceil(len(batches) / self.world_size) * self.world_size
-                batches = [batches[i % len(batches)] for i in range(total)][self.rank :: self.world_size]
-            self._cached = (self.epoch, batches)
+                count = len(plan.starts)
+                total = math.ceil(count / self.world_size) * self.world_size
+                mine = (np.arange(total) % count)[self.rank :: self.world_size]
+                plan = Plan(plan.rows, plan.starts[mine], plan.ends[mine])
+            self._cached = (self.epoch, plan)
         return self._cached[1]
 
-    def _all_batches(self) -> list[list[int]]:
+    def _all_batches(self) -> Plan:
         if not self.shuffle:
-            return _pack(np.argsort(self.sizes, kind="stable"), self.sizes, self.max_tokens)
+            rows = np.argsort(self.sizes, kind="stable")
+            starts = _pack(self.sizes[rows], self.max_tokens)
+            return Plan(_compact(rows), starts[:-1], starts[1:])
         rng = np.random.default_rng([self.seed, self.epoch])
         order = rng.permutation(len(self.sizes))
-        batches = []
+        windows, cuts = [], []
         for start in range(0, len(order), self.shuffle_window):
             window = order[start : start + self.shuffle_window]
-            batches += _pack(
-                window[np.argsort(self.sizes[window], kind="stable")], self.sizes, self.max_tokens
-            )
-        return [batches[i] for i in rng.permutation(len(batches))]
+            window = window[np.argsort(self.sizes[window], kind="stable")]
+            windows.append(window)
+            cuts.append(start + _pack(self.sizes[window], self.max_tokens))
+        rows = np.concatenate(windows) if windows else order
+        starts = np.concatenate([c[:-1] for c in cuts]) if cuts else np.zeros(0, dtype=np.int64)
+        ends = np.concatenate([c[1:] for c in cuts]) if cuts else np.zeros(0, dtype=np.int64)
+        shuffled = rng.permutation(len(starts))
+        return Plan(_compact(rows), starts[shuffled], ends[shuffled])
 
 
-def _pack(order: np.ndarray, sizes: np.ndarray, max_tokens: int) -> list[list[int]]:
-    """Cut `order` (ascending size) greedily into batches of B pairs with B * largest ≤ max_tokens."""
-    batches: list[list[int]] = []
-    batch: list[int] = []
-    largest = 0
-    for i, size in zip(order.tolist(), sizes[order].tolist(), strict=True):
-        if batch and (len(batch) + 1) * max(largest, size) > max_tokens:
-            batches.append(batch)
-            batch, largest = [], 0
-        batch.append(i)
-        largest = max(largest, size)
-    return [*batches, batch] if batch else batches
+class Plan(NamedTuple):
+    """An epoch's batches as arrays: batch k is rows[starts[k]:ends[k]]. Lists of Python ints took ~39
+    bytes a pair (1.6 GiB at 40M pairs, in every rank); this takes 4 (8 past 2**31 pairs)."""
+
+    rows: np.ndarray  # (N,) row indices, each batch's rows together
+    starts: np.ndarray  # (batches,)
+    ends: np.ndarray  # (batches,)
+
+
+def _compact(rows: np.ndarray) -> np.ndarray:
+    return rows.astype(np.int32) if len(rows) < 2**31 else rows
+
+
+def _pack(sizes: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Cut pairs of ascending `sizes` greedily into batches of B pairs with B * largest ≤ max_tokens: the
+    offsets where batches start, then len(sizes). A loop over batches, not pairs: from a batch's first
+    pair, at most max_tokens // its size can follow, and the first that does not fit is found at once."""
+    cuts, i, n = [0], 0, len(sizes)
+    while i < n:
+        window = sizes[i : i + max(1, min(n - i, max_tokens // max(int(sizes[i]), 1)))]
+        over = np.arange(1, len(window) + 1) * window > max_tokens  # B * largest, sizes ascending
+        i += max(1, int(over.argmax())) if over.any() else len(window)  # the first pair always fits
+        cuts.append(i)
+    return np.array(cuts, dtype=np.int64)
 
 
 def collate(rows: list[dict], *, with_text: bool) -> dict:
