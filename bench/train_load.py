@@ -104,7 +104,7 @@ def worker(batches_path: Path, threads: int, seconds: float) -> None:
     from seq2seq.tokenizer import PAD_ID
 
     torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)  # as training does (seq2seq/module.py)
+    torch.set_flush_denormal(True)  # as training does (seq2seq/training/module.py)
     batches: list[dict] = torch.load(batches_path)
     d_model, heads, d_ff, layers, vocab, placement, _ = SIZES[SIZE]
     torch.manual_seed(0)

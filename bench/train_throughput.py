@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from seq2seq.data import TranslationDataModule
 from seq2seq.loss import training_loss
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
 from seq2seq.precision import bf16_attention, tune_process_memory
 from seq2seq.tokenizer import PAD_ID
+from seq2seq.training.data import TranslationDataModule
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared/data/multi30k"
 
@@ -165,7 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)  # as training does (module.py); both models get it
+    torch.set_flush_denormal(True)  # as training does (training/module.py); both models get it
     tune_process_memory()  # as seq2seq.fit does
     attentions = {"auto": not bf16_attention(torch.device("cpu"), dropout=False).bf16, "bf16": False, "fp32": True}
     # (precision, our attention in fp32 under autocast): fp32 has no autocast, so one row.

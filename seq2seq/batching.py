@@ -35,7 +35,7 @@ class TokenBatchSampler:
 
     Resumable: `state_dict` is (epoch, batches already trained on this epoch); after
     `load_state_dict` the next iteration yields the rest of that epoch, the same batches in the same
-    order as a run that never stopped (ResumableLoader in data.py says who counts the batches).
+    order as a run that never stopped (ResumableLoader in training/data.py says who counts the batches).
     """
 
     def __init__(

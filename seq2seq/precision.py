@@ -43,7 +43,7 @@ import torch.nn.functional as F
 Precision = Literal["auto", "fp32", "bf16", "int8"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8")
 # Training's `precision: auto` as decided by the process the user started ("cpu=32-true"): the DDP
-# processes Lightning launches inherit it instead of deciding for themselves (seq2seq/fit.py).
+# processes Lightning launches inherit it instead of deciding for themselves (seq2seq/training/fit.py).
 AUTO_TRAINING_PRECISION_ENV = "_SEQ2SEQ_AUTO_PRECISION"
 BF16_UNITS = ("amx_bf16", "avx512_bf16")  # x86 flags of bf16 matmul units
 # A timed verdict picks bf16 only where it is this much faster: near-ties stay fp32, whatever the noise.

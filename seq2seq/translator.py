@@ -70,7 +70,7 @@ class Translator:
         Ampere on, a CPU with AMX or AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
         slightly. The model is converted in place; `self.precision` says what auto chose. `search`
         is what the translate methods use when given none."""
-        torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see module.py)
+        torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
         self.model = for_inference(model.to(self.device), self.precision)

@@ -3,8 +3,8 @@ a .py file) as if on MACHINE, a key of machines.MACHINES; tests/ must be on PYTH
 
 What `auto` decides in this process follows MACHINE. The DDP processes Lightning starts run
 `python -m TARGET` itself, unpretended, and inherit this process's decisions as they would from any
-launcher (the precision through the environment, seq2seq/fit.py; the attention's from rank 0,
-seq2seq/module.py).
+launcher (the precision through the environment, seq2seq/training/fit.py; the attention's from rank 0,
+seq2seq/training/module.py).
 """
 
 import runpy

@@ -74,7 +74,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def multi30k(multi30k_dir: Path, tokenizer_path: str, cache_dir: str):
     """All of Multi30k train and validation, de → en, max_tokens=4096."""
-    from seq2seq.data import TranslationDataModule
+    from seq2seq.training.data import TranslationDataModule
 
     dm = TranslationDataModule(
         src_lang="de",
@@ -168,7 +168,7 @@ def write_not_ours(path: Path, kind: str) -> None:
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory):
     """A finished few-step training run: (its config path, its checkpoint folder)."""
-    from seq2seq.fit import main
+    from seq2seq.training.fit import main
 
     root = tmp_path_factory.mktemp("tiny_run")
     config = write_tiny_run(root)
@@ -182,7 +182,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (~40 s; val BLEU ~56): it ends its sentences and is sure of its choices, so rounding cannot flip one."""
     import torch
 
-    from seq2seq.fit import main as fit
+    from seq2seq.training.fit import main as fit
 
     root = tmp_path_factory.mktemp("export_run")
     config = write_tiny_run(root, max_steps=300, train_pairs=10, val_pairs=10)

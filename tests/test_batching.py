@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 
 from seq2seq.batching import TokenBatchSampler, collate
-from seq2seq.data import TranslationDataModule
 from seq2seq.tokenizer import BOS_ID, EOS_ID
+from seq2seq.training.data import TranslationDataModule
 
 
 def test_two_ranks_share_an_epoch(multi30k: TranslationDataModule) -> None:

@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -271,23 +272,31 @@ def test_a_device_this_machine_lacks_is_one_usage_error_before_loading(device: s
     assert "use cpu, or a device this machine has" in lines[-1]
 
 
-def test_sigterm_finishes_the_request_in_flight_and_exits_0(trained: Path):
+def start_server(trained: Path, *flags: str, **popen: Any) -> tuple[subprocess.Popen, str, int]:
+    """serve/server.py in a process of its own on a free loopback port (fp32, one thread), once its
+    /health answers: the process, its URL and its port."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, str(REPO / "serve/server.py"), "--checkpoint", str(trained), "--port", str(port),
-               "--precision", "fp32", "--threads", "1", "--beam-size", "5"]
-    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+               "--precision", "fp32", "--threads", "1", *flags]
+    process = subprocess.Popen(command, cwd=REPO, **popen)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url, port
+        except httpx.TransportError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise AssertionError("the server did not start") from None
+            time.sleep(0.1)
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(trained: Path):
+    process, url, _ = start_server(trained, "--beam-size", "5", stderr=subprocess.PIPE, text=True)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and process.poll() is None, "the server did not start"
-                time.sleep(0.1)
         texts = [f"{s} {s} {s}" for s in SENTENCES] * 5
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(httpx.post, url + "/translate", json={"q": texts, "source": "en", "target": "de"},
@@ -551,25 +560,11 @@ def test_accept_errors_are_one_line_not_a_traceback_each(capsys: pytest.CaptureF
 def test_out_of_file_descriptors_the_server_keeps_serving(trained: Path, tmp_path: Path):
     """With `ulimit -n 192`, 300 stalled connections: the cap (lowered to fit the limit) closes the
     longest waiting instead of running out of descriptors; a normal request is served."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, str(REPO / "serve/server.py"), "--checkpoint", str(trained), "--port", str(port),
-               "--precision", "fp32", "--threads", "1", "--read-timeout", "60"]
     log = tmp_path / "stderr.log"  # a file, not a pipe: a flood of lines would block the server on a full pipe
-    process = subprocess.Popen(command, cwd=REPO, stderr=log.open("w"),
-                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (192, 192)))
+    process, url, port = start_server(trained, "--read-timeout", "60", stderr=log.open("w"),
+                                      preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (192, 192)))
     stalled = []
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and process.poll() is None, "the server did not start"
-                time.sleep(0.1)
         for _ in range(300):
             sock = socket.create_connection(("127.0.0.1", port))
             sock.sendall(b"GET /hea")

@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import write_tiny_run
 
-from seq2seq.callbacks import PowerAverage, TuneLengthPenalty, choose_length_penalty
 from seq2seq.checkpoint import CHECKPOINT_KEY, load_checkpoint, read_inference
-from seq2seq.fit import main
 from seq2seq.model import ConfigError
 from seq2seq.search import SearchConfig
+from seq2seq.training.callbacks import PowerAverage, TuneLengthPenalty, choose_length_penalty
+from seq2seq.training.fit import main
 from seq2seq.translator import Translator
 
 
@@ -44,7 +44,7 @@ def test_bad_options_fail_when_the_callback_is_built(kwargs):
 
 def test_fit_stores_the_tuned_penalty_in_the_best_checkpoint(tmp_path: Path, capsys):
     config = write_tiny_run(tmp_path, max_steps=40, train_pairs=300, val_pairs=12)
-    main(["--config", str(config), "--trainer.callbacks+=seq2seq.callbacks.TuneLengthPenalty",
+    main(["--config", str(config), "--trainer.callbacks+=seq2seq.training.callbacks.TuneLengthPenalty",
           "--trainer.callbacks.beam_size=2", "--trainer.callbacks.length_penalties=[0.0, 2.0]"])
     printed = capsys.readouterr().out
     assert "length penalty on validation (beam 2, BLEU): 0: " in printed, printed
@@ -76,9 +76,9 @@ def test_a_tuned_penalty_that_cannot_be_stored_is_reported_and_training_kept(tmp
     def full_disk(path, search):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("seq2seq.callbacks.store_search_defaults", full_disk)
+    monkeypatch.setattr("seq2seq.training.callbacks.store_search_defaults", full_disk)
     config = write_tiny_run(tmp_path, max_steps=6, train_pairs=100, val_pairs=4)
-    main(["--config", str(config), "--trainer.callbacks+=seq2seq.callbacks.TuneLengthPenalty",
+    main(["--config", str(config), "--trainer.callbacks+=seq2seq.training.callbacks.TuneLengthPenalty",
           "--trainer.callbacks.beam_size=2", "--trainer.callbacks.length_penalties=[1.0]"])
     printed = capsys.readouterr().out
     assert "error: cannot store 1 in" in printed and "pass --length-penalty 1 when translating" in printed

@@ -1,4 +1,4 @@
-"""Tests for seq2seq.module: the schedules, the model schema as the CLI sees it, hyperparameter checks,
+"""Tests for seq2seq.training.module: the schedules, the model schema as the CLI sees it, hyperparameter checks,
 and every precision and device branch as far as a CPU can run it."""
 
 import io
@@ -15,11 +15,13 @@ from conftest import write_tiny_run
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from seq2seq.data import TranslationDataModule
-from seq2seq.fit import TranslationCLI
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention
-from seq2seq.module import (
+from seq2seq.precision import Verdict
+from seq2seq.search import SearchConfig
+from seq2seq.training.data import TranslationDataModule
+from seq2seq.training.fit import TranslationCLI
+from seq2seq.training.module import (
     LinearToZero,
     TranslationModule,
     gather_rng_states,
@@ -28,8 +30,6 @@ from seq2seq.module import (
     restore_rng_state,
     time_spent,
 )
-from seq2seq.precision import Verdict
-from seq2seq.search import SearchConfig
 
 SMALL = TransformerConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
                           num_decoder_layers=1)
@@ -229,7 +229,7 @@ def test_the_attention_verdict_is_applied_under_autocast(bf16_attention: bool, t
         asked.append((device.type, dropout))
         return Verdict(bf16_attention, "pretended")
 
-    monkeypatch.setattr("seq2seq.module.bf16_attention", verdict)
+    monkeypatch.setattr("seq2seq.training.module.bf16_attention", verdict)
     _, probe = tiny_training(tmp_path, precision="bf16-mixed")
     assert asked == [("cpu", False)] and probe.fp32_attention == {not bf16_attention}
     asked.clear()

@@ -19,16 +19,16 @@ import yaml
 from conftest import MULTI30K, write_tiny_run
 from machines import MACHINES, pretend_machine
 
-import seq2seq.fit
+import seq2seq.training.fit
 from seq2seq.average import main as average_main
 from seq2seq.checkpoint import CheckpointError
-from seq2seq.data import TranslationDataModule
-from seq2seq.fit import AtomicCheckpointIO, Trainer, TranslationCLI, main
 from seq2seq.model import TransformerConfig
-from seq2seq.module import TranslationModule, inverse_sqrt_schedule
 from seq2seq.search import SearchConfig
+from seq2seq.training.data import TranslationDataModule
+from seq2seq.training.fit import AtomicCheckpointIO, Trainer, TranslationCLI, main
+from seq2seq.training.module import TranslationModule, inverse_sqrt_schedule
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
 
 
@@ -221,8 +221,8 @@ def test_precision_auto_follows_the_machine_and_is_passed_to_ddp_ranks(machine: 
                                                                        monkeypatch, capsys):
     pretend_machine(monkeypatch, machine)
     asked = []
-    real = seq2seq.fit.bf16_matmuls
-    monkeypatch.setattr("seq2seq.fit.bf16_matmuls",
+    real = seq2seq.training.fit.bf16_matmuls
+    monkeypatch.setattr("seq2seq.training.fit.bf16_matmuls",
                         lambda device, training=False: asked.append(training) or real(device, training=training))
     monkeypatch.setenv("_SEQ2SEQ_AUTO_PRECISION", "")
     monkeypatch.delenv("_SEQ2SEQ_AUTO_PRECISION")  # and gone again after the test
@@ -360,7 +360,7 @@ def test_a_checkpoint_folder_that_cannot_be_written_fails_before_training(tmp_pa
 def test_a_checkpoint_write_failing_mid_run_ends_the_run_loudly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     config = write_tiny_run(tmp_path, max_steps=2, train_pairs=50, val_pairs=4)
     (tmp_path / "checkpoints").mkdir()
-    monkeypatch.setattr("seq2seq.fit.check_output_folders", lambda trainer: None)  # the folder broke after start
+    monkeypatch.setattr("seq2seq.training.fit.check_output_folders", lambda trainer: None)  # the folder broke after start
     with writes_denied(tmp_path / "checkpoints"), pytest.raises(
         SystemExit, match=r"^error: cannot write checkpoint .*checkpoints/.*\.ckpt: Permission denied"
     ):
@@ -446,7 +446,7 @@ class AtTorch:  # what libgomp will read: the environment when torch (which load
             sys.exit(0)  # the rest of the import is not what is tested: a fraction of a second instead of seconds
 
 sys.meta_path.insert(0, AtTorch())
-import seq2seq.fit
+import seq2seq.fit  # the face, as `python -m seq2seq.fit` runs it
 print("seq2seq.fit imported without torch")
 """
 
@@ -491,13 +491,13 @@ def test_last_ckpt_follows_every_validation_and_every_n_updates_and_partial_writ
     for leftover in leftovers:
         leftover.write_bytes(b"PK\x03\x04" + b"\0" * 1000)  # what a kill -9 during a save leaves
     (checkpoints / ".notes.partial").write_text("not ours")  # not a checkpoint write: kept
-    real_save, saved = seq2seq.fit.save_atomic, []
+    real_save, saved = seq2seq.training.fit.save_atomic, []
 
     def record(checkpoint: dict, path) -> None:
         saved.append((Path(path).name, checkpoint["global_step"]))
         real_save(checkpoint, path)
 
-    monkeypatch.setattr("seq2seq.fit.save_atomic", record)
+    monkeypatch.setattr("seq2seq.training.fit.save_atomic", record)
     main(["--config", str(config), "--trainer.val_check_interval=4", "--trainer.check_val_every_n_epoch=null",
           "--trainer.max_epochs=-1"])
     assert [step for name, step in saved if name == "last.ckpt"] == [3, 4, 6, 8, 9]
@@ -519,7 +519,7 @@ RESUME_CALLBACKS = """  callbacks:
         save_top_k: 0
         save_last: true
         enable_version_counter: false
-    - class_path: seq2seq.callbacks.PowerEMA
+    - class_path: seq2seq.training.callbacks.PowerEMA
     - class_path: resume_probe.BatchLog
       init_args:
         path: {root}/batches.jsonl
@@ -592,7 +592,7 @@ def test_a_run_killed_and_resumed_trains_exactly_as_one_that_never_stopped(tmp_p
 
 
 def test_precision_auto_defers_to_lightning_s_environment_default_and_to_the_device_type(monkeypatch):
-    from seq2seq.fit import resolve_auto_precision
+    from seq2seq.training.fit import resolve_auto_precision
 
     monkeypatch.setenv("_SEQ2SEQ_AUTO_PRECISION", "cuda=bf16-mixed")  # chosen for another device type
     assert resolve_auto_precision("auto", accelerator="cpu") == "32-true"  # decided again for the (AVX2) CPU
@@ -605,7 +605,7 @@ def test_precision_auto_defers_to_lightning_s_environment_default_and_to_the_dev
 def test_precision_auto_on_a_gpu_follows_its_compute_capability(capability, chosen: str, monkeypatch, capsys):
     """The GPU branch of `auto`, with torch.cuda's answers stood in for (no GPU here): decided for cuda:0,
     printed with the GPU's name, passed on to the DDP processes under its device type."""
-    from seq2seq.fit import resolve_auto_precision
+    from seq2seq.training.fit import resolve_auto_precision
 
     monkeypatch.setenv("_SEQ2SEQ_AUTO_PRECISION", "")
     monkeypatch.delenv("_SEQ2SEQ_AUTO_PRECISION")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from seq2seq.batching import TokenBatchSampler, collate
-from seq2seq.data import DataError, TranslationDataModule
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.training.data import DataError, TranslationDataModule
 
 
 def small(tmp_path: Path, tokenizer_path: str, **kwargs) -> TranslationDataModule:
@@ -369,7 +369,7 @@ def test_filters_count_what_they_drop(
     ]
     files = [write_lines(tmp_path / "t.de", de), write_lines(tmp_path / "t.en", en)]
     dm = small(tmp_path, tokenizer_path, train_files=files, valid_files=files, max_tokens_per_sentence=20)
-    with caplog.at_level(logging.INFO, logger="seq2seq.data"):
+    with caplog.at_level(logging.INFO, logger="seq2seq.training.data"):
         dm.setup("fit")
     assert (
         "train: 6 pairs read; dropped 2 with an empty side, dropped 1 with a side over "
