@@ -59,13 +59,8 @@ from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls, device_
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import PAD_ID
 from seq2seq.training.data import DataError, TranslationDataModule, os_reason
-from seq2seq.training.module import (
-    NO_END,
-    TrainingDiverged,
-    TranslationModule,
-    check_hyperparameters,
-    max_time_timer,
-)
+from seq2seq.training.module import TrainingDiverged, TranslationModule, check_hyperparameters
+from seq2seq.training.schedule import NO_END, max_time_timer
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -1,5 +1,6 @@
 """TranslationModule: the Transformer trained with label smoothing, AdamW, and a warm-up followed by
-an inverse-sqrt decay or a linear decay to zero at the end of the run's budget.
+an inverse-sqrt decay or a linear decay to zero at the end of the run's budget (training/schedule.py;
+the random state a resume restores: training/resume.py).
 
 Its typed keyword arguments are the `model:` section of a LightningCLI config: `transformer` is the
 TransformerConfig itself (the model's one schema; its `vocab_size` is not written in configs, fit.py
@@ -23,13 +24,12 @@ import os
 import time
 from dataclasses import asdict
 from types import SimpleNamespace
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import lightning as L
 import sacrebleu
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -41,51 +41,12 @@ from seq2seq.model.config import check_range
 from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_attention, bf16_matmuls
 from seq2seq.search import SearchConfig, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.training.resume import RNG_KEY, gather_rng_states, restore_rng_state
+from seq2seq.training.schedule import LinearBudget, LinearToZero, LrSchedule, multiplier
 
 # (sentence index, hypothesis, reference, summed smoothed loss, summed NLL, target tokens)
 ValidationRow = tuple[int, str, str, float, float, int]
 VAL_SEARCH = SearchConfig(beam_size=1)  # greedy: fast enough to run at every validation
-LrSchedule = Literal["inverse_sqrt", "linear"]
-NO_END = ("linear decays the rate to 0 at the end of the run, and this run has none: set trainer.max_steps, "
-          "max_epochs or max_time, or use inverse_sqrt")
-
-
-def inverse_sqrt_schedule(step: int, *, warmup_steps: int) -> float:
-    """The paper's / fairseq's multiplier: linear warm-up to 1 at `warmup_steps`, then sqrt(warmup/step)."""
-    step = step + 1  # LambdaLR counts from 0; the first update already uses a non-zero rate
-    if step < warmup_steps:
-        return step / warmup_steps
-    return math.sqrt(warmup_steps / step)
-
-
-def linear_schedule(step: int, *, warmup_steps: int, progress: float) -> float:
-    """Linear warm-up, and a linear decay that reaches 0 when the budget is spent (`progress` 1).
-
-    Inverse sqrt leaves the rate high where a run with a fixed budget stops; this one anneals to 0
-    there, so the last weights are the settled ones. The rate is the lower of the two lines, so the
-    decay starts from (1 - progress at the end of warm-up), not from 1.
-    """
-    return max(0.0, min((step + 1) / warmup_steps, 1.0 - progress))
-
-
-def max_time_timer(trainer: L.Trainer) -> Timer | None:
-    """The Timer that trainer.max_time adds (one with a duration), or None if the run has no max_time."""
-    timers = (cb for cb in trainer.callbacks if isinstance(cb, Timer))  # type: ignore[attr-defined]  # typed loosely
-    return next((timer for timer in timers if timer.time_remaining() is not None), None)
-
-
-def time_spent(trainer: L.Trainer) -> float:
-    """The share of trainer.max_time used so far, 0 to 1 (0 without max_time).
-
-    Rank 0's value on every rank: clocks differ between processes, and DDP ranks must take the same
-    step (Lightning's Timer broadcasts its stop decision in the same way).
-    """
-    timer = max_time_timer(trainer)
-    if timer is None:
-        return 0.0
-    elapsed, remaining = timer.time_elapsed(), timer.time_remaining()
-    assert remaining is not None  # a duration: max_time_timer chose it for that
-    return float(trainer.strategy.broadcast(min(elapsed / max(elapsed + remaining, 1e-9), 1.0)))
 
 
 class TrainingDiverged(RuntimeError):
@@ -170,8 +131,9 @@ class TranslationModule(L.LightningModule):
         self.model = Transformer(transformer)
         self.tokenizer: Tokenizer | None = None  # taken from the data module in setup()
         self._validation_outputs: list[ValidationRow] = []
-        self._step_started = 0.0
-        self._schedule: LinearToZero | None = None  # set by configure_optimizers for lr_schedule "linear"
+        self._step_started = 0.0  # on_train_batch_start's clock, read at the batch's end
+        self._step_tokens = 0  # training_step's target tokens, read at the batch's end
+        self.lr_multiplier = multiplier(lr_schedule, warmup_steps=warmup_steps)  # LambdaLR's; plain data
 
     # ---- wiring -------------------------------------------------------------------------------
 
@@ -245,11 +207,7 @@ class TranslationModule(L.LightningModule):
             # One fused kernel per tensor instead of ~10 passes: 4x faster steps on CPU, also faster on GPU.
             fused=self.device.type in ("cpu", "cuda"),
         )
-        if hp.lr_schedule == "linear":
-            self._schedule = LinearToZero(hp.warmup_steps)
-            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule)
-        else:
-            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, InverseSqrt(hp.warmup_steps))
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
@@ -289,23 +247,11 @@ class TranslationModule(L.LightningModule):
         loss, nll = label_smoothed_nll(logits, tgt_out, smoothing=self.hparams["label_smoothing"], pad_id=PAD_ID)
         return loss, nll, tgt_out != PAD_ID
 
-    def on_train_start(self) -> None:
-        if self._schedule is None:
-            return
-        # After a resume too, where the budget may have been extended: the optimizer's rate, restored
-        # from the checkpoint, is the old budget's (0 at its end), so it is recomputed for the new one.
-        budget = float(self.trainer.estimated_stepping_batches)  # max_steps or what max_epochs allow
-        self._schedule.budget_steps = budget if budget > 0 else math.inf  # -1: no bound in steps
-        if math.isinf(self._schedule.budget_steps) and max_time_timer(self.trainer) is None:
-            raise ConfigError("model.lr_schedule", NO_END)
-        scheduler = self.lr_schedulers()
-        assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
-        for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
-            group["lr"] = base_lr * self._schedule(scheduler.last_epoch)
+    def configure_callbacks(self) -> list[L.Callback]:
+        # Lightning asks for these before configure_optimizers: the multiplier exists from __init__.
+        return [LinearBudget(self.lr_multiplier)] if isinstance(self.lr_multiplier, LinearToZero) else []
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._schedule is not None:  # read by the scheduler's step after this update, for the next
-            self._schedule.time_spent = time_spent(self.trainer)
         self._step_started = time.perf_counter()
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
@@ -395,55 +341,3 @@ class TranslationModule(L.LightningModule):
                 f"on {len(rows)} sentences  [{signature}]"
             )
             self.print(f"  e.g. {hypotheses[0]!r}\n   ref {references[0]!r}")
-
-
-RNG_KEY = "rng_states"  # per rank: {"cpu": [ByteTensor], "cuda": [ByteTensor]}
-
-
-def gather_rng_states(device: torch.device) -> dict[str, list[Tensor]]:
-    """torch's random-number state of every rank (Lightning builds a checkpoint on all ranks, rank 0 writes it)."""
-    states = {"cpu": [torch.get_rng_state()]}
-    if device.type == "cuda":
-        states["cuda"] = [torch.cuda.get_rng_state(device)]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[dict[str, list[Tensor]]] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, states)
-        states = {kind: [part[kind][0] for part in gathered] for kind in states}
-    return states
-
-
-def restore_rng_state(states: dict[str, list[Tensor]], device: torch.device) -> None:
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    if len(states["cpu"]) != world_size:  # every rank compares; rank 0 says it
-        rank_zero_warn(f"the checkpoint holds the random state of {len(states['cpu'])} processes, this run has "
-                       f"{world_size}: dropout masks will differ from the first run's (training goes on)")
-        return
-    torch.set_rng_state(states["cpu"][rank])
-    if device.type == "cuda" and "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"][rank], device)
-
-
-class InverseSqrt:
-    """LambdaLR multiplier as an object (not a lambda), so the scheduler's state_dict stays plain data."""
-
-    def __init__(self, warmup_steps: int):
-        self.warmup_steps = warmup_steps
-
-    def __call__(self, step: int) -> float:
-        return inverse_sqrt_schedule(step, warmup_steps=self.warmup_steps)
-
-
-class LinearToZero:
-    """LambdaLR multiplier for `linear_schedule`. The progress is the further of updates over
-    `budget_steps` and `time_spent` (of max_time), both set by the module. Plain attributes only:
-    LambdaLR saves them in the checkpoint."""
-
-    def __init__(self, warmup_steps: int):
-        self.warmup_steps = warmup_steps
-        self.budget_steps = math.inf  # updates that max_steps / max_epochs allow
-        self.time_spent = 0.0
-
-    def __call__(self, step: int) -> float:
-        progress = min(max(step / self.budget_steps, self.time_spent), 1.0)
-        return linear_schedule(step, warmup_steps=self.warmup_steps, progress=progress)

@@ -26,7 +26,8 @@ from seq2seq.model import TransformerConfig
 from seq2seq.search import SearchConfig
 from seq2seq.training.data import TranslationDataModule
 from seq2seq.training.fit import AtomicCheckpointIO, Trainer, TranslationCLI, main
-from seq2seq.training.module import TranslationModule, inverse_sqrt_schedule
+from seq2seq.training.module import TranslationModule
+from seq2seq.training.schedule import inverse_sqrt_schedule
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))

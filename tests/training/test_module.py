@@ -1,18 +1,15 @@
 """Tests for seq2seq.training.module: the schedules, the model schema as the CLI sees it, hyperparameter checks,
 and every precision and device branch as far as a CPU can run it."""
 
-import io
 import math
 import typing
 from dataclasses import fields
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 from conftest import write_tiny_run
-from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from seq2seq.model import ConfigError, TransformerConfig
@@ -21,71 +18,10 @@ from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig
 from seq2seq.training.data import TranslationDataModule
 from seq2seq.training.fit import TranslationCLI
-from seq2seq.training.module import (
-    LinearToZero,
-    TranslationModule,
-    gather_rng_states,
-    inverse_sqrt_schedule,
-    linear_schedule,
-    restore_rng_state,
-    time_spent,
-)
+from seq2seq.training.module import TranslationModule
 
 SMALL = TransformerConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
                           num_decoder_layers=1)
-
-
-def test_inverse_sqrt_schedule():
-    assert inverse_sqrt_schedule(0, warmup_steps=4) == 0.25
-    assert inverse_sqrt_schedule(3, warmup_steps=4) == 1.0  # the peak, at the 4th update
-    assert inverse_sqrt_schedule(15, warmup_steps=4) == pytest.approx(0.5)  # sqrt(4/16)
-
-
-def test_linear_schedule_warms_up_then_falls_to_zero_at_the_end_of_the_budget():
-    assert linear_schedule(0, warmup_steps=4, progress=0.0) == 0.25
-    assert linear_schedule(3, warmup_steps=4, progress=0.0) == 1.0
-    assert linear_schedule(3, warmup_steps=4, progress=0.1) == pytest.approx(0.9)  # the lower of the two lines
-    assert linear_schedule(1, warmup_steps=4, progress=0.9) == pytest.approx(0.1)  # a short budget cuts warm-up
-    assert linear_schedule(50, warmup_steps=4, progress=1.0) == 0.0
-    assert linear_schedule(50, warmup_steps=4, progress=1.2) == 0.0  # never negative
-
-
-def test_linear_to_zero_follows_updates_or_time_whichever_is_further():
-    multiplier = LinearToZero(warmup_steps=2)
-    assert multiplier(10) == 1.0  # no budget known yet: the peak
-    multiplier.budget_steps = 40
-    assert multiplier(10) == pytest.approx(0.75)
-    multiplier.time_spent = 0.5
-    assert multiplier(10) == pytest.approx(0.5)  # the clock is further on than the updates
-    assert multiplier(30) == pytest.approx(0.25)
-    assert multiplier(40) == 0.0 and multiplier(41) == 0.0
-
-
-def test_linear_to_zero_state_is_plain_data_and_is_restored():
-    """LambdaLR saves the multiplier's attributes in the checkpoint, which must load with weights_only=True."""
-    parameter = torch.nn.Parameter(torch.zeros(1))
-    multiplier = LinearToZero(warmup_steps=2)
-    multiplier.budget_steps, multiplier.time_spent = 40.0, 0.25
-    schedule = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([parameter], lr=1.0), multiplier)
-    buffer = io.BytesIO()
-    torch.save(schedule.state_dict(), buffer)
-    buffer.seek(0)
-    fresh = LinearToZero(warmup_steps=2)
-    torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([parameter], lr=1.0), fresh).load_state_dict(
-        torch.load(buffer, weights_only=True))
-    assert (fresh.budget_steps, fresh.time_spent) == (40.0, 0.25)
-
-
-def test_time_spent_is_the_share_of_max_time_and_is_broadcast():
-    timer = Timer(duration="00:00:02:00")
-    timer.load_state_dict({"time_elapsed": {"train": 30.0}})  # a resumed run: 30 s already spent
-    broadcast = []
-    strategy = SimpleNamespace(broadcast=lambda value: broadcast.append(value) or value)
-    assert time_spent(SimpleNamespace(callbacks=[timer], strategy=strategy)) == pytest.approx(0.25)
-    assert broadcast == [pytest.approx(0.25)]  # rank 0's value is what every rank uses
-    timer.load_state_dict({"time_elapsed": {"train": 500.0}})
-    assert time_spent(SimpleNamespace(callbacks=[timer], strategy=strategy)) == 1.0
-    assert time_spent(SimpleNamespace(callbacks=[Timer(duration=None)], strategy=strategy)) == 0.0  # no max_time
 
 
 class ParseOnlyCLI(TranslationCLI):
@@ -235,20 +171,6 @@ def test_the_attention_verdict_is_applied_under_autocast(bf16_attention: bool, t
     asked.clear()
     _, probe = tiny_training(tmp_path / "fp32", precision="32-true")
     assert asked == [] and probe.fp32_attention == {False}  # no autocast: nothing to decide
-
-
-def test_rng_states_of_a_cuda_device_are_saved_and_restored(monkeypatch):
-    """The CUDA branch of the resume's random state, with torch.cuda's calls standing in (no GPU here)."""
-    saved, restored = torch.tensor([1, 2, 3], dtype=torch.uint8), []
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: saved)
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: restored.append((state, device)))
-    cuda = torch.device("cuda", 0)
-    states = gather_rng_states(cuda)
-    assert states["cuda"] == [saved] and len(states["cpu"]) == 1
-    restore_rng_state(states, cuda)
-    assert restored == [(saved, cuda)]
-    restore_rng_state({"cpu": states["cpu"]}, cuda)  # a checkpoint written on a CPU: the GPU keeps its state
-    assert len(restored) == 1
 
 
 @pytest.mark.parametrize("device,fused", [("cpu", True), ("cuda", True), ("mps", False), ("meta", False)])
