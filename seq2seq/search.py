@@ -30,7 +30,7 @@ Callers put the model in eval mode; the searches run under `torch.inference_mode
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import torch
@@ -114,6 +114,16 @@ class Hypothesis:
     """Ranking score: length-normalised log_prob for beam search, log_prob otherwise."""
     log_prob: float
     """Sum of the log-probabilities of all tokens and the final EOS."""
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids the searches treat apart, in one place: every row starts with `bos`, a hypothesis ends
+    with `eos`, `pad` fills sources and forced prefixes; `bos` and `pad` are never generated."""
+
+    bos: int
+    eos: int
+    pad: int
 
 
 class DecoderState(Protocol):
@@ -274,8 +284,7 @@ def repeated_ngram_mask(tokens: Tensor, *, n: int, vocab_size: int) -> Tensor:
 
 
 def constrain_(
-    logits: Tensor, tokens: Tensor, limits: Limits, *, bos: int, eos: int, pad: int, min_len: int,
-    no_repeat_ngram_size: int,
+    logits: Tensor, tokens: Tensor, limits: Limits, *, ids: SpecialIds, min_len: int, no_repeat_ngram_size: int,
 ) -> Tensor:
     """In place, -inf on what may not come next. logits (N, K, V) (or log-probabilities), tokens (N, K, T).
 
@@ -283,7 +292,7 @@ def constrain_(
     Precedence: a forced prefix token wins over everything; at max_len only EOS (even below min_len).
     Constraints that are off cost nothing; the others touch only the columns or rows they ban.
     """
-    step = tokens.size(-1)
+    step, eos = tokens.size(-1), ids.eos
     at_max = limits.max_len <= step  # (N,)
     eos_logits = logits[at_max, :, eos] if bool(at_max.any()) else None  # (N_max, K), before min_len bans EOS
     forced = None
@@ -291,7 +300,7 @@ def constrain_(
         forced = (step < limits.prefix_len).nonzero()[:, 0]  # (N_f,)
         forced_tokens = limits.prefix[forced, step][:, None, None].expand(-1, logits.size(1), 1)  # (N_f, K, 1)
         forced_logits = logits[forced].gather(-1, forced_tokens)  # (N_f, K, 1)
-    banned_columns = [bos, pad] + ([eos] if step < min_len else [])
+    banned_columns = [ids.bos, ids.pad] + ([eos] if step < min_len else [])
     logits[..., banned_columns] = NEG_INF
     if no_repeat_ngram_size > 0:
         logits.masked_fill_(repeated_ngram_mask(tokens, n=no_repeat_ngram_size, vocab_size=logits.size(-1)), NEG_INF)
@@ -369,19 +378,73 @@ def beam_step(
 
 
 # ---------------------------------------------------------------------------------------------
-# The searches, and the one entry point that picks among them.
+# The live batch the searches share, the searches, and the one entry point that picks among them.
+
+
+@dataclass
+class Live:
+    """The sentences still being decoded, N of them with K hypotheses (rows) each (K = 1 in greedy search,
+    sampling, and beam search's first step): every tensor's first dimension is the sentence, and
+    `advance` shrinks them all, with the decoder state's rows, at once."""
+
+    state: Any  # the decoder's incremental state: N * K rows, a sentence's K hypotheses adjacent
+    memory: Tensor  # (N, S, D) the encoded source, one row per sentence: its hypotheses share it
+    src_mask: Tensor  # (N, S)
+    limits: Limits
+    sentence: Tensor  # (N,) input index of each live sentence
+    tokens: Tensor  # (N, K, T) generated so far: no BOS, a forced prefix included
+    scores: Tensor  # (N, K) cumulative log_prob
+    tgt_in: Tensor  # (N * K, 1) the token each row feeds the decoder next (BOS first)
+    num_finished: Tensor  # (N,) complete hypotheses: up to K in beam search, 0 or 1 in the others
+    best_finished: Tensor  # (N, nbest) beam search: best complete scores, best first (float64 as Hypothesis.score)
+
+    @classmethod
+    def start(cls, model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, ids: SpecialIds,
+              prefix: Sequence[Sequence[int]] | None) -> Live:
+        """The set-up every search shares: the sources (B, S) encoded once, their limits, a BOS row each."""
+        src_mask = src != ids.pad  # (B, S)
+        memory = model.encode(src)  # (B, S, D), once; the decoder projects it once into the state
+        limits = make_limits(src_mask, prefix, pad=ids.pad, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
+                             max_positions=model.config.max_positions)
+        batch, device = src.size(0), src.device
+        return cls(state=model.new_state(), memory=memory, src_mask=src_mask, limits=limits,
+                   sentence=torch.arange(batch, device=device), scores=torch.zeros(batch, 1, device=device),
+                   tokens=torch.zeros(batch, 1, 0, dtype=torch.long, device=device),
+                   tgt_in=torch.full((batch, 1), ids.bos, dtype=torch.long, device=device),
+                   num_finished=torch.zeros(batch, dtype=torch.long, device=device),
+                   best_finished=torch.full((batch, config.nbest), NEG_INF, dtype=torch.float64, device=device))
+
+    def advance(self, tokens: Tensor, scores: Tensor, *, beams: Tensor | None = None,
+                keep: Tensor | None = None) -> Live:
+        """One step on: hypothesis k of each sentence extends its hypothesis `beams[:, k]` (beam search;
+        without `beams`, K = 1) by `tokens[:, k]`, reaching cumulative log_prob `scores[:, k]` (N, K' each);
+        then only the sentences `keep` (N',) go on (default: all), in every tensor and the state's rows
+        at once. The state is reordered by one `reorder`, and not at all when no row moves."""
+        n, k_cur, step = self.tokens.shape
+        if beams is None and keep is None:
+            return replace(self, tokens=torch.cat((self.tokens, tokens[:, :, None]), dim=2), scores=scores,
+                           tgt_in=tokens.view(-1, 1))
+        keep = torch.arange(n, device=tokens.device) if keep is None else keep
+        dropped = keep.numel() < n
+        rows = keep if beams is None else (keep[:, None] * k_cur + beams.index_select(0, keep)).view(-1)  # (N'*K',)
+        # Memory stays one row per sentence (the hypotheses share it): the state drops only whole sentences.
+        state = self.state.reorder(rows, sentences=keep if dropped else None)
+
+        def kept(x: Tensor) -> Tensor:  # (N, ...) -> (N', ...)
+            return x.index_select(0, keep) if dropped else x
+
+        new_tokens = kept(tokens)  # (N', K')
+        history = self.tokens.view(n * k_cur, step).index_select(0, rows)  # (N' * K', T)
+        return Live(state=state, memory=kept(self.memory), src_mask=kept(self.src_mask),
+                    limits=self.limits.select(keep) if dropped else self.limits, sentence=kept(self.sentence),
+                    tokens=torch.cat((history, new_tokens.view(-1, 1)), dim=1).view(keep.numel(), -1, step + 1),
+                    scores=kept(scores), tgt_in=new_tokens.view(-1, 1), num_finished=kept(self.num_finished),
+                    best_finished=kept(self.best_finished))
 
 
 def decode(
-    model: EncoderDecoder[Any],
-    src: Tensor,
-    config: SearchConfig,
-    *,
-    bos: int,
-    eos: int,
-    pad: int,
-    prefix: Sequence[Sequence[int]] | None = None,
-    generator: torch.Generator | None = None,
+    model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
+    prefix: Sequence[Sequence[int]] | None = None, generator: torch.Generator | None = None,
 ) -> list[list[Hypothesis]]:
     """Per source sentence (B, S) its hypotheses, best first: `nbest` of them, or one for greedy and sampling.
 
@@ -392,8 +455,7 @@ def decode(
     if config.sampling:
         if generator is None and config.seed is not None:
             generator = torch.Generator(device=src.device).manual_seed(config.seed)
-        hyps = sample(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix, generator=generator)
-        return [[h] for h in hyps]
+        return [[h] for h in sample(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix, generator=generator)]
     if config.beam_size == 1:
         return [[h] for h in greedy(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)]
     return beam_search(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)
@@ -401,77 +463,46 @@ def decode(
 
 @torch.inference_mode()
 def beam_search(
-    model: EncoderDecoder[Any],
-    src: Tensor,
-    config: SearchConfig,
-    *,
-    bos: int,
-    eos: int,
-    pad: int,
+    model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
     prefix: Sequence[Sequence[int]] | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search over a batch of sources (B, S), right-padded; per sentence its n-best, best first.
 
-    K = config.beam_size. All B*K hypotheses advance in one decoder call per step. Hypotheses are ranked by the
-    length-normalised `score` (`length_penalty` is GNMT's alpha; 0 ranks by raw log_prob).
-
-    Stopping (fairseq's rule, not an exact one): a sentence is done as soon as K hypotheses have
-    finished, or at its max_len. A live hypothesis could still have overtaken the worst finished one
-    (with alpha > 0 a longer one can score better), but proving it cannot would mean searching on
-    to max_len for most sentences.
+    K = config.beam_size. All N*K live hypotheses advance in one decoder call per step (`beam_step`), ranked
+    by the length-normalised `score` (`length_penalty` is GNMT's alpha; 0 ranks by raw log_prob).
+    A sentence stops, and leaves the batch, at the first of: no live hypothesis can overtake its n-best
+    (`cannot_be_overtaken`, exact); K of its hypotheses have finished (fairseq's rule, not exact: with
+    alpha > 0 a longer live one could still score better); its max_len; no hypothesis left alive.
     """
-    beam_size, length_penalty = config.beam_size, config.length_penalty
+    beam_size, alpha = config.beam_size, config.length_penalty
     if src.size(0) == 0:
         return []
-    src_mask = src != pad  # (B, S)
-    memory = model.encode(src)  # (B, S, D), once; the decoder projects it once into the state
-    limits = make_limits(src_mask, prefix, pad=pad, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
-                         max_positions=model.config.max_positions)
-    batch, device = src.size(0), src.device
-    state = model.new_state()
-    sentence = torch.arange(batch, device=device)  # (N,) input index of each live sentence
-    tokens = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)  # (N, K_cur, T)
-    scores = torch.zeros(batch, 1, device=device)  # (N, K_cur)
-    num_finished = torch.zeros(batch, dtype=torch.long, device=device)  # (N,)
-    # (N, nbest) scores of the best finished hypotheses, best first; float64 as Hypothesis.score is.
-    best_finished = torch.full((batch, config.nbest), NEG_INF, dtype=torch.float64, device=device)
-    tgt_in = torch.full((batch, 1), bos, dtype=torch.long, device=device)  # (N*K_cur, 1)
-    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    ids = SpecialIds(bos=bos, eos=eos, pad=pad)
+    live = Live.start(model, src, config, ids=ids, prefix=prefix)
+    finished: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
 
     while True:
-        live, k_cur, step = tokens.shape
-        logits, normalizer = step_logits(model, tgt_in, memory, src_mask, state)  # (N*K_cur, V), (N*K_cur,)
-        constrain_(logits.view(live, k_cur, -1), tokens, limits, bos=bos, eos=eos, pad=pad, min_len=config.min_len,
+        n, k_cur, step = live.tokens.shape
+        logits, normalizer = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N*K_cur, V)
+        constrain_(logits.view(n, k_cur, -1), live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
         top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K): the 2K best are among them
-        cand_log_probs = (top_logits - normalizer[:, None]).view(live, k_cur, -1)
-        cand = beam_step(scores, cand_log_probs, tokens=top_tokens.view(live, k_cur, -1), beam_size=beam_size,
-                         eos=eos)
-        _collect_finished(finished, cand, tokens, sentence, beam_size=beam_size, alpha=length_penalty)
+        cand_log_probs = (top_logits - normalizer[:, None]).view(n, k_cur, -1)
+        cand = beam_step(live.scores, cand_log_probs, tokens=top_tokens.view(n, k_cur, -1), beam_size=beam_size,
+                         eos=ids.eos)
+        _collect_finished(finished, cand, live, beam_size=beam_size, alpha=alpha)
 
-        num_finished = (num_finished + cand.finished.sum(dim=1)).clamp(max=beam_size)
+        live.num_finished = (live.num_finished + cand.finished.sum(dim=1)).clamp(max=beam_size)
         now_finished = cand.cand_scores.double().masked_fill(~cand.finished, NEG_INF)  # (N, 2K)
-        now_finished = cast(Tensor, length_normalize(now_finished, step + 1, alpha=length_penalty))
-        best_finished = torch.cat((best_finished, now_finished), dim=1).topk(config.nbest, dim=1).values
-        done = ((num_finished >= beam_size) | (limits.max_len <= step) | cand.next_scores[:, 0].isneginf()
-                | cannot_be_overtaken(best_finished[:, -1], cand.next_scores[:, 0], limits.max_len,
-                                      alpha=length_penalty))
+        now_finished = cast(Tensor, length_normalize(now_finished, step + 1, alpha=alpha))
+        live.best_finished = torch.cat((live.best_finished, now_finished), dim=1).topk(config.nbest, dim=1).values
+        best_live = cand.next_scores[:, 0]  # (N,)
+        done = ((live.num_finished >= beam_size) | (live.limits.max_len <= step) | best_live.isneginf()
+                | cannot_be_overtaken(live.best_finished[:, -1], best_live, live.limits.max_len, alpha=alpha))
         keep = (~done).nonzero()[:, 0]  # (N',)
         if keep.numel() == 0:
             break
-        rows = (keep[:, None] * k_cur + cand.next_beams.index_select(0, keep)).view(-1)  # (N'*K,) rows to go on
-        dropped = keep.numel() < live
-        # Only rows of sentences still decoded; memory stays one row per sentence (the beams share it).
-        state = state.reorder(rows, sentences=keep if dropped else None)
-        if dropped:
-            memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
-        next_tokens = cand.next_tokens.index_select(0, keep)  # (N', K)
-        tokens = torch.cat((tokens.view(live * k_cur, step)[rows], next_tokens.view(-1, 1)), dim=1)
-        tokens = tokens.view(keep.numel(), beam_size, step + 1)
-        scores = cand.next_scores.index_select(0, keep)
-        sentence, num_finished, limits = sentence[keep], num_finished[keep], limits.select(keep)
-        best_finished = best_finished[keep]
-        tgt_in = next_tokens.view(-1, 1)
+        live = live.advance(cand.next_tokens, cand.next_scores, beams=cand.next_beams, keep=keep)
 
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
 
@@ -491,19 +522,18 @@ def cannot_be_overtaken(worst_kept: Tensor, best_live: Tensor, max_len: Tensor, 
 
 
 def _collect_finished(
-    finished: list[list[Hypothesis]], cand: BeamStep, tokens: Tensor, sentence: Tensor, *, beam_size: int,
-    alpha: float,
+    finished: list[list[Hypothesis]], cand: BeamStep, live: Live, *, beam_size: int, alpha: float
 ) -> None:
     """Append this step's complete hypotheses, best first, until a sentence has K (bookkeeping only)."""
     where = cand.finished.nonzero()  # (F, 2) row-major: within a sentence, in rank order
     if where.numel() == 0:
         return
-    live, k_cur, step = tokens.shape
+    n, k_cur, step = live.tokens.shape
     at, rank = where.unbind(dim=1)
     rows = at * k_cur + cand.cand_beams[at, rank]
-    hyp_tokens = tokens.view(live * k_cur, step)[rows].tolist()
+    hyp_tokens = live.tokens.view(n * k_cur, step)[rows].tolist()
     log_probs = cand.cand_scores[at, rank].tolist()
-    for i, toks, log_prob in zip(sentence[at].tolist(), hyp_tokens, log_probs, strict=True):
+    for i, toks, log_prob in zip(live.sentence[at].tolist(), hyp_tokens, log_probs, strict=True):
         if len(finished[i]) < beam_size:
             score = length_normalize(log_prob, step + 1, alpha=alpha)
             finished[i].append(Hypothesis(tokens=toks, score=float(score), log_prob=log_prob))
@@ -511,13 +541,7 @@ def _collect_finished(
 
 @torch.inference_mode()
 def greedy(
-    model: EncoderDecoder[Any],
-    src: Tensor,
-    config: SearchConfig,
-    *,
-    bos: int,
-    eos: int,
-    pad: int,
+    model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
     prefix: Sequence[Sequence[int]] | None = None,
 ) -> list[Hypothesis]:
     """The most likely next token at every step; one hypothesis per source sentence (B, S).
@@ -528,20 +552,13 @@ def greedy(
         best, token = top_k_rows(logits, 1)
         return token[:, 0], best[:, 0] - normalizer
 
-    return _one_per_row(model, src, config, pick=pick, bos=bos, eos=eos, pad=pad, prefix=prefix)
+    return _one_per_row(model, src, config, pick=pick, ids=SpecialIds(bos=bos, eos=eos, pad=pad), prefix=prefix)
 
 
 @torch.inference_mode()
 def sample(
-    model: EncoderDecoder[Any],
-    src: Tensor,
-    config: SearchConfig,
-    *,
-    bos: int,
-    eos: int,
-    pad: int,
-    prefix: Sequence[Sequence[int]] | None = None,
-    generator: torch.Generator | None = None,
+    model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
+    prefix: Sequence[Sequence[int]] | None = None, generator: torch.Generator | None = None,
 ) -> list[Hypothesis]:
     """Draw each next token from the model's distribution: tempered, then top-k, then top-p (nucleus).
 
@@ -556,66 +573,46 @@ def sample(
         token = torch.multinomial(filtered.exp(), 1, generator=generator)[:, 0]
         return token, log_probs.gather(1, token[:, None])[:, 0]
 
-    return _one_per_row(model, src, config, pick=pick, bos=bos, eos=eos, pad=pad, prefix=prefix)
+    return _one_per_row(model, src, config, pick=pick, ids=SpecialIds(bos=bos, eos=eos, pad=pad), prefix=prefix)
 
 
 def _one_per_row(
-    model: EncoderDecoder[Any],
-    src: Tensor,
-    config: SearchConfig,
-    *,
-    pick: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
-    bos: int,
-    eos: int,
-    pad: int,
-    prefix: Sequence[Sequence[int]] | None,
+    model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, ids: SpecialIds,
+    prefix: Sequence[Sequence[int]] | None, pick: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
 ) -> list[Hypothesis]:
     """Greedy and sampling: one hypothesis per sentence; `pick` chooses from the constrained logits and
     their normaliser, and gives each row's token and its log-probability."""
     if src.size(0) == 0:
         return []
-    src_mask = src != pad  # (B, S)
-    memory = model.encode(src)  # (B, S, D)
-    limits = make_limits(src_mask, prefix, pad=pad, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
-                         max_positions=model.config.max_positions)
-    batch, device = src.size(0), src.device
-    state = model.new_state()
-    sentence = torch.arange(batch, device=device)  # (N,) input index of each row
-    tokens = torch.zeros(batch, 0, dtype=torch.long, device=device)  # (N, T)
-    log_prob = torch.zeros(batch, device=device)  # (N,)
-    live = torch.ones(batch, dtype=torch.bool, device=device)  # (N,) rows not finished yet
-    num_live = batch
-    tgt_in = torch.full((batch, 1), bos, dtype=torch.long, device=device)
+    live = Live.start(model, src, config, ids=ids, prefix=prefix)
+    num_live = src.size(0)
     results: dict[int, Hypothesis] = {}
 
     while True:
-        logits, normalizer = step_logits(model, tgt_in, memory, src_mask, state)  # (N, V), (N,)
-        constrain_(logits[:, None], tokens[:, None], limits, bos=bos, eos=eos, pad=pad, min_len=config.min_len,
+        logits, normalizer = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N, V), (N,)
+        constrain_(logits[:, None], live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
-        if num_live < live.numel():
+        unfinished = live.num_finished == 0  # (N,)
+        if num_live < unfinished.numel():
             # A finished row's constraints may ban every token, and multinomial cannot draw from none.
-            logits.masked_fill_(~live[:, None], 0.0)
+            logits.masked_fill_(~unfinished[:, None], 0.0)
         next_token, next_log_prob = pick(logits, normalizer)  # (N,), (N,)
-        log_prob = log_prob + next_log_prob
-        done = (next_token == eos) & live  # at max_len EOS is the only choice left
+        log_prob = live.scores[:, 0] + next_log_prob  # (N,)
+        done = (next_token == ids.eos) & unfinished  # at max_len EOS is the only choice left
+        keep = None
         if done.any():
-            for i, toks, lp in zip(sentence[done].tolist(), tokens[done].tolist(), log_prob[done].tolist(),
-                                   strict=True):
+            for i, toks, lp in zip(live.sentence[done].tolist(), live.tokens[done, 0].tolist(),
+                                   log_prob[done].tolist(), strict=True):
                 results[i] = Hypothesis(tokens=toks, score=lp, log_prob=lp)
-            live = live & ~done
-            num_live = int(live.sum())
+            live.num_finished += done
+            num_live -= int(done.sum())
             if num_live == 0:
                 break
             # Finished rows ride along (one row of wasted compute each) until a quarter of the rows
             # are finished: dropping rows copies every remaining row's cache, which costs far more
             # than a few rows of compute when it happens at every step.
-            if num_live <= 0.75 * live.numel():
-                keep = live.nonzero()[:, 0]
-                state = state.reorder(keep, sentences=keep)
-                memory, src_mask, limits = memory[keep], src_mask[keep], limits.select(keep)
-                sentence, tokens, log_prob, next_token = sentence[keep], tokens[keep], log_prob[keep], next_token[keep]
-                live = live[keep]
-        tokens = torch.cat((tokens, next_token[:, None]), dim=1)
-        tgt_in = next_token[:, None]
+            if num_live <= 0.75 * done.numel():
+                keep = (live.num_finished == 0).nonzero()[:, 0]
+        live = live.advance(next_token[:, None], log_prob[:, None], keep=keep)
 
-    return [results[i] for i in range(batch)]
+    return [results[i] for i in range(src.size(0))]

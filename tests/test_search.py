@@ -12,6 +12,7 @@ from seq2seq.search import (
     Hypothesis,
     Limits,
     SearchConfig,
+    SpecialIds,
     beam_search,
     beam_step,
     constrain_,
@@ -334,9 +335,9 @@ def test_constrain_in_place_follows_the_rules(step, min_len, ngram):
     limits = Limits(max_len=torch.tensor([9, step, 9, step + 2]),
                     prefix=torch.tensor([[PAD] * 6, [PAD] * 6, [5, 6, 7, 8, 5, 6], [8] * 6]),
                     prefix_len=torch.tensor([0, 0, 6, step + 1]))
-    options = {"bos": BOS, "eos": EOS, "pad": PAD, "min_len": min_len, "no_repeat_ngram_size": ngram}
-    expected = constrain_reference(log_probs, tokens, limits, **options)
-    out = constrain_(log_probs.clone(), tokens, limits, **options)
+    options = {"min_len": min_len, "no_repeat_ngram_size": ngram}
+    expected = constrain_reference(log_probs, tokens, limits, **IDS, **options)
+    out = constrain_(log_probs.clone(), tokens, limits, ids=SpecialIds(**IDS), **options)
     assert torch.equal(out, expected)
 
 
