@@ -10,7 +10,8 @@ The special ids are fixed here, not read from a model file, so every part of the
     EOS_ID = 3   ends every decoder output
 
 `Tokenizer.to_bytes()` is the serialized sentencepiece model proto, so a checkpoint can carry
-the tokenizer and inference needs no side file.
+the tokenizer and inference needs no side file. `Tokenizer.load_or_train(path, texts, ...)` is the
+model file a training run works with: loaded if it exists, else trained (by one process) and written.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from __future__ import annotations
 import io
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import sentencepiece as spm
+from filelock import FileLock
 
 PAD_ID = 0
 UNK_ID = 1
@@ -95,6 +99,50 @@ class Tokenizer:
                 f"{_first_line(e)}"
             ) from e
         return cls.from_bytes(model.getvalue())
+
+    @classmethod
+    def load_or_train(
+        cls,
+        path: str | os.PathLike,
+        texts: Callable[[], Iterable[str]],
+        *,
+        vocab_size: int,
+        model_type: str = "bpe",
+        character_coverage: float = 1.0,
+        max_sentences: int = 2_000_000,
+        seed: int = 0,
+    ) -> Tokenizer:
+        """The model at `path`; if there is none, one trained on `texts()` (options: `train`), written there.
+
+        Processes that call this at once (DDP ranks) share the work: one trains, under a file lock beside
+        `path`, while the others wait, then all load the one model. `texts` is a function so that the
+        corpus is read only when a model must be trained; what it raises passes through unchanged.
+        What fails here is raised as a TokenizerFileError, whose `step` says what: the caller words the
+        message, as it knows which of its options named `path` and what the texts were.
+        """
+        path = Path(path)
+        if not path.is_file():
+            with _failing("write", path, OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                lock = FileLock(f"{path}.lock")
+                lock.acquire()
+            try:
+                if not path.is_file():  # unless another process trained it while we waited
+                    lines = texts()
+                    # ValueError: no text, or sentencepiece refusing the options.
+                    with _failing("train", path, ValueError):
+                        tokenizer = cls.train(
+                            lines, vocab_size=vocab_size, model_type=model_type,
+                            character_coverage=character_coverage, max_sentences=max_sentences, seed=seed,
+                        )  # fmt: skip
+                    partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")
+                    with _failing("write", path, OSError):
+                        tokenizer.save(partial_path)
+                        os.replace(partial_path, path)  # atomic: nobody reads a half-written model
+            finally:
+                lock.release()
+        with _failing("load", path, (OSError, ValueError)):
+            return cls.from_file(path)
 
     @classmethod
     def from_bytes(cls, b: bytes) -> Tokenizer:
@@ -177,6 +225,27 @@ class Tokenizer:
     @property
     def eos_id(self) -> int:
         return EOS_ID
+
+
+class TokenizerFileError(Exception):
+    """What `Tokenizer.load_or_train` could not do: `write` the model file at `path` (its folder, its lock
+    or the model: `error` is the OSError), `train` a model (sentencepiece's ValueError), or `load` the
+    model that is there (an OSError, or a ValueError for bytes that are no model)."""
+
+    def __init__(self, step: Literal["write", "train", "load"], path: Path, error: Exception) -> None:
+        super().__init__(f"cannot {step} the tokenizer model {path}: {error}")
+        self.step, self.path, self.error = step, path, error
+
+
+@contextmanager
+def _failing(
+    step: Literal["write", "train", "load"], path: Path, errors: type[Exception] | tuple[type[Exception], ...]
+) -> Iterator[None]:
+    """`errors` raised inside, as a TokenizerFileError of `step`."""
+    try:
+        yield
+    except errors as error:
+        raise TokenizerFileError(step, path, error) from error
 
 
 def _first_line(error: Exception) -> str:

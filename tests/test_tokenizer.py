@@ -3,7 +3,7 @@ import pickle
 import pytest
 import sentencepiece as spm
 
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, _reservoir_sample
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerFileError, _reservoir_sample
 
 
 def test_special_ids_are_fixed(tokenizer: Tokenizer) -> None:
@@ -95,3 +95,39 @@ def test_rejects_a_model_with_other_special_ids(tmp_path, multi30k_lines) -> Non
     spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(prefix), vocab_size=300, minloglevel=2)
     with pytest.raises(ValueError, match="pad/unk/bos/eos"):
         Tokenizer.from_file(f"{prefix}.model")
+
+
+def test_load_or_train_trains_once_and_reads_the_texts_only_then(tmp_path, multi30k_lines) -> None:
+    texts, reads = multi30k_lines("val", "en"), []
+
+    def read() -> list[str]:
+        reads.append(len(texts))
+        return texts
+
+    path = tmp_path / "sub" / "m.model"
+    first = Tokenizer.load_or_train(path, read, vocab_size=500, seed=1)
+    again = Tokenizer.load_or_train(path, read, vocab_size=500, seed=1)
+    assert len(reads) == 1 and first.to_bytes() == again.to_bytes() == path.read_bytes()
+    assert first.to_bytes() == Tokenizer.train(texts, vocab_size=500, seed=1).to_bytes()
+    assert not list(path.parent.glob("*.partial"))
+
+
+def test_load_or_train_says_which_step_failed(tmp_path) -> None:
+    (tmp_path / "a_file").write_text("in the way", encoding="utf-8")
+    steps = {
+        "write": (tmp_path / "a_file" / "m.model", OSError),
+        "train": (tmp_path / "blank.model", ValueError),  # only blank lines to train on
+        "load": (tmp_path / "bad.model", ValueError),  # bytes that are no model
+    }
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    for step, (path, error) in steps.items():
+        with pytest.raises(TokenizerFileError) as failed:
+            Tokenizer.load_or_train(path, lambda: ["", " "], vocab_size=500)
+        assert (failed.value.step, failed.value.path) == (step, path)
+        assert isinstance(failed.value.error, error)
+
+    def unreadable() -> list[str]:
+        raise LookupError("the corpus is gone")
+
+    with pytest.raises(LookupError, match="the corpus is gone"):  # the texts' own errors pass through
+        Tokenizer.load_or_train(tmp_path / "other.model", unreadable, vocab_size=500)

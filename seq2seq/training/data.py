@@ -27,22 +27,21 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from enum import IntEnum
 from functools import partial
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import datasets
 import lightning as L
 import numpy as np
 import torch
-from filelock import FileLock
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
 from seq2seq.batching import TokenBatchSampler, collate
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.tokenizer import Tokenizer, TokenizerFileError
 
 log = logging.getLogger(__name__)
 
@@ -189,20 +188,30 @@ def _select_pair(ds: datasets.Dataset, *, src_lang: str, tgt_lang: str, where: s
 
 # ---- tokenising and filtering -------------------------------------------------------------------
 
-# What becomes of a pair; stored per row by the tokenising map, counted, then filtered on.
-KEEP, EMPTY, TOO_LONG, BAD_RATIO, TRUNCATED = 0, 1, 2, 3, 4
-_KEPT = (KEEP, TRUNCATED)  # TRUNCATED: evaluation only, kept but cut to max_tokens_per_sentence
+
+class Status(IntEnum):
+    """What becomes of a pair; stored per row by the tokenising map (an int8 column: the values are
+    part of every cached split, so they never change), counted with np.bincount, then filtered on."""
+
+    KEEP = 0
+    EMPTY = 1  # training: a side without tokens; evaluation: a source without (it has no keys)
+    TOO_LONG = 2  # training: a side over max_tokens_per_sentence
+    BAD_RATIO = 3  # training: one side over max_length_ratio times the other
+    TRUNCATED = 4  # evaluation only: kept, but cut to max_tokens_per_sentence
 
 
-def _status(src: int, tgt: int, *, max_len: int, max_ratio: float, evaluation: bool) -> int:
+_KEPT = (Status.KEEP, Status.TRUNCATED)
+
+
+def _status(src: int, tgt: int, *, max_len: int, max_ratio: float, evaluation: bool) -> Status:
     """The fate of a pair of `src` and `tgt` tokens."""
     if evaluation:  # scores must cover every reference: cut, don't drop; but an empty source has no keys
-        return EMPTY if src == 0 else TRUNCATED if max(src, tgt) > max_len else KEEP
+        return Status.EMPTY if src == 0 else Status.TRUNCATED if max(src, tgt) > max_len else Status.KEEP
     if src == 0 or tgt == 0:
-        return EMPTY
+        return Status.EMPTY
     if max(src, tgt) > max_len:
-        return TOO_LONG
-    return BAD_RATIO if max(src, tgt) > max_ratio * min(src, tgt) else KEEP
+        return Status.TOO_LONG
+    return Status.BAD_RATIO if max(src, tgt) > max_ratio * min(src, tgt) else Status.KEEP
 
 
 def _tokenize(
@@ -306,91 +315,92 @@ class TranslationDataModule(L.LightningDataModule):
                 f"max_tokens={max_tokens} cannot hold one pair of max_tokens_per_sentence="
                 f"{max_tokens_per_sentence} tokens (+1 for BOS/EOS); raise max_tokens or lower the other"
             )
+        # Every argument, by name, in self.hparams (and so in checkpoints): the methods read them there.
+        # Copied to attributes only where other code reads them so: module.py (the languages), fit.py.
         self.save_hyperparameters()
         self.src_lang, self.tgt_lang, self.tokenizer_path = src_lang, tgt_lang, tokenizer_path
-        self.tokenizer_vocab_size, self.tokenizer_model_type = vocab_size, tokenizer_model_type
-        self.character_coverage, self.tokenizer_max_sentences = character_coverage, tokenizer_max_sentences
-        self.hf_name, self.hf_config, self.hf_data_dir = hf_name, hf_config, hf_data_dir
-        self.splits = {"train": train_split, "valid": valid_split, "test": test_split}
-        self.files = {"train": train_files, "valid": valid_files, "test": test_files}
-        self.max_tokens_per_sentence, self.max_length_ratio = max_tokens_per_sentence, max_length_ratio
-        self.max_tokens, self.shuffle_window, self.seed = max_tokens, shuffle_window, seed
-        self.num_workers, self.num_proc, self.cache_dir = num_workers, num_proc, cache_dir
+        self.max_tokens_per_sentence = max_tokens_per_sentence
         self._tokenizer: Tokenizer | None = None
         self.datasets: dict[str, datasets.Dataset] = {}  # "train"/"valid"/"test": tokenised, filtered
         self.sizes: dict[str, np.ndarray] = {}  # (N,) padded positions of each pair in `datasets`
         self.reported: set[str] = set()  # splits whose counts were shown (prepare_data, then setup, build each)
 
-    @property
-    def tokenizer(self) -> Tokenizer:
+    # ---- the tokenizer --------------------------------------------------------------------------
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The tokenizer at tokenizer_path, loaded once. If the file is missing, one is trained on the
+        training split first and written there (minutes on WMT): by one process, the others waiting."""
         if self._tokenizer is None:
-            path = Path(self.tokenizer_path)
-            if not path.is_file():
-                with self._writing_tokenizer(path):  # errors writing there; reading the data's are its own
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    lock = FileLock(f"{path}.lock")
-                    lock.acquire()
-                try:
-                    if not path.is_file():  # unless another process trained it while we waited
-                        self._train_tokenizer(path)
-                finally:
-                    lock.release()
-            try:
-                self._tokenizer = Tokenizer.from_file(path)
-            except (OSError, ValueError) as error:
-                raise DataError(f"data.tokenizer_path: {path} is not a usable sentencepiece model ({error}); "
-                                "delete it to train a new one") from None
+            self._tokenizer = self._load_or_train_tokenizer()
         return self._tokenizer
 
-    def _train_tokenizer(self, path: Path) -> None:
-        start, raw = time.perf_counter(), self._load_raw("train")
-        try:
-            tokenizer = Tokenizer.train(
-                (text for batch in raw.iter(batch_size=10_000) for text in batch["src"] + batch["tgt"]),
-                vocab_size=self.tokenizer_vocab_size,
-                model_type=self.tokenizer_model_type,
-                character_coverage=self.character_coverage,
-                max_sentences=self.tokenizer_max_sentences,
-                seed=self.seed,
-            )
-        except ValueError as error:  # no text, or sentencepiece refusing the options
-            where = f"train_files={self.files['train']}" if self.files["train"] else f"hf_name={self.hf_name!r}"
-            raise DataError(f"cannot train the tokenizer on {where}: {error}") from None
-        partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        with self._writing_tokenizer(path):
-            tokenizer.save(partial_path)
-            os.replace(partial_path, path)  # atomic: nobody reads a half-written model
-        _info(f"trained {path} on {raw.num_rows} pairs in {time.perf_counter() - start:.1f}s")
-
-    @contextmanager
-    def _writing_tokenizer(self, path: Path) -> Iterator[None]:
-        try:
-            yield
-        except OSError as error:
-            raise DataError(f"data.tokenizer_path: cannot write {path} ({os_reason(error)}); choose a folder "
-                            "you can write to, or fix its permissions") from None
+    # Attributes because they are read as attributes: LightningCLI's link of `data.vocab_size` to the
+    # model's (fit.py) reads `vocab_size` as soon as it has built this object, before the model and before
+    # any hook of ours, so that is when a missing tokenizer is trained; module.py and fit.py read
+    # `tokenizer`. Both are load_tokenizer, which the data module's own code calls by name (in _build).
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.load_tokenizer()
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+        return self.load_tokenizer().vocab_size
+
+    def _load_or_train_tokenizer(self) -> Tokenizer:
+        hp, path = self.hparams, Path(self.tokenizer_path)
+        read: dict[str, Any] = {}  # if a tokenizer is trained here: when reading began, what was read
+
+        def training_text() -> Iterator[str]:
+            read["start"], read["raw"] = time.perf_counter(), self._load_raw("train")
+            batches = read["raw"].iter(batch_size=10_000)
+            return (text for batch in batches for text in batch["src"] + batch["tgt"])
+
+        try:
+            tokenizer = Tokenizer.load_or_train(
+                path, training_text, vocab_size=hp["vocab_size"], model_type=hp["tokenizer_model_type"],
+                character_coverage=hp["character_coverage"], max_sentences=hp["tokenizer_max_sentences"],
+                seed=hp["seed"],
+            )  # fmt: skip
+        except TokenizerFileError as failed:
+            raise self._tokenizer_error(failed) from None
+        if read:
+            seconds = time.perf_counter() - read["start"]
+            _info(f"trained {path} on {read['raw'].num_rows} pairs in {seconds:.1f}s")
+        return tokenizer
+
+    def _tokenizer_error(self, failed: TokenizerFileError) -> DataError:
+        """The failure in the words of our options: data.tokenizer_path, where the training text is from."""
+        path, error = failed.path, failed.error
+        if failed.step == "train":
+            train_files = self.hparams["train_files"]
+            where = f"train_files={train_files}" if train_files else f"hf_name={self.hparams['hf_name']!r}"
+            return DataError(f"cannot train the tokenizer on {where}: {error}")
+        if failed.step == "load":
+            return DataError(f"data.tokenizer_path: {path} is not a usable sentencepiece model ({error}); "
+                             "delete it to train a new one")
+        assert isinstance(error, OSError)  # the one error of a write
+        return DataError(f"data.tokenizer_path: cannot write {path} ({os_reason(error)}); choose a folder "
+                         "you can write to, or fix its permissions")
 
     # ---- splits ---------------------------------------------------------------------------------
 
     def _has(self, split: str) -> bool:
-        return self.files[split] is not None or (self.hf_name is not None and self.splits[split] is not None)
+        hp = self.hparams
+        from_hub = hp["hf_name"] is not None and hp[f"{split}_split"] is not None
+        return hp[f"{split}_files"] is not None or from_hub
 
     def _load_raw(self, split: str) -> datasets.Dataset:
         """The split as `src`/`tgt` text columns, as read."""
-        option = f"{split}_files"
-        files = self.files[split]
+        hp, option = self.hparams, f"{split}_files"
+        files, hf_name, hf_split = hp[option], hp["hf_name"], hp[f"{split}_split"]
         if files is not None:
-            ds, where = _load_files(files, option=option, cache_dir=self.cache_dir), option
-        elif self.hf_name is not None and self.splits[split] is not None:
-            where = f"hf_name={self.hf_name!r} (hf_config={self.hf_config!r}, split {self.splits[split]!r})"
+            ds, where = _load_files(files, option=option, cache_dir=hp["cache_dir"]), option
+        elif hf_name is not None and hf_split is not None:
+            where = f"hf_name={hf_name!r} (hf_config={hp['hf_config']!r}, split {hf_split!r})"
             try:
                 ds = datasets.load_dataset(
-                    self.hf_name, self.hf_config, data_dir=self.hf_data_dir, split=self.splits[split],
-                    cache_dir=self.cache_dir,
+                    hf_name, hp["hf_config"], data_dir=hp["hf_data_dir"], split=hf_split,
+                    cache_dir=hp["cache_dir"],
                 )  # fmt: skip
             except (ValueError, FileNotFoundError, ConnectionError) as e:
                 raise DataError(f"cannot load {where}: {e}") from e
@@ -400,12 +410,9 @@ class TranslationDataModule(L.LightningDataModule):
 
     def _build(self, split: str) -> tuple[datasets.Dataset, np.ndarray]:
         """Tokenise and filter a split (datasets caches both as Arrow); log what was dropped."""
-        raw, evaluation, tokenizer = self._load_raw(split), split != "train", self.tokenizer
-        limits = {
-            "max_len": self.max_tokens_per_sentence,
-            "max_ratio": self.max_length_ratio,
-            "evaluation": evaluation,
-        }
+        raw, evaluation, tokenizer = self._load_raw(split), split != "train", self.load_tokenizer()
+        max_len, max_ratio = self.max_tokens_per_sentence, self.hparams["max_length_ratio"]
+        limits = {"max_len": max_len, "max_ratio": max_ratio, "evaluation": evaluation}
         tokenized = raw.map(
             _tokenize,
             batched=True,
@@ -413,7 +420,7 @@ class TranslationDataModule(L.LightningDataModule):
             fn_kwargs={"tokenizer": tokenizer, **limits},
             remove_columns=[] if evaluation else ["src", "tgt"],  # training needs no text
             features=datasets.Features({**(raw.features if evaluation else {}), **_TOKENIZED}),
-            num_proc=self.num_proc if self.num_proc > 1 else None,
+            num_proc=self.hparams["num_proc"] if self.hparams["num_proc"] > 1 else None,
             # The sentencepiece processor does not hash stably, so name the result ourselves.
             new_fingerprint=datasets.fingerprint.Hasher.hash(
                 [raw._fingerprint, hashlib.sha256(tokenizer.to_bytes()).hexdigest(), limits, "v1"]
@@ -421,15 +428,15 @@ class TranslationDataModule(L.LightningDataModule):
             desc=f"tokenising {split}",
         )
         status = tokenized.data.column("status").to_numpy()
-        counts, kept = np.bincount(status, minlength=5), np.isin(status, _KEPT)
-        reasons = {EMPTY: "with an empty source" if evaluation else "with an empty side"}
+        counts, kept = np.bincount(status, minlength=len(Status)), np.isin(status, _KEPT)
+        reasons = {Status.EMPTY: "with an empty source" if evaluation else "with an empty side"}
         if not evaluation:
-            reasons[TOO_LONG] = f"with a side over max_tokens_per_sentence={self.max_tokens_per_sentence}"
-            reasons[BAD_RATIO] = f"with a length ratio over max_length_ratio={self.max_length_ratio}"
+            reasons[Status.TOO_LONG] = f"with a side over max_tokens_per_sentence={max_len}"
+            reasons[Status.BAD_RATIO] = f"with a length ratio over max_length_ratio={max_ratio}"
         report = f"{split}: {len(status)} pairs read; " + ", ".join(
             f"dropped {counts[code]} {reason}" for code, reason in reasons.items()
         )
-        report += f"; cut {counts[TRUNCATED]} to max_tokens_per_sentence" if evaluation else ""
+        report += f"; cut {counts[Status.TRUNCATED]} to max_tokens_per_sentence" if evaluation else ""
         report += f"; kept {int(kept.sum())}"
         if not kept.any():
             raise DataError(f"no {split} data left after filtering: {report}")
@@ -455,6 +462,7 @@ class TranslationDataModule(L.LightningDataModule):
     # ---- loaders --------------------------------------------------------------------------------
 
     def _loader(self, split: str) -> DataLoader:
+        hp = self.hparams
         if self.trainer is not None:
             rank, world_size = self.trainer.global_rank, self.trainer.world_size
         elif torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -463,23 +471,23 @@ class TranslationDataModule(L.LightningDataModule):
             rank, world_size = 0, 1
         sampler = TokenBatchSampler(
             self.sizes[split],
-            max_tokens=self.max_tokens,
+            max_tokens=hp["max_tokens"],
             shuffle=split == "train",
-            shuffle_window=self.shuffle_window,
-            seed=self.seed,
+            shuffle_window=hp["shuffle_window"],
+            seed=hp["seed"],
             rank=rank,
             world_size=world_size,
         )
         kwargs: dict[str, Any] = {
             "batch_sampler": sampler,
             "collate_fn": partial(collate, with_text=split != "train"),
-            "num_workers": self.num_workers,
-            "persistent_workers": self.num_workers > 0,
+            "num_workers": hp["num_workers"],
+            "persistent_workers": hp["num_workers"] > 0,
             # Its own generator: a DataLoader draws its workers' base seed from torch's global RNG at
             # every iter(), which would shift the dropout masks of a resumed run against an unbroken one.
-            "generator": torch.Generator().manual_seed(self.seed),
+            "generator": torch.Generator().manual_seed(hp["seed"]),
         }
-        if self.num_workers > 0:
+        if hp["num_workers"] > 0:
             # Started fresh (fork + exec), not forked from this process: CPython 3.11 can fork while
             # another of its threads (a loader's queue feeder, tqdm's monitor, gloo's) holds a lock the
             # child then waits on forever (seen: a 2-process DDP run stuck for 10 minutes in
@@ -491,14 +499,10 @@ class TranslationDataModule(L.LightningDataModule):
         if split == "train" and self.trainer is not None:
             # The epoch the loop will train next (restored on a resume), before Lightning's first iter():
             # worker processes start fetching at iter(), before Lightning calls set_epoch.
-            sampler.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
-            return ResumableLoader(self.datasets[split], batches_done=self._batches_trained, **kwargs)
+            sampler.set_epoch(_loop_progress(self.trainer, "epochs"))
+            batches_done = partial(_loop_progress, self.trainer, "batches")
+            return ResumableLoader(self.datasets[split], batches_done=batches_done, **kwargs)
         return DataLoader(self.datasets[split], **kwargs)
-
-    def _batches_trained(self) -> int:
-        assert self.trainer is not None
-        # Typed as the base tracker; at run time a _ProcessedTracker (Lightning's loops/progress.py).
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")
@@ -508,3 +512,15 @@ class TranslationDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test")
+
+
+def _loop_progress(trainer: L.Trainer, counter: Literal["epochs", "batches"]) -> int:
+    """Epochs the fit loop has trained (the one it trains next; restored on a resume), or batches trained
+    of the current epoch. Private loop state, read only here: Lightning has no public count of either
+    (`trainer.current_epoch` is the `completed` count, which a resume updates only after the loader is
+    built); this `processed` count is what lightning/pytorch/loops/fit_loop.py hands to set_epoch itself.
+    Both trackers are typed as their base class; at run time they are a _ProcessedTracker (loops/progress.py).
+    """
+    loop = trainer.fit_loop
+    progress = loop.epoch_progress if counter == "epochs" else loop.epoch_loop.batch_progress
+    return progress.current.processed  # type: ignore[attr-defined]

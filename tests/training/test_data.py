@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
+import datasets
 import lightning as L
 import numpy as np
 import pyarrow as pa
@@ -16,7 +17,7 @@ import torch
 
 from seq2seq.batching import TokenBatchSampler, collate
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from seq2seq.training.data import DataError, TranslationDataModule
+from seq2seq.training.data import DataError, Status, TranslationDataModule
 
 
 def small(tmp_path: Path, tokenizer_path: str, **kwargs) -> TranslationDataModule:
@@ -385,6 +386,12 @@ def test_filters_count_what_they_drop(
     assert dm.datasets["valid"]["tgt"][2] == long_en  # the reference stays whole
 
 
+def test_status_values_are_those_stored_in_cached_splits() -> None:
+    assert {status.name: int(status) for status in Status} == {
+        "KEEP": 0, "EMPTY": 1, "TOO_LONG": 2, "BAD_RATIO": 3, "TRUNCATED": 4
+    }
+
+
 def test_nothing_left_after_filtering(tmp_path: Path, tokenizer_path: str) -> None:
     files = [
         write_lines(tmp_path / "t.de", ["Ein Hund läuft schnell."]),
@@ -503,9 +510,10 @@ def test_lightning_ddp_gives_ranks_disjoint_equal_shares(
 
 
 class CountingDataModule(TranslationDataModule):
-    def _train_tokenizer(self, path: Path) -> None:
-        Path(f"{path}.trained-by-{os.getpid()}").touch()
-        super()._train_tokenizer(path)
+    def _load_raw(self, split: str) -> datasets.Dataset:
+        # Nothing is set up here, so the training split is read only to train the tokenizer on.
+        Path(f"{self.tokenizer_path}.trained-by-{os.getpid()}").touch()
+        return super()._load_raw(split)
 
 
 def _vocab_size_in_a_process(tokenizer_path: str, files: list[str], cache_dir: str) -> int:
