@@ -5,22 +5,22 @@ PowerEMA: an exponential moving average of the weights whose horizon grows with 
 the first, random updates fade out on their own (Lightning's EMAWeightAveraging has a fixed decay:
 with 0.999 over a 3,300-update run, the weights of the first 300 updates keep ~5% of the average).
 
-TuneLengthPenalty: at the end of training, the best checkpoint's length penalty is chosen on the
-validation set and stored in that checkpoint as the translation default, so that
-`python -m seq2seq.translate` (and Translator, and the server) use it without being told.
+TuneLengthPenalty: at the end of training, names the best checkpoint and the validation set, on which
+`python -m seq2seq.fit` then chooses the length penalty (seq2seq/tune.py) and stores it in that
+checkpoint as the translation default, so that `python -m seq2seq.translate` (and Translator, and the
+server) use it without being told. Training only says what to tune: decoding is inference's.
 """
 
 from __future__ import annotations
 
-import sacrebleu
+from dataclasses import dataclass
+
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
 from torch import Tensor
 
-from seq2seq.checkpoint import CheckpointError, store_search_defaults
 from seq2seq.search import SearchConfig
-from seq2seq.translator import Translator
 
 
 class PowerAverage:
@@ -49,15 +49,16 @@ class PowerEMA(WeightAveraging):
         super().__init__(multi_avg_fn=PowerAverage(gamma))
 
 
-def choose_length_penalty(translator: Translator, sources: list[str], references: list[str], *, beam_size: int,
-                          length_penalties: list[float]) -> tuple[float, dict[float, float]]:
-    """The length penalty with the highest corpus BLEU on (sources, references), the first on a tie; and
-    every penalty's BLEU."""
-    scores = {}
-    for alpha in length_penalties:
-        hypotheses = translator.translate(sources, SearchConfig(beam_size=beam_size, length_penalty=alpha))
-        scores[alpha] = sacrebleu.metrics.BLEU().corpus_score(hypotheses, [references]).score
-    return max(scores, key=lambda alpha: scores[alpha]), scores
+@dataclass(frozen=True)
+class TuningRequest:
+    """What TuneLengthPenalty asks seq2seq/tune.py to do once training has ended."""
+
+    checkpoint: str
+    sources: list[str]
+    references: list[str]
+    beam_size: int
+    length_penalties: list[float]
+    device: str
 
 
 class TuneLengthPenalty(Callback):
@@ -70,8 +71,11 @@ class TuneLengthPenalty(Callback):
         if not length_penalties:
             raise ValueError("TuneLengthPenalty: length_penalties is empty; give at least one value")
         self.beam_size, self.length_penalties = beam_size, list(length_penalties)
+        self.request: TuningRequest | None = None  # set at the end of a fit that has something to tune
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Training's part: what to tune on. The decoding is inference's (seq2seq/tune.py), which
+        python -m seq2seq.fit runs with `self.request` once training has ended."""
         if not trainer.is_global_zero or trainer.interrupted:
             return
         checkpoint = trainer.checkpoint_callback
@@ -81,15 +85,6 @@ class TuneLengthPenalty(Callback):
             print("TuneLengthPenalty: no best checkpoint or no validation set; nothing tuned", flush=True)
             return
         # The strategy's device: by on_fit_end Lightning has already moved the module back to the CPU.
-        translator = Translator.from_checkpoint(path, device=trainer.strategy.root_device)
-        best, scores = choose_length_penalty(translator, list(valid["src"]), list(valid["tgt"]),
-                                             beam_size=self.beam_size, length_penalties=self.length_penalties)
-        table = ", ".join(f"{alpha:g}: {bleu:.2f}" for alpha, bleu in scores.items())
-        try:
-            store_search_defaults(path, {"beam_size": self.beam_size, "length_penalty": best})
-        except (OSError, CheckpointError) as error:  # training is saved already: say so, lose nothing
-            print(f"length penalty on validation (beam {self.beam_size}, BLEU): {table}; error: cannot store "
-                  f"{best:g} in {path} ({error}); pass --length-penalty {best:g} when translating", flush=True)
-            return
-        print(f"length penalty on validation (beam {self.beam_size}, BLEU): {table}; "
-              f"{best:g} stored in {path} as the translation default", flush=True)
+        self.request = TuningRequest(checkpoint=path, sources=list(valid["src"]), references=list(valid["tgt"]),
+                                     beam_size=self.beam_size, length_penalties=self.length_penalties,
+                                     device=str(trainer.strategy.root_device))

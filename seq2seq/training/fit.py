@@ -19,17 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-
-# OpenMP threads that finish an operation spin, waiting for the next one: libgomp (torch's OpenMP on
-# Linux) spins 300,000 times before it sleeps. When another program takes a core, the spinning
-# thread burns the time its preempted partner needs, at each of the thousands of operations of a
-# step, and training loses far more than the share of the machine taken. A short spin keeps that
-# share and costs little alone; never spinning (OMP_WAIT_POLICY=PASSIVE) keeps it too but costs a
-# fifth alone (bench/train_load.py; the README has the numbers). Read when the OpenMP runtime
-# loads, so before torch is imported; a wait policy or spin count the user set is kept.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
 import shutil
 import sys
 import tempfile
@@ -322,7 +311,3 @@ def newest_last_checkpoint(trainer: pl.Trainer) -> str | None:
                for path in (callback.last_model_path, callback.best_model_path)
                if path and Path(path).name.startswith("last") and Path(path).is_file()]
     return max(written, key=lambda path: Path(path).stat().st_mtime, default=None)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,5 @@
-"""TuneLengthPenalty: the length penalty chosen on validation and stored as the checkpoint's default."""
+"""Training callbacks: PowerEMA; TuneLengthPenalty, with which python -m seq2seq.fit chooses the length penalty on
+validation and stores it as the checkpoint's default."""
 
 from pathlib import Path
 
@@ -7,33 +8,11 @@ import torch
 from conftest import write_tiny_run
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, load_checkpoint, read_inference
+from seq2seq.fit import main  # the face: it tunes after training
 from seq2seq.model import ConfigError
 from seq2seq.search import SearchConfig
-from seq2seq.training.callbacks import PowerAverage, TuneLengthPenalty, choose_length_penalty
-from seq2seq.training.fit import main
+from seq2seq.training.callbacks import PowerAverage, TuneLengthPenalty
 from seq2seq.translator import Translator
-
-
-class ScriptedTranslator:
-    """Translates every sentence as `outputs[length_penalty]` says, and records the searches asked for."""
-
-    def __init__(self, outputs: dict[float, str]):
-        self.outputs, self.searches = outputs, []
-
-    def translate(self, sources, search: SearchConfig):
-        self.searches.append(search)
-        return [self.outputs[search.length_penalty]] * len(sources)
-
-
-def test_the_penalty_with_the_best_validation_bleu_is_chosen_the_first_on_a_tie():
-    references = ["a man rides a red bicycle down the street"] * 3
-    translator = ScriptedTranslator({0.6: "a man rides", 1.0: "a man rides a red bicycle down the street",
-                                     2.0: "a man rides a red bicycle down the street", 3.0: "a man rides a bike"})
-    best, scores = choose_length_penalty(translator, ["x"] * 3, references, beam_size=4,  # type: ignore[arg-type]
-                                         length_penalties=[0.6, 1.0, 2.0, 3.0])
-    assert best == 1.0 and scores[1.0] == scores[2.0] == pytest.approx(100)
-    assert scores[0.6] < scores[3.0] < 100
-    assert [s.beam_size for s in translator.searches] == [4] * 4
 
 
 @pytest.mark.parametrize("kwargs", [{"beam_size": 0}, {"length_penalties": (-1.0,)}, {"length_penalties": ()}])
@@ -76,7 +55,7 @@ def test_a_tuned_penalty_that_cannot_be_stored_is_reported_and_training_kept(tmp
     def full_disk(path, search):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("seq2seq.training.callbacks.store_search_defaults", full_disk)
+    monkeypatch.setattr("seq2seq.tune.store_search_defaults", full_disk)
     config = write_tiny_run(tmp_path, max_steps=6, train_pairs=100, val_pairs=4)
     main(["--config", str(config), "--trainer.callbacks+=seq2seq.training.callbacks.TuneLengthPenalty",
           "--trainer.callbacks.beam_size=2", "--trainer.callbacks.length_penalties=[1.0]"])
