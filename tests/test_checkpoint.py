@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import write_not_ours
 
+from seq2seq.average import main as average_main
 from seq2seq.checkpoint import (
     CHECKPOINT_KEY,
     CheckpointError,
@@ -370,3 +371,20 @@ def test_the_training_state_is_checksummed_and_kept_so_by_stored_search_defaults
     older = rewrite(path, tmp_path / "format3.ckpt", format_3)
     with pytest.warns(UserWarning, match="format 3 has no checksum of its training state"):
         check_training_state(older, load_checkpoint(older))
+
+
+@pytest.mark.parametrize("name,version", [("format2.ckpt", 2), ("format3.ckpt", 3)])
+def test_checkpoints_written_by_earlier_versions_still_load(name: str, version: int, tmp_path: Path):
+    """Files written by earlier versions of fit (tests/data/README.md), loaded by today's code: checked
+    (format, checksum, shapes, tokenizer), translated with, averaged."""
+    path = REPO / "tests" / "data" / name
+    loaded = load_checkpoint(path)
+    assert loaded[CHECKPOINT_KEY]["format"] == version
+    assert read(path).search == SearchConfig()  # written before tuned defaults were stored
+    translator = Translator.from_checkpoint(path, precision="fp32")
+    assert translator.model.config.d_model == 32 and translator.tokenizer.vocab_size == 600
+    assert len(translator.translate(["Ein Hund läuft.", "", "Zwei Männer."])) == 3
+    averaged = tmp_path / "averaged.ckpt"
+    average_main(["--checkpoints", str(path), str(path), "--output", str(averaged)])
+    assert Translator.from_checkpoint(averaged).model.config == translator.model.config
+
