@@ -20,7 +20,6 @@ Every checkpoint carries what inference needs under the key "seq2seq", written b
 """
 
 import math
-import os
 import time
 from dataclasses import asdict
 from types import SimpleNamespace
@@ -31,16 +30,16 @@ import sacrebleu
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, seal_training_state
 from seq2seq.loss import label_smoothed_nll, training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
-from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_attention, bf16_matmuls
 from seq2seq.search import SearchConfig, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.training.machine import MachineTuning
 from seq2seq.training.resume import RNG_KEY, gather_rng_states, restore_rng_state
 from seq2seq.training.schedule import LinearBudget, LinearToZero, LrSchedule, multiplier
 
@@ -138,12 +137,6 @@ class TranslationModule(L.LightningModule):
     # ---- wiring -------------------------------------------------------------------------------
 
     def setup(self, stage: str) -> None:
-        # Tiny Adam second moments and softmax tails underflow into denormal floats, which x86 CPUs
-        # process many times slower (the AdamW step most of all). Training loses nothing by flushing
-        # them to zero.
-        torch.set_flush_denormal(True)
-        self.warn_if_bf16_is_slow_here()
-        self.choose_attention_precision()
         datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Trainer.fit, not declared
         self.tokenizer = datamodule.tokenizer
         if self.tokenizer.vocab_size != self.config.vocab_size:
@@ -152,36 +145,6 @@ class TranslationModule(L.LightningModule):
                 f"{self.config.vocab_size}; delete the stale tokenizer or the checkpoint you resume from"
             )
         self.src_lang, self.tgt_lang = datamodule.src_lang, datamodule.tgt_lang
-
-    def warn_if_bf16_is_slow_here(self) -> None:
-        """A bf16 precision given for a CPU without bf16 matmul units (auto would not have chosen it)."""
-        device, precision = self.trainer.strategy.root_device, str(self.trainer.precision)
-        chosen_by_auto = os.environ.get(AUTO_TRAINING_PRECISION_ENV) == f"{device.type}={precision}"
-        if device.type != "cpu" or "bf16" not in precision or chosen_by_auto:
-            return
-        matmuls = bf16_matmuls(device, training=True)
-        if not matmuls.bf16:
-            rank_zero_warn(
-                f"trainer.precision={precision} on a CPU whose bf16 matmuls are slower than fp32 ({matmuls.why}): "
-                "a training step there runs up to ~40x slower than in fp32 (bench/train_throughput.py). Use "
-                "--trainer.precision=auto or 32-true on this machine."
-            )
-
-    def choose_attention_precision(self) -> None:
-        """Under autocast, attention in float32 where its low-precision kernels are the slower ones here
-        (MultiHeadAttention.fp32_under_autocast). Rank 0 decides, timing at most once per machine, and
-        every rank follows it: all compute alike."""
-        precision = str(self.trainer.precision)
-        if not precision.endswith("-mixed"):
-            return
-        verdict = None
-        if self.trainer.is_global_zero:
-            verdict = bf16_attention(self.trainer.strategy.root_device, dropout=self.config.attention_dropout > 0)
-        low = bool(self.trainer.strategy.broadcast(verdict is not None and verdict.bf16))
-        self.model.attention_in_fp32_under_autocast(enabled=not low)
-        if verdict is not None:
-            low_name = "bf16" if precision.startswith("bf16") else "fp16"
-            rank_zero_info(f"attention under {precision}: {low_name if low else 'float32'} ({verdict.why})")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this last, after filling checkpoint["state_dict"] (and after callbacks such as
@@ -249,7 +212,8 @@ class TranslationModule(L.LightningModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         # Lightning asks for these before configure_optimizers: the multiplier exists from __init__.
-        return [LinearBudget(self.lr_multiplier)] if isinstance(self.lr_multiplier, LinearToZero) else []
+        budget = [LinearBudget(self.lr_multiplier)] if isinstance(self.lr_multiplier, LinearToZero) else []
+        return [MachineTuning(), *budget]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()

@@ -165,7 +165,7 @@ def test_the_attention_verdict_is_applied_under_autocast(bf16_attention: bool, t
         asked.append((device.type, dropout))
         return Verdict(bf16_attention, "pretended")
 
-    monkeypatch.setattr("seq2seq.training.module.bf16_attention", verdict)
+    monkeypatch.setattr("seq2seq.training.machine.bf16_attention", verdict)
     _, probe = tiny_training(tmp_path, precision="bf16-mixed")
     assert asked == [("cpu", False)] and probe.fp32_attention == {not bf16_attention}
     asked.clear()
