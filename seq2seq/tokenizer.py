@@ -36,6 +36,9 @@ EOS_ID = 3
 class Tokenizer:
     """A sentencepiece model: batched encode/decode without special tokens added."""
 
+    # The special ids, which __init__ checks the model has.
+    pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+
     def __init__(self, processor: spm.SentencePieceProcessor) -> None:
         specials = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
         if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
@@ -210,21 +213,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
-    @property
-    def pad_id(self) -> int:
-        return PAD_ID
-
-    @property
-    def unk_id(self) -> int:
-        return UNK_ID
-
-    @property
-    def bos_id(self) -> int:
-        return BOS_ID
-
-    @property
-    def eos_id(self) -> int:
-        return EOS_ID
 
 
 class TokenizerFileError(Exception):

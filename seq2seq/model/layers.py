@@ -109,12 +109,15 @@ class Residual(nn.Module):
         return self.norm(self.alpha * x + sublayer_out)
 
 
+def attention(config: TransformerConfig) -> MultiHeadAttention:
+    return MultiHeadAttention(d_model=config.d_model, num_heads=config.num_heads,
+                              attention_dropout=config.attention_dropout)
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, config: TransformerConfig, *, alpha: float):
         super().__init__()
-        self.self_attn = MultiHeadAttention(
-            d_model=config.d_model, num_heads=config.num_heads, attention_dropout=config.attention_dropout
-        )
+        self.self_attn = attention(config)
         self.self_attn_residual = Residual(config, alpha=alpha)
         self.ffn = FeedForward(config)
         self.ffn_residual = Residual(config, alpha=alpha)
@@ -133,13 +136,9 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: TransformerConfig, *, alpha: float):
         super().__init__()
-        self.self_attn = MultiHeadAttention(
-            d_model=config.d_model, num_heads=config.num_heads, attention_dropout=config.attention_dropout
-        )
+        self.self_attn = attention(config)
         self.self_attn_residual = Residual(config, alpha=alpha)
-        self.cross_attn = MultiHeadAttention(
-            d_model=config.d_model, num_heads=config.num_heads, attention_dropout=config.attention_dropout
-        )
+        self.cross_attn = attention(config)
         self.cross_attn_residual = Residual(config, alpha=alpha)
         self.ffn = FeedForward(config)
         self.ffn_residual = Residual(config, alpha=alpha)
