@@ -63,8 +63,10 @@ class TuningRequest:
 
 class TuneLengthPenalty(Callback):
     def __init__(self, *, beam_size: int = 5, length_penalties: tuple[float, ...] = (0.6, 1.0, 1.5, 2.0, 2.5, 3.0)):
-        """After fit: decode the validation set with `beam_size` under each of `length_penalties` using the
-        best checkpoint (the first ModelCheckpoint's), and store the best-scoring pair in it."""
+        """Asks for the validation set to be decoded with `beam_size` under each of `length_penalties` with
+        the best checkpoint (the first ModelCheckpoint's) after fit, and the best-scoring pair stored in
+        it: `python -m seq2seq.fit` does it with `request`; a Trainer driven from Python calls
+        seq2seq.tune.tune_length_penalty(**vars(request)) itself."""
         SearchConfig(beam_size=beam_size)  # a ConfigError at start, not after hours of training
         for alpha in length_penalties:
             SearchConfig(length_penalty=alpha)
