@@ -63,13 +63,20 @@ def flag_message(error: ConfigError) -> str:
 def search_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
                   defaults: SearchConfig = DEFAULT_SEARCH) -> SearchConfig:
     """The flags given, over `defaults` (a checkpoint's `translator.search` once it is loaded), as a
-    SearchConfig, or a usage error naming the flag; the device and batch size checked too."""
+    SearchConfig, or a usage error naming the flag."""
     given = {f.name: getattr(args, f.name) for f in fields(SearchConfig)
              if getattr(args, f.name) is not None and getattr(args, f.name) is not False}
     try:
-        search = dataclasses.replace(defaults, **given)
+        return dataclasses.replace(defaults, **given)
     except ConfigError as error:
         parser.error(flag_message(error))
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SearchConfig:
+    """Every flag of add_search_arguments checked before anything is read or loaded (a bad --beam or
+    --device must not wait for a large checkpoint): the search over SearchConfig's defaults, which
+    open_translator builds again over the checkpoint's, --max-tokens and --device."""
+    search = search_config(parser, args)
     if args.max_tokens < 1:
         parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     try:

@@ -33,12 +33,12 @@ from tqdm import tqdm
 from seq2seq.cli import (
     MAX_LINE_BYTES,
     add_search_arguments,
+    check_flags,
     describe,
     format_nbest,
     one_line,
     one_line_warnings,
     open_translator,
-    search_config,
     utf8_stdout,
 )
 from seq2seq.precision import tune_process_memory
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ref", default=None, help="reference translations, line-aligned: print BLEU and chrF")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
-    search_config(parser, args)  # the flags alone, before anything is read or loaded
+    check_flags(parser, args)
     inputs = {"--input": args.input, "--checkpoint": args.checkpoint} | ({"--ref": args.ref} if args.ref else {})
     for option in ("--input", "--ref"):  # the checkpoint says what is wrong with it when it loads
         if inputs.get(option):

@@ -79,7 +79,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from seq2seq.cli import add_search_arguments, describe, one_line_warnings, open_translator, search_config
+from seq2seq.cli import add_search_arguments, check_flags, describe, one_line_warnings, open_translator
 from seq2seq.model import ConfigError
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
@@ -828,7 +828,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
-    search = search_config(parser, args)
+    search = check_flags(parser, args)
     for name in ("max_queue", "char_limit", "max_request_tokens", "max_batch_tokens", "max_beam_size",
                  "max_body_size", "max_connections"):
         if getattr(args, name) < 1:
@@ -837,7 +837,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--threads must be at least 1, got {args.threads}")
     if args.max_wait_ms < 0 or args.timeout <= 0 or args.read_timeout <= 0:
         parser.error("--max-wait-ms must be >= 0, --timeout and --read-timeout > 0")
-    if not search.sampling and search.beam_size > args.max_beam_size:
+    if args.beam_size is not None and not search.sampling and search.beam_size > args.max_beam_size:  # before loading
         parser.error(f"--beam {search.beam_size} is over --max-beam-size {args.max_beam_size}; raise --max-beam-size")
     files = open_file_limit()
     if files - FD_RESERVE < 1:
@@ -854,14 +854,14 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C while the model loads: one line, as after it starts
         print("\ninterrupted while loading the model; the server was not started", file=sys.stderr)
         raise SystemExit(130) from None
-    if not search.sampling and search.beam_size > args.max_beam_size:
-        parser.error(f"the checkpoint's beam size {search.beam_size} is over --max-beam-size {args.max_beam_size}; "
-                     "raise --max-beam-size or give --beam")
-    app = create_app(translator, search, max_tokens=args.max_tokens, max_wait=args.max_wait_ms / 1000,
-                     batching=not args.no_batching, max_queue=args.max_queue, char_limit=args.char_limit,
-                     timeout=args.timeout, max_request_tokens=args.max_request_tokens,
-                     max_batch_tokens=args.max_batch_tokens, max_beam_size=args.max_beam_size,
-                     max_body_size=args.max_body_size)
+    try:
+        app = create_app(translator, search, max_tokens=args.max_tokens, max_wait=args.max_wait_ms / 1000,
+                         batching=not args.no_batching, max_queue=args.max_queue, char_limit=args.char_limit,
+                         timeout=args.timeout, max_request_tokens=args.max_request_tokens,
+                         max_batch_tokens=args.max_batch_tokens, max_beam_size=args.max_beam_size,
+                         max_body_size=args.max_body_size)
+    except ValueError as error:  # the checkpoint's tuned beam over --max-beam-size
+        parser.error(str(error))
     print(f"{translator.src_lang}→{translator.tgt_lang} on http://{args.host}:{args.port} ({translator.precision}, "
           f"{torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr, flush=True)
 

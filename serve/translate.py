@@ -16,12 +16,12 @@ import sys
 from seq2seq.cli import (
     MAX_LINE_BYTES,
     add_search_arguments,
+    check_flags,
     describe,
     format_nbest,
     one_line,
     one_line_warnings,
     open_translator,
-    search_config,
     utf8_stdout,
 )
 from seq2seq.precision import tune_process_memory
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
-    search_config(parser, args)  # the flags alone, before the checkpoint loads
+    check_flags(parser, args)
     one_line_warnings()
     translator, search = open_translator(parser, args)
     # Bytes in, decoded here: a stray non-UTF-8 byte must not end the session with a traceback.

@@ -238,7 +238,8 @@ def test_bad_flags_and_ctrl_c_while_loading_are_one_line(trained: Path, monkeypa
                                                         capsys: pytest.CaptureFixture[str]):
     for flags, message in ((["--threads", "-1"], "--threads must be at least 1, got -1"),  # torch's RuntimeError before
                            (["--max-body-size", "0"], "--max-body-size must be at least 1"),
-                           (["--beam", "20"], "--beam 20 is over --max-beam-size 16")):
+                           (["--beam", "20"], "--beam 20 is over --max-beam-size 16"),
+                           (["--max-beam-size", "2"], "the default beam size 5 is over --max-beam-size 2")):
         with pytest.raises(SystemExit) as caught:
             main(["--checkpoint", str(trained), *flags])
         assert caught.value.code == 2 and message in capsys.readouterr().err
