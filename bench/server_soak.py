@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,56 +81,55 @@ def hostile_requests() -> dict[str, bytes]:
     }
 
 
-async def exchange(port: int, data: bytes, *, stream_chunked: bool = False) -> int:
-    """The status the server answers to `data` (then an endless chunked body, if asked); 0 for none."""
+async def status(port: int, talk: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bytes]]) -> int:
+    """The status of the response `talk` reads on a new connection to the server; 0 for none."""
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError:
         return 0
     try:
-        writer.write(data)
-        if stream_chunked:
-            chunk = b"%x\r\n%s\r\n" % (65536, b"a" * 65536)
-            read = asyncio.ensure_future(reader.read(65536))
-            try:
-                for _ in range(64):  # 4 MiB at most, until the server answers
-                    if read.done():
-                        break
-                    writer.write(chunk)
-                    await writer.drain()
-            except OSError:  # closed by the server: its answer may be there, or lost to the reset
-                pass
-            try:
-                head = await asyncio.wait_for(read, 10)
-            except (OSError, asyncio.TimeoutError):
-                return 0
-        else:
-            await writer.drain()
-            head = await asyncio.wait_for(reader.read(65536), 10)
+        head = await talk(reader, writer)
         return int(head.split(b" ")[1]) if head.startswith(b"HTTP/") else 0
     except (OSError, asyncio.TimeoutError, ValueError, IndexError):
         return 0
     finally:
         writer.close()
+
+
+async def exchange(port: int, data: bytes, *, stream_chunked: bool = False) -> int:
+    """The status the server answers to `data` (then an endless chunked body, if asked)."""
+
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        writer.write(data)
+        if not stream_chunked:
+            await writer.drain()
+            return await asyncio.wait_for(reader.read(65536), 10)
+        chunk = b"%x\r\n%s\r\n" % (65536, b"a" * 65536)
+        read = asyncio.ensure_future(reader.read(65536))
+        try:
+            for _ in range(64):  # 4 MiB at most, until the server answers
+                if read.done():
+                    break
+                writer.write(chunk)
+                await writer.drain()
+        except OSError:  # closed by the server: its answer may be there, or lost to the reset
+            pass
+        return await asyncio.wait_for(read, 10)
+
+    return await status(port, talk)
 
 
 async def slow_client(port: int) -> int:
     """Headers a byte every 50 ms, then a stall: the status the server closes it with (408 expected)."""
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return 0
-    try:
+
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
         for byte in SLOW_HEAD[:40]:
             writer.write(bytes([byte]))
             await writer.drain()
             await asyncio.sleep(0.05)
-        head = await asyncio.wait_for(reader.read(65536), 60)
-        return int(head.split(b" ")[1]) if head.startswith(b"HTTP/") else 0
-    except (OSError, asyncio.TimeoutError, ValueError, IndexError):
-        return 0
-    finally:
-        writer.close()
+        return await asyncio.wait_for(reader.read(65536), 60)
+
+    return await status(port, talk)
 
 
 async def hostile(port: int, seconds: float, *, slow: int, pause: float) -> dict[str, dict[int, int]]:
