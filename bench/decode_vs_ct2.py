@@ -76,7 +76,7 @@ def main() -> None:
         sources = f.read().split("\n")[: args.sentences]
     sources = [s for s in sources if s.strip()]
     pieces = translator.tokenizer.pieces()
-    source_pieces = [[pieces[i] for i in ids] for ids in translator.tokenizer.encode(sources)]
+    source_pieces = [[pieces[i] for i in ids] for ids in translator.tokenizer.encode_source(sources)]
     with tempfile.TemporaryDirectory(prefix="decode_vs_ct2.") as scratch_dir:
         run(args, translator, sources, source_pieces, max_len, Path(scratch_dir))
 

@@ -3,10 +3,10 @@
 A pair costs max(len(src), len(tgt) + 1) padded positions; a batch of B pairs costs B times its
 largest pair, and that product is ≤ max_tokens, so neither src nor tgt_in/tgt_out holds more than
 max_tokens positions. Batches (dicts):
-  src      (B, S) long   source ids, no BOS/EOS
-  tgt_in   (B, T) long   BOS + y
+  src      (B, S) long   source ids as the tokenizer encodes them (ours: no BOS/EOS; Marian's: + EOS)
+  tgt_in   (B, T) long   BOS + y (BOS: the id the decoder starts from, Marian's pad)
   tgt_out  (B, T) long   y + EOS
-padded with PAD_ID; with text (validation/test) also src_text, ref_text and index (B,).
+padded with the tokenizer's pad id; with text (validation/test) also src_text, ref_text and index (B,).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
-
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
 class TokenBatchSampler:
@@ -151,17 +149,17 @@ def _pack(sizes: np.ndarray, max_tokens: int) -> np.ndarray:
     return np.array(cuts, dtype=np.int64)
 
 
-def collate(rows: list[dict], *, with_text: bool) -> dict:
-    """Rows of a tokenised split → a padded batch (keys in the module docstring)."""
+def collate(rows: list[dict], *, with_text: bool, bos: int, eos: int, pad: int) -> dict:
+    """Rows of a tokenised split → a padded batch (keys in the module docstring); the ids: the tokenizer's."""
 
-    def pad(seqs: list[list[int]]) -> torch.Tensor:
+    def padded(seqs: list[list[int]]) -> torch.Tensor:
         tensors = [torch.tensor(s, dtype=torch.long) for s in seqs]
-        return pad_sequence(tensors, batch_first=True, padding_value=PAD_ID)
+        return pad_sequence(tensors, batch_first=True, padding_value=pad)
 
     batch: dict[str, Any] = {
-        "src": pad([r["src_ids"] for r in rows]),  # (B, S)
-        "tgt_in": pad([[BOS_ID, *r["tgt_ids"]] for r in rows]),  # (B, T)
-        "tgt_out": pad([[*r["tgt_ids"], EOS_ID] for r in rows]),  # (B, T)
+        "src": padded([r["src_ids"] for r in rows]),  # (B, S)
+        "tgt_in": padded([[bos, *r["tgt_ids"]] for r in rows]),  # (B, T)
+        "tgt_out": padded([[*r["tgt_ids"], eos] for r in rows]),  # (B, T)
     }
     if with_text:
         batch["src_text"] = [r["src"] for r in rows]

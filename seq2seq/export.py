@@ -51,7 +51,7 @@ import torch
 
 from seq2seq.checkpoint import CheckpointError, InferenceCheckpoint, load_checkpoint, read_inference
 from seq2seq.model import TransformerConfig
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from seq2seq.tokenizer import Tokenizer
 
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
                  "float32")
@@ -340,12 +340,13 @@ def ctranslate2_spec(loaded: InferenceCheckpoint, tokenizer: Tokenizer) -> Any:
                 _norm(layer.attention.layer_norm, weights, f"{prefix}.cross_attn_residual.norm")
             _ffn(layer.ffn, weights, f"{prefix}.ffn", gated=gated)
             _norm(layer.ffn.layer_norm, weights, f"{prefix}.ffn_residual.norm")
-    spec.decoder.projection.weight = _array(weights["output_projection.weight"])
+    _linear(spec.decoder.projection, weights, "output_projection")
     pieces = tokenizer.pieces()
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
-    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = pieces[BOS_ID], pieces[EOS_ID], pieces[UNK_ID]
-    spec.config.decoder_start_token = pieces[BOS_ID]
+    start = pieces[tokenizer.bos_id]  # a Marian model's is <pad> (zero embedding), as CTranslate2's own converter
+    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = start, pieces[tokenizer.eos_id], pieces[tokenizer.unk_id]
+    spec.config.decoder_start_token = start
     return spec
 
 
@@ -368,8 +369,8 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, *, quantizati
     with _export_folder(output, checkpoint=checkpoint, force=force) as folder:
         # force: the converter empties the folder it is given, here our own new one and nothing else
         _Converter().convert(str(folder), quantization=quantization, force=True)
-        for name in ("source.spm", "target.spm"):
-            (folder / name).write_bytes(loaded.tokenizer)
+        (folder / "source.spm").write_bytes(tokenizer.model_bytes("source"))
+        (folder / "target.spm").write_bytes(tokenizer.model_bytes("target"))
     return output
 
 
@@ -442,7 +443,8 @@ def marian_state_dict(loaded: InferenceCheckpoint) -> dict[str, torch.Tensor]:
     if config.tie_embeddings == "all":  # one matrix for both stacks: Marian's `shared`
         out["model.shared.weight"] = out["model.encoder.embed_tokens.weight"]
     out["lm_head.weight"] = weights["output_projection.weight"][:, order]
-    out["final_logits_bias"] = torch.zeros(1, config.vocab_size)
+    bias = weights.get("output_projection.bias")
+    out["final_logits_bias"] = bias[None].clone() if bias is not None else torch.zeros(1, config.vocab_size)
     return {name: tensor.detach().float().contiguous() for name, tensor in out.items()}
 
 
@@ -457,7 +459,7 @@ def export_huggingface(checkpoint: str | Path, output: str | Path, *, force: boo
     checkpoint, output = Path(checkpoint), Path(output)
     check_output(output, checkpoint=checkpoint, force=force)
     loaded = read_inference(checkpoint, load_checkpoint(checkpoint))
-    config = loaded.config
+    config, tokenizer = loaded.config, Tokenizer.from_bytes(loaded.tokenizer)
     refusal = marian_refusal(config)
     if refusal is not None:
         raise ExportError(f"cannot export to Hugging Face (MarianMTModel): {refusal}")
@@ -468,8 +470,8 @@ def export_huggingface(checkpoint: str | Path, output: str | Path, *, force: boo
         encoder_ffn_dim=config.d_ff, decoder_ffn_dim=config.d_ff, activation_function=config.activation,
         max_position_embeddings=config.max_positions, scale_embedding=config.scale_embeddings,
         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID, decoder_start_token_id=BOS_ID,
-        forced_eos_token_id=EOS_ID,
+        pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
+        decoder_start_token_id=tokenizer.bos_id, forced_eos_token_id=tokenizer.eos_id,
         share_encoder_decoder_embeddings=config.tie_embeddings == "all",
         tie_word_embeddings=config.tie_embeddings != "none",
     )
@@ -478,15 +480,17 @@ def export_huggingface(checkpoint: str | Path, output: str | Path, *, force: boo
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [name for name in missing if name not in state]:
         raise ExportError(f"MarianMTModel's weights do not match ours: missing {missing}, unexpected {unexpected}")
-    model.generation_config.bad_words_ids = [[0], [2]]  # PAD and BOS are never generated, as in ours
-    tokenizer = Tokenizer.from_bytes(loaded.tokenizer)
+    # PAD and BOS are never generated, as in ours
+    model.generation_config.bad_words_ids = [[i] for i in sorted({tokenizer.pad_id, tokenizer.bos_id})]
     with _export_folder(output, checkpoint=checkpoint, force=force) as folder, \
             tempfile.TemporaryDirectory() as scratch:
         model.save_pretrained(folder)
-        spm_path, vocab_path = Path(scratch) / "spm.model", Path(scratch) / "vocab.json"
-        spm_path.write_bytes(loaded.tokenizer)
+        spm = {"source": Path(scratch) / "source.spm", "target": Path(scratch) / "target.spm"}
+        spm["source"].write_bytes(tokenizer.model_bytes("source"))
+        spm["target"].write_bytes(tokenizer.model_bytes("target"))
+        vocab_path = Path(scratch) / "vocab.json"
         vocab_path.write_text(json.dumps({piece: i for i, piece in enumerate(tokenizer.pieces())}), encoding="utf-8")
-        MarianTokenizer(source_spm=str(spm_path), target_spm=str(spm_path), vocab=str(vocab_path),
+        MarianTokenizer(source_spm=str(spm["source"]), target_spm=str(spm["target"]), vocab=str(vocab_path),
                         source_lang=loaded.src_lang, target_lang=loaded.tgt_lang).save_pretrained(folder)
     return output
 

@@ -51,33 +51,36 @@ def training_loss(
     hidden = model.hidden_states(src, tgt_in)  # (B, T, D)
     is_real = tgt_out != model.config.pad_id  # (B, T)
     loss, nll = linear_label_smoothed_nll(
-        hidden[is_real], model.output_projection.weight, tgt_out[is_real], smoothing=smoothing
+        hidden[is_real], model.output_projection.weight, tgt_out[is_real], bias=model.output_projection.bias,
+        smoothing=smoothing,
     )
     return loss, nll, is_real.sum()
 
 
 def linear_label_smoothed_nll(
-    hidden: Tensor, weight: Tensor, target: Tensor, *, smoothing: float, chunk_rows: int | None = None
+    hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None, smoothing: float,
+    chunk_rows: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Summed (label-smoothed loss, NLL) of the logits `hidden @ weight.T`, never held whole.
+    """Summed (label-smoothed loss, NLL) of the logits `hidden @ weight.T + bias`, never held whole.
 
     hidden: (N, D) decoder states at real (non-pad) target positions; weight: (V, D) output
-    projection; target: (N,) ids. Returns two scalars; only the loss is differentiable (the NLL is
+    projection; bias: (V,) or None; target: (N,) ids. The bias is added in float32. Returns two scalars; only the loss is differentiable (the NLL is
     for logging). Under autocast the matmuls run in the autocast dtype and the softmax in float32.
     """
     if chunk_rows is None:
         chunk_elements = CPU_CHUNK_ELEMENTS if hidden.device.type == "cpu" else GPU_CHUNK_ELEMENTS
         chunk_rows = max(1, chunk_elements // weight.size(0))
-    return _LinearLabelSmoothedNLL.apply(hidden, weight, target, smoothing, chunk_rows)
+    return _LinearLabelSmoothedNLL.apply(hidden, weight, bias, target, smoothing, chunk_rows)
 
 
 class _LinearLabelSmoothedNLL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float, chunk_rows: int):
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, smoothing: float,
+                chunk_rows: int):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         softmax_dtype = torch.promote_types(dtype, torch.float32)
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         vocab = weight.size(0)
         with torch.autocast(device, enabled=False):
             hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
@@ -85,9 +88,13 @@ class _LinearLabelSmoothedNLL(torch.autograd.Function):
             nll_sum = hidden.new_zeros((), dtype=softmax_dtype)
             grad_hidden = torch.empty_like(hidden_c) if needs_grad else None  # (N, D)
             grad_weight = torch.zeros_like(weight_c, dtype=softmax_dtype) if needs_grad else None  # (V, D)
+            bias_c = bias.to(softmax_dtype) if bias is not None else None  # (V,)
+            grad_bias = torch.zeros_like(bias_c) if needs_grad and bias_c is not None else None  # (V,)
             for start in range(0, hidden_c.size(0), chunk_rows):
                 h, y = hidden_c[start : start + chunk_rows], target[start : start + chunk_rows]  # (n, D), (n,)
                 logits = (h @ weight_c.T).to(softmax_dtype)  # (n, V)
+                if bias_c is not None:
+                    logits += bias_c
                 peak = logits.amax(dim=-1)  # (n,)
                 target_logit, mean_logit = logits.gather(-1, y[:, None]).squeeze(-1), logits.mean(dim=-1)
                 # exp(logits - peak), in place: the softmax's numerators (logsumexp and a second exp
@@ -104,19 +111,23 @@ class _LinearLabelSmoothedNLL(torch.autograd.Function):
                 # softmax - (1 - ε) onehot - ε / V, built in place in the logits' memory
                 grad = numerators.mul_(total.reciprocal()[:, None]).sub_(smoothing / vocab)
                 grad.scatter_add_(-1, y[:, None], grad.new_full((y.size(0), 1), smoothing - 1))
+                if grad_bias is not None:
+                    grad_bias += grad.sum(dim=0)
                 grad = grad.to(dtype)
                 grad_hidden[start : start + chunk_rows] = grad @ weight_c
                 if grad_weight.dtype == dtype:
                     grad_weight.addmm_(grad.T, h)
                 else:  # low-precision matmul, float32 accumulation across chunks
                     grad_weight += grad.T @ h
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.mark_non_differentiable(nll_sum)
         return loss_sum, nll_sum
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, grad_nll: Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        hidden_dtype, weight_dtype = ctx.dtypes
-        return (grad_hidden * grad_loss).to(hidden_dtype), (grad_weight * grad_loss).to(weight_dtype), None, None, None
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        bias_grad = (grad_bias * grad_loss).to(bias_dtype) if grad_bias is not None else None
+        return ((grad_hidden * grad_loss).to(hidden_dtype), (grad_weight * grad_loss).to(weight_dtype), bias_grad,
+                None, None, None)

@@ -1,15 +1,23 @@
-"""A joint sentencepiece tokenizer with fixed special ids.
+"""Text to token ids and back, for both sides of a translation model: one of two kinds.
 
-One model covers both languages (shared vocabulary, so the embedding matrices can be tied).
-The special ids are fixed here, not read from a model file, so every part of the project
-(masks, collate, search) can rely on them:
+- **Joint** (what `seq2seq.fit` trains): one sentencepiece model for both languages (a shared
+  vocabulary, so the embedding matrices can be tied), whose ids are the model's, with fixed specials:
 
     PAD_ID = 0   padding; never predicted, masked out of attention and loss
     UNK_ID = 1   only for models trained without byte fallback (ours always have it)
     BOS_ID = 2   starts every decoder input
     EOS_ID = 3   ends every decoder output
 
-`Tokenizer.to_bytes()` is the serialized sentencepiece model proto, so a checkpoint can carry
+- **Marian** (an imported OPUS-MT model, seq2seq/convert.py): a source and a target sentencepiece
+  model over one vocabulary list (OPUS-MT's vocab.json) whose ids are not sentencepiece's: a piece's id
+  is its place in the list (a piece missing from it is <unk>), eos "</s>" = 0, unk "<unk>" = 1, pad
+  "<pad>" the last; there is no BOS: the decoder starts from pad, and every source ends with eos.
+
+Everything else reads the special ids from the instance (`pad_id`, `unk_id`, `bos_id`: what the
+decoder starts from, `eos_id`) and encodes with `encode_source` / `encode_target`, so it works with both.
+
+`Tokenizer.to_bytes()` serializes either kind (a joint model: its sentencepiece proto, as checkpoints
+have always held; a Marian pair: a header, its vocabulary and both protos), so a checkpoint carries
 the tokenizer and inference needs no side file. `Tokenizer.load_or_train(path, texts, ...)` is the
 model file a training run works with: loaded if it exists, else trained (by one process) and written.
 """
@@ -17,6 +25,7 @@ model file a training run works with: loaded if it exists, else trained (by one 
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 from collections.abc import Callable, Iterable, Iterator
@@ -33,21 +42,45 @@ BOS_ID = 2
 EOS_ID = 3
 
 
+MARIAN_MAGIC = b"seq2seq marian tokenizer\n"  # a sentencepiece proto starts with a protobuf tag, never with this
+MARIAN_SPECIALS = {"eos": "</s>", "unk": "<unk>", "pad": "<pad>"}
+
+
 class Tokenizer:
-    """A sentencepiece model: batched encode/decode without special tokens added."""
+    """Batched encode/decode of either kind (module docstring); no special tokens added but a Marian source's eos."""
 
-    # The special ids, which __init__ checks the model has.
-    pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+    def __init__(self, processor: spm.SentencePieceProcessor, *, target: spm.SentencePieceProcessor | None = None,
+                 vocabulary: list[str] | None = None) -> None:
+        """A joint model (`processor` alone), or a Marian pair: `processor` for the source, `target`, and
+        the `vocabulary` (pieces in id order) both map their pieces into."""
+        self._sp, self._target = processor, target if target is not None else processor
+        self._vocabulary = vocabulary
+        if vocabulary is None:
+            if target is not None:
+                raise ValueError("a tokenizer with a target model of its own needs the vocabulary both map into")
+            specials = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
+            if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+                raise ValueError(
+                    f"this sentencepiece model has special ids pad/unk/bos/eos = {specials}, but seq2seq needs "
+                    f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; train it with Tokenizer.train (or pass "
+                    "--pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 to spm_train)"
+                )
+            self.pad_id, self.unk_id, self.bos_id, self.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+            self._index: dict[str, int] = {}
+            return
+        self._index = {piece: i for i, piece in enumerate(vocabulary)}
+        if len(self._index) != len(vocabulary):
+            twice = next(p for i, p in enumerate(vocabulary) if self._index[p] != i)
+            raise ValueError(f"the vocabulary lists the piece {twice!r} twice")
+        missing = [piece for piece in MARIAN_SPECIALS.values() if piece not in self._index]
+        if missing:
+            raise ValueError(f"the vocabulary lacks the special piece(s) {', '.join(missing)} a Marian model needs")
+        self.eos_id, self.unk_id, self.pad_id = (self._index[MARIAN_SPECIALS[k]] for k in ("eos", "unk", "pad"))
+        self.bos_id = self.pad_id  # Marian's decoder starts from pad (whose embedding is zero): there is no BOS
 
-    def __init__(self, processor: spm.SentencePieceProcessor) -> None:
-        specials = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
-        if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
-            raise ValueError(
-                f"this sentencepiece model has special ids pad/unk/bos/eos = {specials}, but seq2seq needs "
-                f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}; train it with Tokenizer.train (or pass "
-                "--pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3 to spm_train)"
-            )
-        self._sp = processor
+    @property
+    def kind(self) -> Literal["joint", "marian"]:
+        return "joint" if self._vocabulary is None else "marian"
 
     # ---- construction -------------------------------------------------------------------
 
@@ -148,14 +181,27 @@ class Tokenizer:
             return cls.from_file(path)
 
     @classmethod
+    def from_marian(cls, *, source: bytes, target: bytes, vocabulary: list[str]) -> Tokenizer:
+        """A Marian pair from its two sentencepiece models' bytes and its vocabulary (pieces in id order)."""
+        return cls(_processor(source, "source model"), target=_processor(target, "target model"),
+                   vocabulary=list(vocabulary))
+
+    @classmethod
     def from_bytes(cls, b: bytes) -> Tokenizer:
-        """Load from a serialized model proto (what `to_bytes` returns; a `.model` file's content)."""
-        processor = spm.SentencePieceProcessor()
+        """Load what `to_bytes` returns: a sentencepiece model proto (a `.model` file's content), or a Marian pair."""
+        if not b.startswith(MARIAN_MAGIC):
+            return cls(_processor(b, "sentencepiece model"))
         try:
-            processor.LoadFromSerializedProto(b)
-        except RuntimeError as e:  # sentencepiece's parse error, several lines of C++ context
-            raise ValueError(_first_line(e)) from e
-        return cls(processor)
+            size = int.from_bytes(b[len(MARIAN_MAGIC) : len(MARIAN_MAGIC) + 8], "little")
+            start = len(MARIAN_MAGIC) + 8
+            header = json.loads(b[start : start + size].decode("utf-8"))
+            vocabulary, source_size = header["vocabulary"], int(header["source_bytes"])
+            if not isinstance(vocabulary, list) or not all(isinstance(p, str) for p in vocabulary):
+                raise ValueError("its vocabulary is not a list of pieces")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ValueError(f"a damaged Marian tokenizer: {e}") from None
+        source, target = b[start + size : start + size + source_size], b[start + size + source_size :]
+        return cls.from_marian(source=source, target=target, vocabulary=vocabulary)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Tokenizer:
@@ -165,7 +211,17 @@ class Tokenizer:
         return cls.from_bytes(path.read_bytes())
 
     def to_bytes(self) -> bytes:
-        return self._sp.serialized_model_proto()
+        """The tokenizer as bytes (`from_bytes` reads them); the same tokenizer gives the same bytes."""
+        if self._vocabulary is None:
+            return self._sp.serialized_model_proto()
+        source = self._sp.serialized_model_proto()
+        header = json.dumps({"vocabulary": self._vocabulary, "source_bytes": len(source)},
+                            ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return MARIAN_MAGIC + len(header).to_bytes(8, "little") + header + source + self._target.serialized_model_proto()
+
+    def model_bytes(self, side: Literal["source", "target"]) -> bytes:
+        """The sentencepiece model that splits `side`'s text into pieces (the same joint one for both)."""
+        return (self._sp if side == "source" else self._target).serialized_model_proto()
 
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
@@ -178,41 +234,80 @@ class Tokenizer:
         return self.to_bytes()
 
     def __setstate__(self, state: bytes) -> None:
-        processor = spm.SentencePieceProcessor()
-        processor.LoadFromSerializedProto(state)
-        self._sp = processor
+        self.__dict__.update(Tokenizer.from_bytes(state).__dict__)
 
     # ---- use ----------------------------------------------------------------------------
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text; no BOS/EOS added."""
-        return self._sp.encode(list(texts), out_type=int)
+    def encode_source(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each source text: a joint model's add nothing; a Marian source ends with eos, as
+        Marian's models were trained."""
+        if self._vocabulary is None:
+            return self._sp.encode(list(texts), out_type=int)
+        return [[*ids, self.eos_id] for ids in self._marian_ids(self._sp, texts)]
+
+    def encode_target(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each target text (a reference, a forced prefix); no BOS or EOS added."""
+        if self._vocabulary is None:
+            return self._target.encode(list(texts), out_type=int)
+        return self._marian_ids(self._target, texts)
+
+    def _marian_ids(self, processor: spm.SentencePieceProcessor, texts: list[str]) -> list[list[int]]:
+        # MarianTokenizer keeps a leading language code (">>fra<<", which multilingual OPUS-MT models read
+        # to choose the target language) as one piece, and splits the rest with sentencepiece.
+        out = []
+        for text in texts:
+            code, rest = _language_code(text)
+            pieces = ([code] if code else []) + processor.encode(rest, out_type=str)
+            out.append([self._index.get(piece, self.unk_id) for piece in pieces])
+        return out
 
     def pieces(self) -> list[str]:
         """Every piece, in id order (what another engine's vocabulary file lists)."""
+        if self._vocabulary is not None:
+            return list(self._vocabulary)
         return [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
-        """Text of each id sequence; stops at the first EOS, drops PAD and BOS.
+        """Text of each id sequence; stops at the first EOS, drops PAD and BOS (a Marian pair drops
+        <unk> too, as MarianTokenizer.decode(skip_special_tokens=True) does).
 
         Accepts what a search returns (lists of ints, with or without BOS, padded after EOS).
         """
+        dropped = {self.pad_id, self.bos_id} if self._vocabulary is None else {self.pad_id, self.unk_id}
         texts = []
         for row in ids:
             kept = []
             for i in row:
                 i = int(i)
-                if i == EOS_ID:
+                if i == self.eos_id:
                     break
-                if i not in (PAD_ID, BOS_ID):
+                if i not in dropped:
                     kept.append(i)
-            texts.append(self._sp.decode(kept))
+            if self._vocabulary is None:
+                texts.append(self._sp.decode(kept))
+            else:
+                # As MarianTokenizer.decode: no space left at either end (a dropped <unk> may leave one)
+                texts.append(self._target.decode_pieces([self._vocabulary[i] for i in kept]).strip())
         return texts
 
     @property
     def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
+        return self._sp.get_piece_size() if self._vocabulary is None else len(self._vocabulary)
 
+
+def _processor(proto: bytes, what: str) -> spm.SentencePieceProcessor:
+    processor = spm.SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(proto)
+    except RuntimeError as e:  # sentencepiece's parse error, several lines of C++ context
+        raise ValueError(f"{what}: {_first_line(e)}" if what != "sentencepiece model" else _first_line(e)) from e
+    return processor
+
+
+def _language_code(text: str) -> tuple[str, str]:
+    """(">>fra<<", the rest) for a text that starts with a language code, else ("", text); as MarianTokenizer."""
+    end = text.find("<<") if text.startswith(">>") else -1
+    return (text[: end + 2], text[end + 2 :]) if end != -1 else ("", text)
 
 
 class TokenizerFileError(Exception):

@@ -29,7 +29,7 @@ from seq2seq.model import Transformer
 from seq2seq.model.numerics import for_inference
 from seq2seq.precision import Precision, resolve_precision
 from seq2seq.search import Hypothesis, SearchConfig, decode
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.tokenizer import Tokenizer
 
 DEFAULT_SEARCH = SearchConfig()  # beam 5
 
@@ -125,13 +125,18 @@ class Translator:
         search.check_vocabulary(self.model.config.vocab_size)  # before any work, even for no sentence
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
-        ids = self._truncate(self.tokenizer.encode([text.strip() for text in lines]), first_line=first_line)
+        ids = self._truncate(self.tokenizer.encode_source([text.strip() for text in lines]), first_line=first_line)
         if generator is None and search.sampling and search.seed is not None:  # one for all the batches
             generator = self._generator(search)
-        yield from ((i, []) for i, sentence in enumerate(ids) if not sentence)
+        tokenizer = self.tokenizer
+        empty = [i for i, text in enumerate(lines) if not text.strip()]  # a Marian source is never empty: it has eos
+        for i in empty:
+            ids[i] = []
+        yield from ((i, []) for i in empty)
         for batch in length_sorted_batches(ids, max_tokens=max_tokens):
-            src = pad_batch([ids[i] for i in batch], device=self.device)  # (B, S)
-            nbest = decode(self.model, src, search, bos=BOS_ID, eos=EOS_ID, pad=PAD_ID, generator=generator)
+            src = pad_batch([ids[i] for i in batch], pad=tokenizer.pad_id, device=self.device)  # (B, S)
+            nbest = decode(self.model, src, search, bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id,
+                           generator=generator)
             for i, sentence_hyps in zip(batch, nbest, strict=True):
                 yield i, self._detokenize(sentence_hyps)
 
@@ -176,6 +181,7 @@ class Translator:
 
     def _truncate(self, ids: list[list[int]], *, first_line: int) -> list[list[int]]:
         limit = self.model.config.max_positions
+        eos = self.tokenizer.eos_id
         for i, sentence in enumerate(ids):
             if len(sentence) > limit:
                 warnings.warn(
@@ -183,7 +189,8 @@ class Translator:
                     f"({limit}); translating its first {limit} tokens only",
                     stacklevel=3,
                 )
-                ids[i] = sentence[:limit]
+                # A source that ends with eos (Marian's) keeps it: the model never saw one without
+                ids[i] = sentence[: limit - 1] + [eos] if sentence[-1] == eos else sentence[:limit]
         return ids
 
 
@@ -221,9 +228,9 @@ def length_sorted_batches(ids: list[list[int]], *, max_tokens: int) -> list[list
     return batches
 
 
-def pad_batch(sentences: list[list[int]], *, device: torch.device) -> torch.Tensor:
+def pad_batch(sentences: list[list[int]], *, pad: int, device: torch.device) -> torch.Tensor:
     length = max(len(s) for s in sentences)
-    src = torch.full((len(sentences), length), PAD_ID, dtype=torch.long, device="cpu")  # filled on the host, sent once
+    src = torch.full((len(sentences), length), pad, dtype=torch.long, device="cpu")  # filled on the host, sent once
     for row, sentence in enumerate(sentences):
         src[row, : len(sentence)] = torch.tensor(sentence, dtype=torch.long, device="cpu")
     return src.to(device)

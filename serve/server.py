@@ -187,7 +187,7 @@ class Batcher:
         """decoding_cost of each text, from the tokenizer's count of its tokens."""
         max_positions = self.translator.model.config.max_positions
         return [decoding_cost(len(ids), search, max_positions=max_positions)
-                for ids in self.translator.tokenizer.encode(texts)]
+                for ids in self.translator.tokenizer.encode_source(texts)]
 
     def submit(self, texts: list[str], search: SearchConfig, *,
                costs: list[int] | None = None) -> asyncio.Future[list[list[Translation]]]:

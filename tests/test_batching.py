@@ -99,7 +99,7 @@ def test_the_batch_plan_is_the_pair_by_pair_one() -> None:
 
 def test_collate_pads_with_pad_id() -> None:
     rows = [{"src_ids": [5, 6, 7], "tgt_ids": [8]}, {"src_ids": [9], "tgt_ids": [10, 11]}]
-    batch = collate(rows, with_text=False)
+    batch = collate(rows, with_text=False, bos=2, eos=3, pad=0)
     assert batch["src"].tolist() == [[5, 6, 7], [9, 0, 0]]
     assert batch["tgt_in"].tolist() == [[BOS_ID, 8, 0], [BOS_ID, 10, 11]]
     assert batch["tgt_out"].tolist() == [[8, EOS_ID, 0], [10, 11, EOS_ID]]

@@ -94,8 +94,8 @@ def test_every_exportable_variant_scores_as_ours(variant: str, tokenizer: Tokeni
     engine = ctranslate2.Translator(str(folder), device="cpu", intra_threads=1)
     # The last pair has characters outside the vocabulary: byte-fallback pieces (<0xE2>...) on both sides.
     texts = [*pairs[:20], ("Ein ☃ und ½ Kuchen.", "A ☃ and ½ cake.")]
-    sources = [tokenizer.encode([de])[0][:60] for de, _ in texts]
-    targets = [tokenizer.encode([en])[0][:60] for _, en in texts]
+    sources = [tokenizer.encode_source([de])[0][:60] for de, _ in texts]
+    targets = [tokenizer.encode_target([en])[0][:60] for _, en in texts]
     assert any(pieces_of(tokenizer, targets[-1]))
     pieces = tokenizer.pieces()
     results = engine.score_batch([[pieces[i] for i in s] for s in sources], [[pieces[i] for i in t] for t in targets])
@@ -120,7 +120,7 @@ def test_what_ctranslate2_cannot_express_is_refused_by_name(options, field: str,
 def ct2_translate(folder: Path, translator: Translator, sources: list[str], *, beam_size: int,
                   compute_type: str = "default") -> list[list[int]]:
     engine = ctranslate2.Translator(str(folder), device="cpu", intra_threads=1, compute_type=compute_type)
-    sp_pieces = [[translator.tokenizer.pieces()[i] for i in ids] for ids in translator.tokenizer.encode(sources)]
+    sp_pieces = [[translator.tokenizer.pieces()[i] for i in ids] for ids in translator.tokenizer.encode_source(sources)]
     results = engine.translate_batch(sp_pieces, beam_size=beam_size, length_penalty=0.0, max_decoding_length=127,  # the model reads BOS + 126 tokens: max_positions 128
                                      suppress_sequences=[["<pad>"], ["<s>"]])
     index = {piece: i for i, piece in enumerate(translator.tokenizer.pieces())}
@@ -150,7 +150,7 @@ def test_greedy_and_beam_equal_ours_but_for_near_ties(trained: Path, tmp_path: P
         differ = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
         assert len(differ) < len(sources) / 2, f"beam {beam_size}: {len(differ)} of {len(sources)} differ"
         for i in differ:
-            src = translator.tokenizer.encode([sources[i]])[0]
+            src = translator.tokenizer.encode_source([sources[i]])[0]
             if beam_size == 1:  # the first token where they part, after the same prefix
                 at = first_difference(ours[i], theirs[i])
                 gap = our_log_probs(model, src, ours[i])[at] - our_log_probs(model, src, theirs[i])[at]
@@ -185,8 +185,8 @@ def test_int8_export_keeps_exactly_the_per_row_quantized_weights(tokenizer: Toke
           "--quantization", "int8"])
     engine = ctranslate2.Translator(str(tmp_path / "int8"), device="cpu", intra_threads=1, compute_type="float32")
     quantized = quantize_as_ctranslate2(model)
-    sources = [tokenizer.encode([de])[0][:60] for de, _ in pairs[:20]]
-    targets = [tokenizer.encode([en])[0][:60] for _, en in pairs[:20]]
+    sources = [tokenizer.encode_source([de])[0][:60] for de, _ in pairs[:20]]
+    targets = [tokenizer.encode_target([en])[0][:60] for _, en in pairs[:20]]
     pieces = tokenizer.pieces()
     results = engine.score_batch([[pieces[i] for i in s] for s in sources], [[pieces[i] for i in t] for t in targets])
     lost = 0.0
@@ -211,8 +211,8 @@ def test_marian_computes_as_ours(variant: str, tokenizer: Tokenizer, pairs, tmp_
     model = random_model(tokenizer, **MARIAN_VARIANTS[variant])
     folder = export_huggingface(write_checkpoint(tmp_path / "m.ckpt", model, tokenizer), tmp_path / "hf")
     marian = MarianMTModel.from_pretrained(folder).eval().double()
-    src = torch.tensor(tokenizer.encode([pairs[0][0]]))
-    tgt_in = torch.tensor([[BOS_ID, *tokenizer.encode([pairs[0][1]])[0]]])
+    src = torch.tensor(tokenizer.encode_source([pairs[0][0]]))
+    tgt_in = torch.tensor([[BOS_ID, *tokenizer.encode_target([pairs[0][1]])[0]]])
     with torch.no_grad():
         ours = torch.log_softmax(model.double()(src, tgt_in), dim=-1)
         theirs = torch.log_softmax(marian(input_ids=src, decoder_input_ids=tgt_in).logits, dim=-1)
@@ -240,7 +240,7 @@ def test_marian_generates_what_ours_decodes(trained: Path, tmp_path: Path):
     # Our models read the source without EOS: add_special_tokens=False (MarianTokenizer appends one).
     batch = hf_tokenizer(sources, add_special_tokens=False, padding=True, return_tensors="pt")
     assert [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask, strict=True)] == (
-        translator.tokenizer.encode(sources))
+        translator.tokenizer.encode_source(sources))
     for beam_size in (1, 4):
         search = SearchConfig(beam_size=beam_size, length_penalty=0.0, max_len_a=0.0, max_len_b=126)
         ours = translator.translate_nbest(sources, search)

@@ -59,6 +59,19 @@ def test_fused_loss_gradcheck():
     )
 
 
+def test_fused_loss_with_a_bias_gradcheck():
+    """Marian's output projection has a bias (final_logits_bias): its gradient, and the others', are exact."""
+    hidden, weight, target = random_problem(9, d_model=4, vocab=6)
+    bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: linear_label_smoothed_nll(h, w, target, bias=b, smoothing=0.2, chunk_rows=4)[0],
+        (hidden, weight, bias),
+    )
+    loss, nll = linear_label_smoothed_nll(hidden, weight, target, bias=bias, smoothing=0.0)
+    logits = hidden @ weight.T + bias
+    torch.testing.assert_close(nll, torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+
+
 def test_fused_loss_without_grad_and_without_rows():
     hidden, weight, target = random_problem(20)
     with torch.no_grad():
@@ -101,26 +114,34 @@ def test_fused_loss_of_a_confident_model_matches_float64():
         torch.testing.assert_close(grad.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def test_training_loss_skips_padding_and_matches_full_logits():
+@pytest.mark.parametrize("marian", [False, True], ids=["ours", "marian-like"])
+def test_training_loss_skips_padding_and_matches_full_logits(marian: bool):
+    """Also for a Marian-like model: an output bias, pad the last id, and the decoder started from pad."""
     torch.manual_seed(0)
+    pad = 30 if marian else PAD_ID
     config = TransformerConfig(
         vocab_size=31, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1, num_decoder_layers=2,
-        dropout=0.0, pad_id=PAD_ID,
+        dropout=0.0, pad_id=pad, output_bias=marian,
     )
     model = Transformer(config).double()
-    src = torch.randint(4, 31, (3, 7))
-    src[1, 4:] = PAD_ID
-    tgt = torch.randint(4, 31, (3, 6))
-    tgt[0, 3:] = PAD_ID
-    tgt[2, 5:] = PAD_ID
+    if marian:
+        torch.nn.init.normal_(model.output_projection.bias)
+    src = torch.randint(4, 30, (3, 7))
+    src[1, 4:] = pad
+    tgt = torch.randint(4, 30, (3, 6))
+    if marian:
+        tgt[:, 0] = pad  # the decoder's start token
+    tgt[0, 3:] = pad
+    tgt[2, 5:] = pad
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
     loss, nll, tokens = training_loss(model, src=src, tgt_in=tgt_in, tgt_out=tgt_out, smoothing=0.1)
     loss.backward()
     fused_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    per_token, per_token_nll = label_smoothed_nll(model(src, tgt_in), tgt_out, smoothing=0.1, pad_id=PAD_ID)
+    per_token, per_token_nll = label_smoothed_nll(model(src, tgt_in), tgt_out, smoothing=0.1, pad_id=pad)
     per_token.sum().backward()
-    assert tokens == (tgt_out != PAD_ID).sum() == 11
+    assert tokens == (tgt_out != pad).sum() == 11
+    assert per_token_nll.isfinite().all()
     torch.testing.assert_close(loss, per_token.sum())
     torch.testing.assert_close(nll, per_token_nll.sum())
     for fused, full in zip(fused_grads, (p.grad for p in model.parameters()), strict=True):
@@ -132,7 +153,7 @@ def test_chunks_fit_a_cpu_cache_and_are_large_on_other_devices(device: str, rows
     """The chunk size follows the device (`meta` stands in for a GPU, which wants large matmuls)."""
     seen = []
     monkeypatch.setattr("seq2seq.loss._LinearLabelSmoothedNLL.apply",
-                        lambda hidden, weight, target, smoothing, chunk_rows: seen.append(chunk_rows))
+                        lambda hidden, weight, bias, target, smoothing, chunk_rows: seen.append(chunk_rows))
     linear_label_smoothed_nll(torch.empty(10, 8, device=device), torch.empty(1000, 8, device=device),
                               torch.zeros(10, dtype=torch.long, device=device), smoothing=0.1)
     assert seen == [rows]

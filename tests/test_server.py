@@ -375,7 +375,7 @@ def test_a_batch_is_decoded_in_calls_within_its_token_budget(translator: Transla
         assert reply.status_code == 200 and reply.json()["translatedText"] == [alone(translator, t) for t in texts]
         max_positions = translator.model.config.max_positions
         cost = {t: decoding_cost(len(ids), SEARCH, max_positions=max_positions)
-                for t, ids in zip(texts, translator.tokenizer.encode(texts), strict=True)}
+                for t, ids in zip(texts, translator.tokenizer.encode_source(texts), strict=True)}
         assert len(recording.calls) > 1 and all(sum(cost[t] for t in call) <= 300 for call in recording.calls)
         over = httpx.post(running.url + "/translate", json={"q": "a", "source": "en", "target": "de", "alternatives": 4})
         assert over.status_code == 400 and "limit of 4 (--max-beam-size)" in over.json()["error"]

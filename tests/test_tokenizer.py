@@ -19,7 +19,7 @@ def test_round_trips_multi30k(tokenizer: Tokenizer, multi30k_lines) -> None:
         for lang in ("de", "en")
         for line in multi30k_lines(stem, lang)
     ]
-    decoded = tokenizer.decode(tokenizer.encode(texts))
+    decoded = tokenizer.decode(tokenizer.encode_source(texts))
     # The one normalisation: runs of spaces collapse and the ends are trimmed (85 of the 62,028 lines).
     spaced_normally = [t == t.strip() and "  " not in t for t in texts]
     assert sum(spaced_normally) > 0.99 * len(texts)
@@ -29,28 +29,28 @@ def test_round_trips_multi30k(tokenizer: Tokenizer, multi30k_lines) -> None:
 
 def test_characters_outside_the_training_text_round_trip(tokenizer: Tokenizer) -> None:
     texts = ["Crème brûlée ½ ﬁ „Zitat“ — 東京 🙂", "Nummer\u00a028"]  # byte fallback, no "⁇"
-    ids = tokenizer.encode(texts)
+    ids = tokenizer.encode_source(texts)
     assert UNK_ID not in {i for row in ids for i in row}
     assert tokenizer.decode(ids) == texts
 
 
 def test_encode_adds_no_specials_and_decode_stops_at_eos(tokenizer: Tokenizer) -> None:
-    [ids] = tokenizer.encode(["Ein Hund läuft."])
+    [ids] = tokenizer.encode_source(["Ein Hund läuft."])
     assert not {PAD_ID, BOS_ID, EOS_ID} & set(ids)
-    [other] = tokenizer.encode(["Zwei Katzen."])
+    [other] = tokenizer.encode_source(["Zwei Katzen."])
     rows = [[BOS_ID, *ids, EOS_ID, *other, PAD_ID], [*ids, PAD_ID, PAD_ID], [BOS_ID, EOS_ID], []]
     assert tokenizer.decode(rows) == ["Ein Hund läuft.", "Ein Hund läuft.", "", ""]
 
 
 def test_bytes_file_and_pickle_trips(tokenizer: Tokenizer, tmp_path, multi30k_lines) -> None:
     texts = multi30k_lines("val", "en", 50)
-    expected = tokenizer.encode(texts)
+    expected = tokenizer.encode_source(texts)
     copies = [Tokenizer.from_bytes(tokenizer.to_bytes()), pickle.loads(pickle.dumps(tokenizer))]
     tokenizer.save(tmp_path / "sub" / "m.model")
     copies.append(Tokenizer.from_file(tmp_path / "sub" / "m.model"))
     for copy in copies:
         assert copy.to_bytes() == tokenizer.to_bytes()
-        assert copy.encode(texts) == expected
+        assert copy.encode_source(texts) == expected
         assert copy.decode(expected) == tokenizer.decode(expected)
 
 
@@ -67,7 +67,7 @@ def test_unigram_model(multi30k_lines) -> None:
     texts = multi30k_lines("train", "de", 2000)
     tok = Tokenizer.train(texts, vocab_size=600, model_type="unigram")
     assert tok.vocab_size == 600
-    assert tok.decode(tok.encode(texts[:100])) == texts[:100]
+    assert tok.decode(tok.encode_source(texts[:100])) == texts[:100]
 
 
 def test_reservoir_sample_is_uniform_and_streams() -> None:

@@ -124,7 +124,7 @@ def test_n_lines_in_n_lines_out_with_empty_and_too_long_lines(trained64: Transla
     translator = trained64
     limit = translator.model.config.max_positions
     long_line = " ".join(SENTENCES * 4)
-    long_ids = translator.tokenizer.encode([long_line])[0]
+    long_ids = translator.tokenizer.encode_source([long_line])[0]
     assert len(long_ids) > limit
     texts = [SENTENCES[0], "", "  \t ", long_line, SENTENCES[1], ""]
     with pytest.warns(UserWarning, match=rf"input line 4 has {len(long_ids)} tokens, .*max_positions \({limit}\)"):
@@ -134,13 +134,13 @@ def test_n_lines_in_n_lines_out_with_empty_and_too_long_lines(trained64: Transla
     assert out[0] == translator.translate([SENTENCES[0]])[0] and out[4] == translator.translate([SENTENCES[1]])[0]
     # The long line is translated as its first max_positions tokens.
     truncated = translator.tokenizer.decode([long_ids[:limit]])[0]
-    assert translator.tokenizer.encode([truncated])[0] == long_ids[:limit]
+    assert translator.tokenizer.encode_source([truncated])[0] == long_ids[:limit]
     assert out[3] == translator.translate([truncated])[0]
     assert translator.translate([]) == []
 
 
 def test_beam_size_1_is_greedy_search(model64: Translator):
-    ids = model64.tokenizer.encode(SENTENCES)
+    ids = model64.tokenizer.encode_source(SENTENCES)
     src = pad_batch(ids, device=torch.device("cpu"))
     expected = greedy(model64.model, src, SearchConfig(), **IDS)
     got = model64.translate_nbest(SENTENCES, SearchConfig(beam_size=1), max_tokens=50)
@@ -315,7 +315,7 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
 def teacher_forced_log_probs(translator: Translator, sources: list[str], targets: list[list[int]]) -> torch.Tensor:
     """log P(target token | source, the target's prefix) under translator's model, every token, as float32."""
     scores = []
-    for source, target in zip(translator.tokenizer.encode(sources), targets, strict=True):
+    for source, target in zip(translator.tokenizer.encode_source(sources), targets, strict=True):
         tgt_in = torch.tensor([[BOS_ID, *target]])
         with torch.inference_mode():
             logits = translator.model(torch.tensor([source]), tgt_in).float()[0]  # (T, V)
@@ -761,7 +761,7 @@ def test_serve_nbest(checkpoint: Path, translator: Translator):
 
 def test_serve_reports_each_truncated_line_with_its_own_number(checkpoint: Path, translator: Translator):
     long_line = " ".join(SENTENCES * 4)
-    tokens = len(translator.tokenizer.encode([long_line])[0])
+    tokens = len(translator.tokenizer.encode_source([long_line])[0])
     process = serve(checkpoint)
     out, err = process.communicate(f"{long_line}\n{SENTENCES[0]}\n{long_line}\n".encode(), timeout=120)
     assert process.returncode == 0, err.decode()

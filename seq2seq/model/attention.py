@@ -24,7 +24,8 @@ def causal_mask(tokens: Tensor, *, pad_id: int, offset: int = 0) -> Tensor:
     """(B, T) target ids -> (B, 1, T, offset+T): query i (at position offset+i) sees keys 0..offset+i.
 
     Keys before `offset` are cached positions, assumed real (the decoder is fed unpadded prefixes
-    step by step); padding among the new tokens is masked as keys.
+    step by step); padding among the new tokens is masked as keys, but for position 0: the decoder's
+    start token, real even where it is the pad id (a Marian model starts its decoder from pad).
     """
     length = tokens.size(1)
     query_pos = torch.arange(offset, offset + length, device=tokens.device)[:, None]
@@ -33,6 +34,8 @@ def causal_mask(tokens: Tensor, *, pad_id: int, offset: int = 0) -> Tensor:
     is_real = tokens != pad_id
     if offset:
         is_real = torch.cat((is_real.new_ones(tokens.size(0), offset), is_real), dim=1)
+    else:
+        is_real[:, 0] = True
     return causal[None, None] & is_real[:, None, None, :]
 
 

@@ -108,6 +108,8 @@ class TransformerConfig:
     """none; decoder input embedding = output projection; all three shared (needs the shared vocabulary)."""
     scale_embeddings: bool = True
     """Multiply token embeddings by sqrt(d_model), as the paper does."""
+    output_bias: bool = False
+    """A bias on the output projection (the paper has none; Marian's models do: final_logits_bias)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)

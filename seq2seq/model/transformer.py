@@ -163,7 +163,7 @@ class Transformer(nn.Module):
         src_tokens = tgt_tokens if config.tie_embeddings == "all" else nn.Embedding(vocab, d_model, padding_idx=config.pad_id)
         self.encoder = Encoder(config, src_tokens)
         self.decoder = Decoder(config, tgt_tokens)
-        self.output_projection = nn.Linear(d_model, vocab, bias=False)
+        self.output_projection = nn.Linear(d_model, vocab, bias=config.output_bias)
         self.reset_parameters()
         if config.tie_embeddings != "none":
             self.output_projection.weight = tgt_tokens.weight

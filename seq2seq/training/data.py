@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader
 
 from seq2seq.batching import TokenBatchSampler, collate
 from seq2seq.tokenizer import Tokenizer, TokenizerFileError
+from seq2seq.training.pretrained import load_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +218,8 @@ def _status(src: int, tgt: int, *, max_len: int, max_ratio: float, evaluation: b
 def _tokenize(
     batch: dict, indices: list[int], *, tokenizer: Tokenizer, max_len: int, max_ratio: float, evaluation: bool
 ) -> dict:
-    src_ids = tokenizer.encode([text or "" for text in batch["src"]])
-    tgt_ids = tokenizer.encode([text or "" for text in batch["tgt"]])
+    src_ids = tokenizer.encode_source([text or "" for text in batch["src"]])
+    tgt_ids = tokenizer.encode_target([text or "" for text in batch["tgt"]])
     status = [
         _status(len(s), len(t), max_len=max_len, max_ratio=max_ratio, evaluation=evaluation)
         for s, t in zip(src_ids, tgt_ids, strict=True)
@@ -254,7 +255,7 @@ class TranslationDataModule(L.LightningDataModule):
         *,
         src_lang: str,
         tgt_lang: str,
-        tokenizer_path: str,
+        tokenizer_path: str | None = None,
         vocab_size: int = 8000,
         tokenizer_model_type: str = "bpe",
         character_coverage: float = 1.0,
@@ -276,12 +277,14 @@ class TranslationDataModule(L.LightningDataModule):
         num_workers: int = 0,
         num_proc: int = 1,
         cache_dir: str | None = None,
+        init_from: str | None = None,
     ) -> None:
         """
         Args:
             src_lang: source language code as the data names it (`de`).
             tgt_lang: target language code (`en`).
-            tokenizer_path: the sentencepiece .model file; trained and written if missing.
+            tokenizer_path: the sentencepiece .model file; trained and written if missing. With
+                init_from: optional; the pretrained tokenizer is written there, or must be what is there.
             vocab_size: pieces of a tokenizer trained here.
             tokenizer_model_type: `bpe` or `unigram`, for a tokenizer trained here.
             character_coverage: sentencepiece's share of characters given their own piece.
@@ -306,8 +309,13 @@ class TranslationDataModule(L.LightningDataModule):
             num_workers: DataLoader worker processes.
             num_proc: processes for tokenising (datasets.map).
             cache_dir: where datasets keeps its Arrow files (default: ~/.cache/huggingface/datasets).
+            init_from: the checkpoint a fine-tuning run starts from, whose tokenizer is used (nothing is
+                trained); `python -m seq2seq.fit` links it from model.init_from.
         """
         super().__init__()
+        if tokenizer_path is None and init_from is None:
+            raise DataError("data.tokenizer_path is missing: name the sentencepiece model to train (or to use, if it "
+                            "exists), e.g. checkpoints/run/spm.model")
         if src_lang == tgt_lang:
             raise DataError(f"src_lang and tgt_lang are both {src_lang!r}; choose two languages")
         if max_tokens < max_tokens_per_sentence + 1:
@@ -347,6 +355,9 @@ class TranslationDataModule(L.LightningDataModule):
         return self.load_tokenizer().vocab_size
 
     def _load_or_train_tokenizer(self) -> Tokenizer:
+        if self.hparams["init_from"] is not None:
+            return self._pretrained_tokenizer()
+        assert self.tokenizer_path is not None  # __init__ refuses a run with neither
         hp, path = self.hparams, Path(self.tokenizer_path)
         read: dict[str, Any] = {}  # if a tokenizer is trained here: when reading began, what was read
 
@@ -368,6 +379,29 @@ class TranslationDataModule(L.LightningDataModule):
             _info(f"trained {path} on {read['raw'].num_rows} pairs in {seconds:.1f}s")
         return tokenizer
 
+    def _pretrained_tokenizer(self) -> Tokenizer:
+        """init_from's tokenizer; written to tokenizer_path if that is given and missing (the run's folder then
+        holds its tokenizer, as a run that trained one does), refused if a different one is there."""
+        init_from = self.hparams["init_from"]
+        tokenizer = Tokenizer.from_bytes(load_pretrained(init_from).tokenizer)  # checked by read_inference
+        if self.tokenizer_path is None:
+            return tokenizer
+        path = Path(self.tokenizer_path)
+        try:
+            if not path.is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+                partial.write_bytes(tokenizer.to_bytes())
+                os.replace(partial, path)  # atomic: every DDP rank writes the same bytes
+            elif path.read_bytes() != tokenizer.to_bytes():
+                raise DataError(f"data.tokenizer_path: {path} is not the tokenizer of model.init_from {init_from}, "
+                                "whose weights need their own: leave tokenizer_path out, or name a new file (the "
+                                "pretrained tokenizer is written there)")
+        except OSError as error:
+            raise DataError(f"data.tokenizer_path: cannot write {path} ({os_reason(error)}); leave it out, or "
+                            "choose a folder you can write to") from None
+        return tokenizer
+
     def _tokenizer_error(self, failed: TokenizerFileError) -> DataError:
         """The failure in the words of our options: data.tokenizer_path, where the training text is from."""
         path, error = failed.path, failed.error
@@ -383,6 +417,10 @@ class TranslationDataModule(L.LightningDataModule):
                          "you can write to, or fix its permissions")
 
     # ---- splits ---------------------------------------------------------------------------------
+
+    @property
+    def has_validation(self) -> bool:
+        return self._has("valid")
 
     def _has(self, split: str) -> bool:
         hp = self.hparams
@@ -462,7 +500,7 @@ class TranslationDataModule(L.LightningDataModule):
     # ---- loaders --------------------------------------------------------------------------------
 
     def _loader(self, split: str) -> DataLoader:
-        hp = self.hparams
+        hp, tokenizer = self.hparams, self.load_tokenizer()
         if self.trainer is not None:
             rank, world_size = self.trainer.global_rank, self.trainer.world_size
         elif torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -480,7 +518,8 @@ class TranslationDataModule(L.LightningDataModule):
         )
         kwargs: dict[str, Any] = {
             "batch_sampler": sampler,
-            "collate_fn": partial(collate, with_text=split != "train"),
+            "collate_fn": partial(collate, with_text=split != "train", bos=tokenizer.bos_id, eos=tokenizer.eos_id,
+                                  pad=tokenizer.pad_id),
             "num_workers": hp["num_workers"],
             "persistent_workers": hp["num_workers"] > 0,
             # Its own generator: a DataLoader draws its workers' base seed from torch's global RNG at

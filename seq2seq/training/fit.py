@@ -49,6 +49,7 @@ from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import PAD_ID
 from seq2seq.training.data import DataError, TranslationDataModule, os_reason
 from seq2seq.training.module import TrainingDiverged, TranslationModule, check_hyperparameters
+from seq2seq.training.pretrained import fine_tuning_config, load_pretrained
 from seq2seq.training.schedule import NO_END, max_time_timer
 
 
@@ -122,6 +123,8 @@ class Trainer(pl.Trainer):
 class TranslationCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.vocab_size", "model.transformer.vocab_size", apply_on="instantiate")
+        # A fine-tuning run's data is tokenised with the pretrained model's tokenizer.
+        parser.link_arguments("model.init_from", "data.init_from", apply_on="parse")
         parser.add_argument(
             "--ckpt_path",
             type=str | None,
@@ -148,11 +151,24 @@ def check_model_section(model: Any) -> None:
         val_search = SearchConfig(**vars(model.val_search))
     except ConfigError as error:
         raise ConfigError(f"model.val_search.{error.field}", error.problem) from None
-    # The pad id first: the stand-in vocab_size below must not appear in its message.
-    check_hyperparameters(pad_id=transformer.get("pad_id", PAD_ID), val_search=val_search,
-                          label_smoothing=model.label_smoothing, lr=model.lr, lr_schedule=model.lr_schedule,
-                          warmup_steps=model.warmup_steps,
+    check_hyperparameters(val_search=val_search, label_smoothing=model.label_smoothing, lr=model.lr,
+                          lr_schedule=model.lr_schedule, warmup_steps=model.warmup_steps,
                           weight_decay=model.weight_decay, adam_betas=tuple(model.adam_betas), adam_eps=model.adam_eps)
+    if model.init_from is not None:
+        pretrained = load_pretrained(model.init_from).config
+        try:
+            given = TransformerConfig(**{**transformer, "vocab_size": pretrained.vocab_size})
+        except ConfigError as error:
+            raise ConfigError(f"model.transformer.{error.field}", error.problem) from None
+        merged = fine_tuning_config(pretrained, given, init_from=model.init_from)
+        for key, value in merged.to_dict().items():  # the saved config.yaml shows the model trained
+            if key != "vocab_size":
+                setattr(model.transformer, key, value)
+        return
+    # The pad id first: the stand-in vocab_size below must not appear in its message.
+    if transformer.get("pad_id", PAD_ID) != PAD_ID:
+        raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {PAD_ID}, got "
+                          f"{transformer['pad_id']!r}; leave it out")
     try:
         # vocab_size comes from the tokenizer later; any value that passes stands in for it here.
         TransformerConfig(vocab_size=PAD_ID + 1, **transformer)
@@ -211,6 +227,7 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
     """
     if ckpt_path is None or ckpt_path == "hpc" or ckpt_path.lower().startswith("registry"):
         return ckpt_path
+    init_from = model.hparams.get("init_from")
     if ckpt_path == "last":
         folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
                    if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
@@ -228,6 +245,13 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
         check_training_state(path, checkpoint)  # the trained weights, the optimiser: what a resume loads
     except CheckpointError as error:
         raise CheckpointError(f"--ckpt_path {ckpt_path}: {error}; or leave out --ckpt_path to start afresh") from None
+    started_from = checkpoint.get("hyper_parameters", {}).get("init_from")
+    if init_from is not None and started_from != init_from:
+        # Resuming a fine-tuning run is its command plus --ckpt_path; any other pairing mixes two meanings.
+        raise CheckpointError(f"model.init_from and --ckpt_path {ckpt_path} are both given, but {path} is not a "
+                              f"checkpoint of a run started from {init_from}: init_from starts a new run from a "
+                              "model's weights (fresh optimiser, step 0), --ckpt_path resumes a run exactly (to "
+                              "resume a fine-tuning run, repeat its command with --ckpt_path); give one of them")
     missing = [key for key in ("optimizer_states", "loops") if key not in checkpoint]
     if missing:  # written by seq2seq.average (or stripped): Lightning would fail with a KeyError deep in restore
         raise CheckpointError(f"--ckpt_path {ckpt_path}: {path} holds a model's weights but no training state "
@@ -293,6 +317,9 @@ def fit(args: list[str] | None) -> TranslationCLI:
     check_budget(cli.model, trainer)
     check_output_folders(trainer)
     ckpt_path = resolve_resume(trainer, cli.config.get("ckpt_path"), model=cli.model, data=cli.datamodule)
+    if cli.model.hparams.get("init_from") is not None and ckpt_path is None and cli.datamodule.has_validation:
+        # The first BLEU of a fine-tuning run is the pretrained model's: what the run must improve on.
+        trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
     trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
     checkpoint = trainer.checkpoint_callback
     if trainer.is_global_zero and isinstance(checkpoint, ModelCheckpoint):

@@ -38,8 +38,9 @@ from seq2seq.loss import label_smoothed_nll, training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
 from seq2seq.search import SearchConfig, decode
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.tokenizer import Tokenizer
 from seq2seq.training.machine import MachineTuning
+from seq2seq.training.pretrained import fine_tuning_config, load_pretrained
 from seq2seq.training.resume import RNG_KEY, gather_rng_states, restore_rng_state
 from seq2seq.training.schedule import LinearBudget, LinearToZero, LrSchedule, multiplier
 
@@ -52,17 +53,15 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite: the run stops rather than train (and checkpoint) garbage."""
 
 
-def check_hyperparameters(*, pad_id: Any, val_search: SearchConfig, label_smoothing: float, lr: float,
+def check_hyperparameters(*, val_search: SearchConfig, label_smoothing: float, lr: float,
                           lr_schedule: str, warmup_steps: int, weight_decay: float,
                           adam_betas: tuple[float, float], adam_eps: float) -> None:
     """ConfigError naming the config key (`model.lr`) for a value that would train wrongly or not at all.
 
-    What TransformerConfig and SearchConfig accept but training does not: a pad id other than the
-    tokenizer's, sampling for validation. fit.py calls this before any data work, the module again
-    when it is built.
+    What SearchConfig accepts but training does not: sampling for validation. fit.py calls this before
+    any data work, the module again when it is built. (The pad id must be the tokenizer's: checked in
+    setup, where the tokenizer is known, and by fit.py before, for the tokenizer it will train.)
     """
-    if pad_id != PAD_ID:
-        raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {PAD_ID}, got {pad_id!r}")
     if val_search.sampling:
         raise ConfigError("model.val_search.sampling", "validation BLEU needs a deterministic search: set it false")
     values = SimpleNamespace(label_smoothing=label_smoothing, lr=lr, warmup_steps=warmup_steps,
@@ -102,6 +101,7 @@ class TranslationModule(L.LightningModule):
         adam_betas: tuple[float, float] = (0.9, 0.98),
         adam_eps: float = 1e-9,
         val_search: SearchConfig = VAL_SEARCH,
+        init_from: str | None = None,
     ):
         """
         Args:
@@ -118,16 +118,25 @@ class TranslationModule(L.LightningModule):
             adam_betas: Adam's (beta1, beta2).
             adam_eps: Adam's epsilon.
             val_search: how the validation set is decoded for BLEU (greedy by default: beam_size 1).
+            init_from: fine-tune: start from this checkpoint's weights and model config (one of ours, or
+                one `python -m seq2seq.convert` wrote), with a fresh optimiser and schedule from step 0;
+                `transformer` may change only its dropouts and max_positions (training/pretrained.py).
+                The data module takes the tokenizer from it (fit.py links data.init_from to it).
         """
         super().__init__()
-        check_hyperparameters(pad_id=transformer.pad_id, val_search=val_search, label_smoothing=label_smoothing,
+        check_hyperparameters(val_search=val_search, label_smoothing=label_smoothing,
                               lr=lr, lr_schedule=lr_schedule, warmup_steps=warmup_steps, weight_decay=weight_decay,
                               adam_betas=adam_betas, adam_eps=adam_eps)
         # Plain types in hparams: checkpoints must load with weights_only=True (no dataclass objects).
+        pretrained = load_pretrained(init_from) if init_from is not None else None
+        if pretrained is not None:
+            transformer = fine_tuning_config(pretrained.config, transformer, init_from=str(init_from))
         self.save_hyperparameters(ignore=["transformer", "val_search"])
         self.hparams["transformer"], self.hparams["val_search"] = transformer.to_dict(), asdict(val_search)
         self.config, self.val_search = transformer, val_search
         self.model = Transformer(transformer)
+        if pretrained is not None:
+            self.model.load_state_dict(pretrained.weights)  # names and shapes checked against the same shapes
         self.tokenizer: Tokenizer | None = None  # taken from the data module in setup()
         self._validation_outputs: list[ValidationRow] = []
         self._step_started = 0.0  # on_train_batch_start's clock, read at the batch's end
@@ -144,6 +153,9 @@ class TranslationModule(L.LightningModule):
                 f"the tokenizer has {self.tokenizer.vocab_size} pieces but the model was built for "
                 f"{self.config.vocab_size}; delete the stale tokenizer or the checkpoint you resume from"
             )
+        if self.tokenizer.pad_id != self.config.pad_id:
+            raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {self.tokenizer.pad_id}, "
+                              f"got {self.config.pad_id}; leave it out")
         self.src_lang, self.tgt_lang = datamodule.src_lang, datamodule.tgt_lang
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -207,8 +219,9 @@ class TranslationModule(L.LightningModule):
         """Per-token (label-smoothed loss, NLL), (B, T), zero at padding; and the non-pad mask (B, T)."""
         logits = self.model(batch["src"], batch["tgt_in"])  # (B, T, V)
         tgt_out = batch["tgt_out"]
-        loss, nll = label_smoothed_nll(logits, tgt_out, smoothing=self.hparams["label_smoothing"], pad_id=PAD_ID)
-        return loss, nll, tgt_out != PAD_ID
+        pad = self.config.pad_id
+        loss, nll = label_smoothed_nll(logits, tgt_out, smoothing=self.hparams["label_smoothing"], pad_id=pad)
+        return loss, nll, tgt_out != pad
 
     def configure_callbacks(self) -> list[L.Callback]:
         # Lightning asks for these before configure_optimizers: the multiplier exists from __init__.
@@ -266,8 +279,9 @@ class TranslationModule(L.LightningModule):
         self._validation_outputs.extend(rows)
 
     def translate_batch(self, src: Tensor) -> list[str]:
-        nbest = decode(self.model, src, self.val_search, bos=BOS_ID, eos=EOS_ID, pad=PAD_ID)
         assert self.tokenizer is not None
+        tokenizer = self.tokenizer
+        nbest = decode(self.model, src, self.val_search, bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id)
         return self.tokenizer.decode([hyps[0].tokens for hyps in nbest])
 
     def on_validation_epoch_end(self) -> None:

@@ -66,7 +66,7 @@ def test_batches_hold_shifted_targets_and_raw_text(
     assert batch["ref_text"] == [ref_lines[i] for i in batch["index"].tolist()]
     assert (batch["tgt_in"][:, 0] == BOS_ID).all()
     for tgt_in, tgt_out, ref in zip(batch["tgt_in"], batch["tgt_out"], batch["ref_text"], strict=True):
-        y = tokenizer.encode([ref])[0]
+        y = tokenizer.encode_target([ref])[0]
         assert tgt_in.tolist() == [BOS_ID, *y] + [PAD_ID] * (len(tgt_in) - len(y) - 1)
         assert tgt_out.tolist() == [*y, EOS_ID] + [PAD_ID] * (len(tgt_out) - len(y) - 1)
     train = next(iter(multi30k.train_dataloader()))
@@ -114,7 +114,7 @@ def test_lightning_reshuffles_every_epoch(tmp_path: Path, multi30k_dir: Path, to
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         rows = [[dm.datasets["train"][i] for i in batch] for batch in sampler]
-        expected = [int(collate(r, with_text=False)["src"].sum()) for r in rows]
+        expected = [int(collate(r, with_text=False, bos=2, eos=3, pad=0)["src"].sum()) for r in rows]
         assert module.seen[epoch] == expected  # Lightning called set_epoch(epoch) before the epoch
     assert module.seen[0] != module.seen[1]
     assert module.val_rows == 2 * 1014  # two epochs, no pair lost

@@ -71,8 +71,6 @@ def test_a_typo_in_the_model_section_is_an_error(override: str, capsys: pytest.C
         ({"adam_betas": (0.9, 1.0)}, "model.adam_betas[1]: must be >= 0 and < 1, got 1.0"),
         ({"adam_eps": 0.0}, "model.adam_eps: must be > 0, got 0.0"),
         ({"val_search": SearchConfig(sampling=True)}, "model.val_search.sampling: validation BLEU needs a deterministic"),
-        ({"transformer": TransformerConfig(vocab_size=40, d_model=16, num_heads=2, pad_id=5)},
-         "model.transformer.pad_id: must be the tokenizer's pad id 0, got 5"),
     ],
 )
 def test_bad_hyperparameters_are_refused_at_construction_naming_the_key(options, message):
