@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -135,14 +136,25 @@ class TranslationCLI(LightningCLI):
         # DistributedSampler would split them a second time.
         parser.set_defaults({"trainer.use_distributed_sampler": False})
 
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        # Which model.transformer fields the YAML files and the command line set: a fine-tuning run takes
+        # the others from model.init_from (the parsed config holds every field, defaults filled in). Only
+        # then: without init_from the second parse would fail on the link from it.
+        self.given_transformer_fields: set[str] = set()
+        if self.config["model"].get("init_from") is not None:
+            given = parser.parse_args(args, defaults=False).get("model.transformer")
+            self.given_transformer_fields = set(vars(given)) if given is not None else set()
+
     def before_instantiate_classes(self) -> None:
         # Instantiating the data module trains the tokenizer (minutes on WMT): check the model first.
-        check_model_section(self.config["model"])
+        check_model_section(self.config["model"], given_fields=self.given_transformer_fields)
         check_accelerator(self.config["trainer"]["accelerator"])
 
 
-def check_model_section(model: Any) -> None:
-    """The parsed `model:` section's values, checked as construction will check them; errors name the key."""
+def check_model_section(model: Any, *, given_fields: Collection[str]) -> None:
+    """The parsed `model:` section's values, checked as construction will check them; errors name the key.
+    given_fields: the model.transformer fields set by the YAML or the command line."""
     for section in ("transformer", "val_search"):
         if getattr(model, section, None) is None:  # `val_search:` with every key commented out is YAML null
             raise ConfigError(f"model.{section}", "is empty; give its fields, or leave the key out for the defaults")
@@ -160,7 +172,7 @@ def check_model_section(model: Any) -> None:
             given = TransformerConfig(**{**transformer, "vocab_size": pretrained.vocab_size})
         except ConfigError as error:
             raise ConfigError(f"model.transformer.{error.field}", error.problem) from None
-        merged = fine_tuning_config(pretrained, given, init_from=model.init_from)
+        merged = fine_tuning_config(pretrained, given, init_from=model.init_from, given_fields=given_fields)
         for key, value in merged.to_dict().items():  # the saved config.yaml shows the model trained
             if key != "vocab_size":
                 setattr(model.transformer, key, value)

@@ -21,7 +21,7 @@ Every checkpoint carries what inference needs under the key "seq2seq", written b
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from types import SimpleNamespace
 from typing import Any, get_args
 
@@ -120,7 +120,8 @@ class TranslationModule(L.LightningModule):
             val_search: how the validation set is decoded for BLEU (greedy by default: beam_size 1).
             init_from: fine-tune: start from this checkpoint's weights and model config (one of ours, or
                 one `python -m seq2seq.convert` wrote), with a fresh optimiser and schedule from step 0;
-                `transformer` may change only its dropouts and max_positions (training/pretrained.py).
+                `transformer` must be its config but for the dropouts and max_positions (training/pretrained.py;
+                python -m seq2seq.fit fills in what the YAML leaves out).
                 The data module takes the tokenizer from it (fit.py links data.init_from to it).
         """
         super().__init__()
@@ -130,7 +131,9 @@ class TranslationModule(L.LightningModule):
         # Plain types in hparams: checkpoints must load with weights_only=True (no dataclass objects).
         pretrained = load_pretrained(init_from) if init_from is not None else None
         if pretrained is not None:
-            transformer = fine_tuning_config(pretrained.config, transformer, init_from=str(init_from))
+            # A whole config: every field counts as given (fit.py has merged the YAML's into init_from's)
+            transformer = fine_tuning_config(pretrained.config, transformer, init_from=str(init_from),
+                                             given_fields=[f.name for f in fields(TransformerConfig)])
         self.save_hyperparameters(ignore=["transformer", "val_search"])
         self.hparams["transformer"], self.hparams["val_search"] = transformer.to_dict(), asdict(val_search)
         self.config, self.val_search = transformer, val_search

@@ -8,13 +8,16 @@ optimiser, the schedule and the step count start afresh.
 The model config is PATH's. The YAML's `model.transformer` may still say what changes no weight and
 no function of the weights: the dropouts, and `max_positions` where no weight is stored per position.
 Any other field set to a value other than PATH's is an error naming it, whether it would change a
-weight's shape (`d_model`) or what the pretrained weights compute (`activation`). "Set" means: other
-than TransformerConfig's default, since a parsed config holds every field.
+weight's shape (`d_model`) or what the pretrained weights compute (`activation`). A field the YAML and
+the command line leave out is PATH's (fit.py asks the parser which fields were given, and passes the
+merged config on). TranslationModule, given a whole config, checks it again with every field as given:
+it must be PATH's but for the fields that may differ.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,24 +40,24 @@ def load_pretrained(path: str | Path) -> InferenceCheckpoint:
 
 
 def fine_tuning_config(pretrained: TransformerConfig, given: TransformerConfig, *, init_from: str | Path,
-                       ) -> TransformerConfig:
-    """The pretrained config with what `given` (the YAML's) may change in it; a ConfigError naming
-    model.transformer.<field> for a field set to something else (module docstring)."""
-    defaults = {f.name: f.default for f in fields(TransformerConfig)}
+                       given_fields: Collection[str]) -> TransformerConfig:
+    """The pretrained config with what `given` may change in it; a ConfigError naming
+    model.transformer.<field> for a field set to something else (module docstring). `given_fields`: the
+    fields the YAML or the command line set; `given`'s other fields are not looked at."""
     changes = {}
     for name, value in given.to_dict().items():
         theirs = getattr(pretrained, name)
-        if name == "vocab_size" or value == theirs or value == defaults[name]:
+        if name == "vocab_size" or value == theirs or name not in given_fields:
             continue
         changed_shape = _changed_weight(pretrained, **{name: value})
+        if changed_shape is None and name in MAY_DIFFER:
+            changes[name] = value
+            continue
         if changed_shape is not None:
             problem = (f"would change the shape of the weight '{changed_shape[0]}' from {changed_shape[1]} to "
                        f"{changed_shape[2]}")
-        elif name not in MAY_DIFFER:
-            problem = f"would change what the pretrained weights compute (only {', '.join(MAY_DIFFER)} may differ)"
         else:
-            changes[name] = value
-            continue
+            problem = f"would change what the pretrained weights compute (only {', '.join(MAY_DIFFER)} may differ)"
         raise ConfigError(f"model.transformer.{name}", f"is {value!r} but model.init_from {init_from} was trained with "
                           f"{theirs!r}: it {problem}; leave it out to take the pretrained model's")
     if given.vocab_size != pretrained.vocab_size:

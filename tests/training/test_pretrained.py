@@ -1,6 +1,7 @@
 """Fine-tuning (training/pretrained.py): the model config it takes, and `model.init_from` end to end."""
 
 import csv
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,36 @@ def given(**values) -> TransformerConfig:
     return TransformerConfig(vocab_size=100, **values)
 
 
-def test_fields_left_at_their_default_take_the_pretrained_values():
-    assert fine_tuning_config(PRETRAINED, given(), init_from="p.ckpt") == PRETRAINED
+def merge(**values) -> TransformerConfig:
+    """fine_tuning_config as fit.py calls it: the fields a YAML with these keys sets."""
+    return fine_tuning_config(PRETRAINED, given(**values), init_from="p.ckpt", given_fields=set(values))
+
+
+def test_fields_the_yaml_leaves_out_are_the_pretrained_ones():
+    assert merge() == PRETRAINED
 
 
 def test_dropouts_and_max_positions_of_computed_positions_may_differ():
-    merged = fine_tuning_config(PRETRAINED, given(dropout=0.05, attention_dropout=0.2, max_positions=256),
-                                init_from="p.ckpt")
+    merged = merge(dropout=0.05, attention_dropout=0.2, max_positions=256)
     assert (merged.dropout, merged.attention_dropout, merged.max_positions) == (0.05, 0.2, 256)
     assert merged.d_model == 32 and merged.pad_id == 99 and merged.output_bias
+
+
+def test_a_value_given_is_heard_even_where_it_is_the_default():
+    """dropout 0.1 is TransformerConfig's default: set in a YAML, it replaces the pretrained 0.3."""
+    assert merge(dropout=0.1).dropout == 0.1
+    with pytest.raises(ConfigError, match="norm_placement: is 'post' but model.init_from p.ckpt was trained with 'pre'"):
+        merge(norm_placement="post")  # the default too, but not the pretrained model's
+
+
+def test_the_modules_second_look_at_the_whole_config():
+    """TranslationModule checks the merged config again with every field as given: it passes unchanged;
+    a whole config of defaults is refused at its first field that is not init_from's."""
+    every = [f.name for f in fields(TransformerConfig)]
+    for merged in (merge(), merge(dropout=0.1, max_positions=256)):
+        assert fine_tuning_config(PRETRAINED, merged, init_from="p.ckpt", given_fields=every) == merged
+    with pytest.raises(ConfigError, match="d_model: is 512 but model.init_from p.ckpt was trained with 32"):
+        fine_tuning_config(PRETRAINED, TransformerConfig(vocab_size=100), init_from="p.ckpt", given_fields=every)
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -39,17 +61,13 @@ def test_dropouts_and_max_positions_of_computed_positions_may_differ():
     ({"num_decoder_layers": 3}, "model.transformer.num_decoder_layers: is 3 but model.init_from p.ckpt was trained "
                                 "with 2: it would change the shape of the weight 'decoder.layers.2."),
     ({"activation": "gelu"}, "model.transformer.activation: is 'gelu' but model.init_from p.ckpt was trained with "
-                             "'relu'"),  # relu is the default: a YAML that sets gelu is heard
-    ({"norm_placement": "post"}, None),  # the default: not "set", the pretrained pre-norm is kept
+                             "'relu'"),
     ({"positions": "rotary"}, "would change what the pretrained weights compute (only dropout, attention_dropout, "
                               "activation_dropout, max_positions may differ)"),
 ])
-def test_a_field_set_to_another_value_is_refused_naming_it(values: dict, message: str | None):
-    if message is None:
-        assert fine_tuning_config(PRETRAINED, given(**values), init_from="p.ckpt").norm_placement == "pre"
-        return
+def test_a_field_set_to_another_value_is_refused_naming_it(values: dict, message: str):
     with pytest.raises(ConfigError) as error:
-        fine_tuning_config(PRETRAINED, given(**values), init_from="p.ckpt")
+        merge(**values)
     assert message in str(error.value)
     assert str(error.value).endswith("leave it out to take the pretrained model's")
 
@@ -57,12 +75,13 @@ def test_a_field_set_to_another_value_is_refused_naming_it(values: dict, message
 def test_max_positions_of_learned_positions_is_a_shape():
     learned = TransformerConfig(vocab_size=100, d_model=32, num_heads=4, positions="learned", max_positions=64)
     with pytest.raises(ConfigError, match=r"'decoder.embed.positions.embedding.weight' from \(64, 32\) to \(128, 32\)"):
-        fine_tuning_config(learned, given(positions="learned", max_positions=128), init_from="p.ckpt")
+        fine_tuning_config(learned, given(positions="learned", max_positions=128), init_from="p.ckpt",
+                           given_fields={"max_positions"})
 
 
 def test_a_vocabulary_of_another_size_is_refused():
     with pytest.raises(ConfigError, match="vocab_size: is 50, but model.init_from p.ckpt has 100 pieces"):
-        fine_tuning_config(PRETRAINED, TransformerConfig(vocab_size=50), init_from="p.ckpt")
+        fine_tuning_config(PRETRAINED, TransformerConfig(vocab_size=50), init_from="p.ckpt", given_fields=())
 
 
 # ---- end to end: python -m seq2seq.fit with model.init_from ------------------------------------------
@@ -86,8 +105,8 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimiser_and_schedule
     pretrained = checkpoints / "best.ckpt"
     stored = torch.load(pretrained, weights_only=True)
     best_score = next(state["best_model_score"] for key, state in stored["callbacks"].items() if "ModelCheckpoint" in key)
-    cli = finetune(tmp_path, pretrained, "--model.transformer.dropout=0.2")
-    assert cli.model.config.dropout == 0.2 and cli.model.config.d_model == 32  # the YAML's d_model: default, not "set"
+    cli = finetune(tmp_path, pretrained, "--model.transformer.dropout=0.1")
+    assert cli.model.config.dropout == 0.1 and cli.model.config.d_model == 32  # 0.1: the default, given
     assert cli.trainer.global_step == 4  # from step 0, not the pretrained run's 12
     assert cli.trainer.optimizers[0].state_dict()["state"][0]["step"].item() == 4  # fresh Adam moments
     first, *_ = validation_rows(tmp_path)
@@ -99,7 +118,7 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimiser_and_schedule
     assert finetuned["seq2seq"]["tokenizer"] == stored["seq2seq"]["tokenizer"]
     # Resuming the fine-tuning run: its command plus --ckpt_path; the step continues.
     config = write_tiny_run(tmp_path, max_steps=6)
-    cli = main(["--config", str(config), f"--model.init_from={pretrained}", "--model.transformer.dropout=0.2",
+    cli = main(["--config", str(config), f"--model.init_from={pretrained}", "--model.transformer.dropout=0.1",
                 "--ckpt_path", "last"])
     assert cli.trainer.global_step == 6
 
