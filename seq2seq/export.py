@@ -480,8 +480,13 @@ def export_huggingface(checkpoint: str | Path, output: str | Path, *, force: boo
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [name for name in missing if name not in state]:
         raise ExportError(f"MarianMTModel's weights do not match ours: missing {missing}, unexpected {unexpected}")
-    # PAD and BOS are never generated, as in ours
-    model.generation_config.bad_words_ids = [[i] for i in sorted({tokenizer.pad_id, tokenizer.bos_id})]
+    generation = model.generation_config
+    generation.bad_words_ids = [[i] for i in sorted({tokenizer.pad_id, tokenizer.bos_id})]  # never generated, as in ours
+    # transformers' default max_length (20, the decoder's start included) cut sentences short: the
+    # decoder reads max_positions positions, as OPUS-MT's configs say. The beam: the checkpoint's default.
+    generation.max_length = config.max_positions
+    if not loaded.search.sampling:
+        generation.num_beams = loaded.search.beam_size
     with _export_folder(output, checkpoint=checkpoint, force=force) as folder, \
             tempfile.TemporaryDirectory() as scratch:
         model.save_pretrained(folder)

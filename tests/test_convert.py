@@ -131,6 +131,26 @@ def test_our_model_exported_and_imported_is_bitwise_the_same(trained: Path, tmp_
     assert a.translate(texts, search) == b.translate(texts, search)
 
 
+def test_an_imported_marian_model_exported_back_is_the_original(marian: Path, imported: Path, tmp_path: Path):
+    """Marian → ours → Marian: the same tensors (bitwise: a permutation and its inverse), tokenizer files and
+    generate outputs."""
+    from transformers import MarianMTModel
+
+    export_huggingface(imported, tmp_path / "back")
+    original, back = (MarianMTModel.from_pretrained(folder).eval() for folder in (marian, tmp_path / "back"))
+    theirs, ours = original.state_dict(), back.state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    for name in ("source.spm", "target.spm"):
+        assert (tmp_path / "back" / name).read_bytes() == (marian / name).read_bytes()
+    assert json.loads((tmp_path / "back" / "vocab.json").read_text()) == json.loads((marian / "vocab.json").read_text())
+    _, tokenizer = hf(tmp_path / "back")
+    batch = tokenizer([de for de, _ in sentences(10)], padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        assert torch.equal(original.generate(**batch, num_beams=4), back.generate(**batch, num_beams=4))
+
+
 # ---- the imported model everywhere -------------------------------------------------------------------
 
 

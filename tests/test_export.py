@@ -237,6 +237,9 @@ def test_marian_generates_what_ours_decodes(trained: Path, tmp_path: Path):
     translator = Translator.from_checkpoint(trained)
     main(["--checkpoint", str(trained), "--to", "huggingface", "--output", str(tmp_path / "hf")])
     marian, hf_tokenizer = MarianMTModel.from_pretrained(tmp_path / "hf"), MarianTokenizer.from_pretrained(tmp_path / "hf")
+    # generate's defaults: the decoder's length (not transformers' 20), the checkpoint's beam
+    assert marian.generation_config.max_length == translator.model.config.max_positions
+    assert marian.generation_config.num_beams == translator.search.beam_size
     # Our models read the source without EOS: add_special_tokens=False (MarianTokenizer appends one).
     batch = hf_tokenizer(sources, add_special_tokens=False, padding=True, return_tensors="pt")
     assert [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask, strict=True)] == (
