@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, CheckpointError, inference_entry, save_atomic
-from seq2seq.model import ConfigError, TransformerConfig
+from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
 from seq2seq.tokenizer import Tokenizer
 
@@ -126,10 +126,19 @@ def read_json(folder: Path, name: str, *, required: bool) -> dict[str, Any]:
     return value
 
 
+def typed(hf: dict[str, Any], name: str, kind: type, *, default: Any, where: Path) -> Any:
+    """config.json's `name`, which must be a `kind` (an int is not a bool, nor a bool an int); `default` if absent."""
+    value = hf.get(name, default)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConvertError(f"{where}: config.json {name} is {json.dumps(value)}, not a JSON "
+                           f"{'boolean' if kind is bool else 'integer'}; the file is damaged or not MarianConfig's")
+    return value
+
+
 def tie_embeddings(hf: dict[str, Any], *, where: Path) -> str:
     """Our tie_embeddings for Marian's (share_encoder_decoder_embeddings, tie_word_embeddings)."""
-    share = hf.get("share_encoder_decoder_embeddings", True)
-    tie = hf.get("tie_word_embeddings", True)
+    share = typed(hf, "share_encoder_decoder_embeddings", bool, default=True, where=where)
+    tie = typed(hf, "tie_word_embeddings", bool, default=True, where=where)
     if share and tie:
         return "all"
     if share:
@@ -174,7 +183,7 @@ def transformer_config(hf: dict[str, Any], *, where: Path, pad_id: int, output_b
             max_positions=hf.get("max_position_embeddings", 512), pad_id=pad_id, positions="sinusoidal",
             norm="layernorm", norm_placement="post", norm_eps=1e-5, activation=activation,  # type: ignore[arg-type]
             tie_embeddings=tie_embeddings(hf, where=where),  # type: ignore[arg-type]
-            scale_embeddings=hf.get("scale_embedding", False), output_bias=output_bias,
+            scale_embeddings=typed(hf, "scale_embedding", bool, default=False, where=where), output_bias=output_bias,
         )
     except (ConfigError, TypeError) as error:
         field = {"num_heads": "encoder_attention_heads", "d_ff": "encoder_ffn_dim", "scale_embeddings": "scale_embedding",
@@ -240,7 +249,7 @@ def read_weights(folder: Path) -> dict[str, Tensor]:
         if not files:
             continue
         if (folder / index).is_file():
-            files = sorted({folder / name for name in read_json(folder, index, required=True).get("weight_map", {}).values()})
+            files = _shards(folder, index)
         weights: dict[str, Tensor] = {}
         for path in files:
             weights.update(_load_file(path))
@@ -249,6 +258,20 @@ def read_weights(folder: Path) -> dict[str, Tensor]:
                        for name, tensor in weights.items()}
         return weights
     raise ConvertError(f"{folder} has no weights (model.safetensors or pytorch_model.bin)")
+
+
+def _shards(folder: Path, index: str) -> list[Path]:
+    """The weight files an index's weight_map names: plain file names in `folder`, nothing outside it."""
+    weight_map = read_json(folder, index, required=True).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConvertError(f"{folder / index}: its weight_map is not an object naming the weight files")
+    names = set(weight_map.values())
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+            raise ConvertError(f"{folder / index}: its weight_map names {json.dumps(name)}, not a file in the folder")
+        if not (folder / name).is_file():
+            raise ConvertError(f"{folder / index} names the weight file {name}, which is missing: download it again")
+    return sorted(folder / name for name in names)
 
 
 def _load_file(path: Path) -> dict[str, Tensor]:
@@ -274,31 +297,43 @@ def our_weights(hf: dict[str, Tensor], config: TransformerConfig, *, where: Path
     inverse = order.argsort()
     used: set[str] = set()
 
-    def take(name: str) -> Tensor:
+    def take(name: str, shape: tuple[int, ...]) -> Tensor:
         if name not in hf:
             raise ConvertError(f"{where}: the weights lack '{name}', which a MarianMTModel of this config.json has; "
                                "the files are damaged or of another model")
         used.add(name)
+        if tuple(hf[name].shape) != shape:
+            raise ConvertError(f"{where}: the weight '{name}' has the shape {tuple(hf[name].shape)}, but config.json "
+                               f"makes it {shape}; the files are damaged or of different models")
         tensor = hf[name].float()
         if not tensor.isfinite().all():
             raise ConvertError(f"{where}: the weight '{name}' holds NaN or infinite values")
         return tensor
 
     out: dict[str, Tensor] = {}
+    with torch.device("meta"):  # the shape every tensor must have: our model's, which Marian's mirror
+        shapes = {name: tuple(t.shape) for name, t in Transformer(config).state_dict().items()}
+
+    def linear(ours: str, name: str, order: Tensor | None, axis: int) -> None:
+        weight, bias = take(f"{name}.weight", shapes[f"{ours}.weight"]), take(f"{name}.bias", shapes[f"{ours}.bias"])
+        out[f"{ours}.weight"] = weight if order is None else weight.index_select(axis, order)
+        out[f"{ours}.bias"] = bias if order is None or axis == 1 else bias[order]
 
     def reads(ours: str, name: str) -> None:  # a Linear whose input is the residual stream
-        out[f"{ours}.weight"], out[f"{ours}.bias"] = take(f"{name}.weight")[:, inverse], take(f"{name}.bias")
+        linear(ours, name, inverse, 1)
 
     def writes(ours: str, name: str) -> None:  # a Linear whose output is added to the residual stream
-        out[f"{ours}.weight"], out[f"{ours}.bias"] = take(f"{name}.weight")[inverse], take(f"{name}.bias")[inverse]
+        linear(ours, name, inverse, 0)
 
     def norm(ours: str, name: str) -> None:
-        out[f"{ours}.weight"], out[f"{ours}.bias"] = take(f"{name}.weight")[inverse], take(f"{name}.bias")[inverse]
+        linear(ours, name, inverse, 0)
 
     def attention(ours: str, name: str) -> None:
         reads(f"{ours}.q_proj", f"{name}.q_proj")
-        out[f"{ours}.kv_proj.weight"] = torch.cat((take(f"{name}.k_proj.weight"), take(f"{name}.v_proj.weight")))[:, inverse]
-        out[f"{ours}.kv_proj.bias"] = torch.cat((take(f"{name}.k_proj.bias"), take(f"{name}.v_proj.bias")))
+        half = (d, d)
+        out[f"{ours}.kv_proj.weight"] = torch.cat((take(f"{name}.k_proj.weight", half),
+                                                   take(f"{name}.v_proj.weight", half)))[:, inverse]
+        out[f"{ours}.kv_proj.bias"] = torch.cat((take(f"{name}.k_proj.bias", (d,)), take(f"{name}.v_proj.bias", (d,))))
         writes(f"{ours}.out_proj", f"{name}.out_proj")
 
     embeddings = _embeddings(hf, config, take, where=where)
@@ -317,7 +352,7 @@ def our_weights(hf: dict[str, Tensor], config: TransformerConfig, *, where: Path
             norm(f"{ours}.ffn_residual.norm", f"{name}.final_layer_norm")
     out["output_projection.weight"] = embeddings["output"][:, inverse]
     if config.output_bias:
-        out["output_projection.bias"] = take("final_logits_bias").reshape(-1)
+        out["output_projection.bias"] = take("final_logits_bias", (1, config.vocab_size)).reshape(-1)
     used.add("final_logits_bias")
     extra = sorted(set(hf) - used)
     if extra:
@@ -342,9 +377,10 @@ def _embeddings(hf: dict[str, Tensor], config: TransformerConfig, take: Any, *, 
         stored = [n for n in ([shared] if shared else []) + [names[m] for m in members] if n in hf]
         if not stored:
             raise ConvertError(f"{where}: the weights lack '{names[members[0]]}' (or model.shared.weight)")
-        matrix = take(stored[0])
+        shape = (config.vocab_size, config.d_model)
+        matrix = take(stored[0], shape)
         for other in stored[1:]:
-            if not torch.equal(take(other), matrix):
+            if not torch.equal(take(other, shape), matrix):
                 raise ConvertError(f"{where}: '{other}' differs from '{stored[0]}', which config.json ties it to")
         found.update({member: matrix for member in members})
     return found
@@ -375,6 +411,8 @@ def convert_huggingface(source: str, output: str | Path, *, src_lang: str | None
     output = Path(output)
     if output.is_dir():
         raise ConvertError(f"--output {output} is a folder; name the checkpoint file to write (e.g. {output}/model.ckpt)")
+    if output.exists() and not output.is_file():  # a device (/dev/full), a pipe: the atomic write would replace it
+        raise ConvertError(f"--output {output} is not a regular file; name the checkpoint file to write")
     if output.exists() and not force:
         raise ConvertError(f"--output {output} exists: name a new file, or pass --force to replace it")
     folder = resolve_source(source)
@@ -383,11 +421,12 @@ def convert_huggingface(source: str, output: str | Path, *, src_lang: str | None
     src, tgt = language_pair(folder, source, src_lang=src_lang, tgt_lang=tgt_lang)
     for field, wanted in (("pad_token_id", tokenizer.pad_id), ("eos_token_id", tokenizer.eos_id),
                           ("decoder_start_token_id", tokenizer.bos_id)):
-        if hf_config.get(field, wanted) != wanted:
+        if typed(hf_config, field, int, default=wanted, where=folder) != wanted:
             raise ConvertError(f"{folder}: config.json {field}={hf_config[field]} but the tokenizer's is {wanted} "
                                f"({tokenizer.pieces()[wanted]!r}); the files are of different models")
-    if hf_config.get("vocab_size") != tokenizer.vocab_size:
-        raise ConvertError(f"{folder}: config.json vocab_size={hf_config.get('vocab_size')} but vocab.json lists "
+    vocab_size = typed(hf_config, "vocab_size", int, default=None, where=folder) if "vocab_size" in hf_config else None
+    if vocab_size != tokenizer.vocab_size:
+        raise ConvertError(f"{folder}: config.json vocab_size={json.dumps(vocab_size)} but vocab.json lists "
                            f"{tokenizer.vocab_size} pieces; the files are of different models")
     weights = read_weights(folder)
     bias = weights.get("final_logits_bias")

@@ -261,6 +261,22 @@ class Tokenizer:
             out.append([self._index.get(piece, self.unk_id) for piece in pieces])
         return out
 
+    @property
+    def source_suffix(self) -> list[int]:
+        """What encode_source appends to every source: Marian's eos; nothing for a joint model."""
+        return [] if self._vocabulary is None else [self.eos_id]
+
+    def source_tokens(self, ids: list[int]) -> int:
+        """How many tokens of the text a source's ids hold (the suffix not counted): 0 for an empty text."""
+        return len(ids) - len(self.source_suffix)
+
+    def cut_source(self, ids: list[int], limit: int) -> list[int]:
+        """A source's ids cut to at most `limit` tokens, the suffix kept (the model never saw a source without)."""
+        if len(ids) <= limit:
+            return ids
+        suffix = self.source_suffix
+        return ids[: limit - len(suffix)] + suffix
+
     def pieces(self) -> list[str]:
         """Every piece, in id order (what another engine's vocabulary file lists)."""
         if self._vocabulary is not None:
@@ -286,8 +302,10 @@ class Tokenizer:
             if self._vocabulary is None:
                 texts.append(self._sp.decode(kept))
             else:
-                # As MarianTokenizer.decode: no space left at either end (a dropped <unk> may leave one)
-                texts.append(self._target.decode_pieces([self._vocabulary[i] for i in kept]).strip())
+                # As MarianTokenizer.decode: a piece the target model lacks (the vocabulary is both models')
+                # keeps its "▁", which becomes a space; no space at either end (a dropped <unk> may leave one)
+                pieces = [self._vocabulary[i] for i in kept]
+                texts.append(self._target.decode_pieces(pieces).replace("\u2581", " ").strip())
         return texts
 
     @property

@@ -129,7 +129,9 @@ class Translator:
         if generator is None and search.sampling and search.seed is not None:  # one for all the batches
             generator = self._generator(search)
         tokenizer = self.tokenizer
-        empty = [i for i, text in enumerate(lines) if not text.strip()]  # a Marian source is never empty: it has eos
+        # Without text tokens (a Marian source keeps its eos; a normalising model may encode text to nothing)
+        empty = [i for i, (text, sentence) in enumerate(zip(lines, ids, strict=True))
+                 if not text.strip() or tokenizer.source_tokens(sentence) <= 0]
         for i in empty:
             ids[i] = []
         yield from ((i, []) for i in empty)
@@ -181,7 +183,6 @@ class Translator:
 
     def _truncate(self, ids: list[list[int]], *, first_line: int) -> list[list[int]]:
         limit = self.model.config.max_positions
-        eos = self.tokenizer.eos_id
         for i, sentence in enumerate(ids):
             if len(sentence) > limit:
                 warnings.warn(
@@ -189,8 +190,7 @@ class Translator:
                     f"({limit}); translating its first {limit} tokens only",
                     stacklevel=3,
                 )
-                # A source that ends with eos (Marian's) keeps it: the model never saw one without
-                ids[i] = sentence[: limit - 1] + [eos] if sentence[-1] == eos else sentence[:limit]
+                ids[i] = self.tokenizer.cut_source(sentence, limit)
         return ids
 
 

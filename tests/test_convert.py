@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -71,6 +72,13 @@ def test_the_tokenizer_encodes_and_decodes_as_marian_tokenizer(marian: Path, imp
         target = theirs(text_target=en).input_ids
         assert ours.encode_target([en])[0] == target[:-1]  # references without eos: collate adds it
         assert ours.decode([target]) == [theirs.decode(target, skip_special_tokens=True)]
+    # Any ids a model may write (pieces of either language, <unk>, <pad>), not only what encodes to them
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        ids = torch.randint(1, ours.vocab_size, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        assert ours.decode([ids]) == [theirs.decode(ids, skip_special_tokens=True)], ids
+    # Text that spells a special piece stays text (MarianTokenizer would read "</s>" as the token itself)
+    assert ours.eos_id not in ours.encode_source(["Ein </s> Hund"])[0][:-1]
 
 
 def test_teacher_forced_log_probs_equal_transformers_in_float64(marian: Path, imported: Path):
@@ -280,18 +288,59 @@ def edited(marian: Path, tmp_path: Path, *, config: dict | None = None, remove: 
      "share_encoder_decoder_embeddings=true with tie_word_embeddings=false"),
     ({"config": {"d_model": None}}, "config.json has no d_model, which every Marian config.json sets"),
     ({"config": {"encoder_layers": "six"}}, "config.json encoder_layers: "),
+    ({"config": {"vocab_size": "329"}}, r'config.json vocab_size is "329", not a JSON integer'),
+    ({"config": {"share_encoder_decoder_embeddings": "false"}},
+     r'config.json share_encoder_decoder_embeddings is "false", not a JSON boolean'),
+    ({"config": {"scale_embedding": None, "tie_word_embeddings": None}}, None),  # absent: MarianConfig's defaults
     ({"remove": "config.json"}, "is not a Marian model folder: it has no config.json"),
     ({"remove": "target.spm"}, "the tokenizer file target.spm is missing"),
     ({"remove": "model.safetensors"}, r"has no weights \(model.safetensors or pytorch_model.bin\)"),
 ])
-def test_what_cannot_be_imported_is_one_line_naming_it(change: dict, message: str, marian: Path, tmp_path: Path,
-                                                       capsys):
+def test_what_cannot_be_imported_is_one_line_naming_it(change: dict, message: str | None, marian: Path,
+                                                       tmp_path: Path, capsys):
     folder = edited(marian, tmp_path, **change)
+    if message is None:
+        main(["--from", "huggingface", str(folder), "--output", str(tmp_path / "x.ckpt")])
+        return
     with pytest.raises(SystemExit) as exit_:
         main(["--from", "huggingface", str(folder), "--output", str(tmp_path / "x.ckpt")])
     assert str(exit_.value).startswith("error: ") and "\n" not in str(exit_.value)
-    assert __import__("re").search(message, str(exit_.value)), str(exit_.value)
+    assert re.search(message, str(exit_.value)), str(exit_.value)
     assert not (tmp_path / "x.ckpt").exists()
+
+
+@pytest.mark.parametrize(("name", "shape"), [("model.encoder.layers.0.fc1.weight", (64, 40)),  # was cut to 32 columns
+                                           ("model.decoder.layers.1.self_attn.k_proj.bias", (40,)),
+                                           ("model.shared.weight", (7, 32)), ("final_logits_bias", (1, 5)),
+                                           ("model.encoder.layers.1.fc2.weight", (3, 3))])
+def test_a_weight_of_another_shape_is_refused_naming_it(name: str, shape: tuple, marian: Path, tmp_path: Path):
+    from safetensors.torch import load_file, save_file
+
+    folder = edited(marian, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    weights[name] = torch.ones(shape)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConvertError, match=rf"the weight '{re.escape(name)}' has the shape {re.escape(str(shape))}, but "
+                                           "config.json makes it"):
+        convert_huggingface(str(folder), tmp_path / "x.ckpt")
+
+
+@pytest.mark.parametrize(("weight_map", "message"), [(["x"], "its weight_map is not an object"),
+                                                     ({"a": "../../etc/passwd"}, "not a file in the folder"),
+                                                     ({"a": 5}, "its weight_map names 5"),
+                                                     ({"a": "model-00002.safetensors"}, "which is missing")])
+def test_a_bad_shard_index_is_one_line(weight_map, message: str, marian: Path, tmp_path: Path):
+    folder = edited(marian, tmp_path)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ConvertError, match=re.escape(message)):
+        convert_huggingface(str(folder), tmp_path / "x.ckpt")
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused(marian: Path, tmp_path: Path):
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(ConvertError, match="--output .*pipe is not a regular file"):
+        convert_huggingface(str(marian), tmp_path / "pipe", force=True)
+    assert (tmp_path / "pipe").is_fifo()
 
 
 def test_unknown_weights_a_taken_output_and_a_bad_source_are_refused(marian: Path, tmp_path: Path):

@@ -131,3 +131,43 @@ def test_load_or_train_says_which_step_failed(tmp_path) -> None:
 
     with pytest.raises(LookupError, match="the corpus is gone"):  # the texts' own errors pass through
         Tokenizer.load_or_train(tmp_path / "other.model", unreadable, vocab_size=500)
+
+
+# ---- a Marian pair (an imported OPUS-MT model's tokenizer) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def marian_pair(multi30k_lines) -> Tokenizer:
+    """Two unigram models (German source, English target) over the union vocabulary, as OPUS-MT ships."""
+    from marian_hub import build_vocab, train_spm
+
+    source = train_spm(multi30k_lines("train", "de", 1000), vocab_pieces=200)
+    target = train_spm(multi30k_lines("train", "en", 1000), vocab_pieces=200)
+    return Tokenizer.from_marian(source=source, target=target, vocabulary=list(build_vocab(source, target)))
+
+
+def test_a_marian_source_ends_with_eos_which_cutting_keeps(marian_pair: Tokenizer) -> None:
+    tok = marian_pair
+    assert (tok.eos_id, tok.unk_id, tok.pad_id, tok.bos_id) == (0, 1, tok.vocab_size - 1, tok.vocab_size - 1)
+    [empty, sentence] = tok.encode_source(["", "Ein Hund läuft über die Wiese."])
+    assert empty == [tok.eos_id] and tok.source_tokens(empty) == 0
+    assert sentence[-1] == tok.eos_id and tok.source_tokens(sentence) == len(sentence) - 1
+    assert tok.cut_source(sentence, 4) == [*sentence[:3], tok.eos_id]
+    assert tok.cut_source(sentence, len(sentence)) == sentence
+    assert tok.encode_target(["A dog."])[0][-1] != tok.eos_id  # targets: collate adds eos
+
+
+def test_a_marian_pair_decodes_pieces_only_the_source_model_knows(marian_pair: Tokenizer) -> None:
+    """The vocabulary is both models': a German piece decoded by the English model keeps its "▁", which
+    must become a space (as MarianTokenizer's convert_tokens_to_string does)."""
+    tok = marian_pair
+    pieces = tok.pieces()
+    ids = [pieces.index(p) for p in ("▁A", "▁dog")] + tok.encode_source(["eine Hund auf"])[0][:-1]
+    [text] = tok.decode([ids])
+    assert "▁" not in text and text.startswith("A dog ") and text.split()[2:] == ["eine", "Hund", "auf"]
+
+
+def test_joint_tokenizers_have_no_source_suffix(tokenizer: Tokenizer) -> None:
+    [ids] = tokenizer.encode_source(["Ein Hund."])
+    assert tokenizer.source_suffix == [] and tokenizer.source_tokens(ids) == len(ids)
+    assert tokenizer.cut_source(ids, 2) == ids[:2]

@@ -220,12 +220,14 @@ def _tokenize(
 ) -> dict:
     src_ids = tokenizer.encode_source([text or "" for text in batch["src"]])
     tgt_ids = tokenizer.encode_target([text or "" for text in batch["tgt"]])
+    # An empty source is one without text tokens (a Marian source of an empty text is its eos alone)
     status = [
-        _status(len(s), len(t), max_len=max_len, max_ratio=max_ratio, evaluation=evaluation)
+        _status(len(s) if tokenizer.source_tokens(s) else 0, len(t), max_len=max_len, max_ratio=max_ratio,
+                evaluation=evaluation)
         for s, t in zip(src_ids, tgt_ids, strict=True)
     ]
     # Dropped pairs are filtered out next, so store no ids for them; kept ones are cut to max_len.
-    src_ids = [s[:max_len] if code in _KEPT else [] for s, code in zip(src_ids, status, strict=True)]
+    src_ids = [tokenizer.cut_source(s, max_len) if code in _KEPT else [] for s, code in zip(src_ids, status, strict=True)]
     tgt_ids = [t[:max_len] if code in _KEPT else [] for t, code in zip(tgt_ids, status, strict=True)]
     sizes = [max(len(s), len(t) + 1) for s, t in zip(src_ids, tgt_ids, strict=True)]
     return {"src_ids": src_ids, "tgt_ids": tgt_ids, "size": sizes, "status": status, "index": indices}

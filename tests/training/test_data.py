@@ -536,3 +536,23 @@ def test_one_process_trains_the_tokenizer_the_others_wait(tmp_path: Path, multi3
         sizes = pool.starmap(_vocab_size_in_a_process, [(str(path), val, str(tmp_path / "cache"))] * 3)
     assert sizes == [700, 700, 700]
     assert len(list(tmp_path.glob("spm.model.trained-by-*"))) == 1
+
+
+def test_a_marian_source_is_empty_without_text_and_keeps_its_eos_when_cut(multi30k_lines) -> None:
+    """An imported model's tokenizer appends eos to every source: "" is [eos] (no text: EMPTY, as for ours),
+    and a source cut to the length limit keeps its eos (the model never saw one without)."""
+    from marian_hub import build_vocab, train_spm
+
+    from seq2seq.training.data import _tokenize
+
+    source = train_spm(multi30k_lines("train", "de", 1000), vocab_pieces=200)
+    target = train_spm(multi30k_lines("train", "en", 1000), vocab_pieces=200)
+    tok = Tokenizer.from_marian(source=source, target=target, vocabulary=list(build_vocab(source, target)))
+    batch = {"src": ["", "Ein " * 30, "Ein Hund."], "tgt": ["A dog.", "A " * 30, "A dog."]}
+    for evaluation in (True, False):
+        out = _tokenize(batch, [0, 1, 2], tokenizer=tok, max_len=8, max_ratio=3.0, evaluation=evaluation)
+        assert out["status"][0] == Status.EMPTY
+        assert out["status"][1] == (Status.TRUNCATED if evaluation else Status.TOO_LONG)
+        assert out["status"][2] == Status.KEEP and out["src_ids"][2][-1] == tok.eos_id
+    cut = _tokenize(batch, [0, 1, 2], tokenizer=tok, max_len=8, max_ratio=3.0, evaluation=True)["src_ids"][1]
+    assert len(cut) == 8 and cut[-1] == tok.eos_id
