@@ -47,11 +47,13 @@ from seq2seq.checkpoint import (
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls, device_name, tune_process_memory
 from seq2seq.search import SearchConfig
-from seq2seq.tokenizer import PAD_ID
+from seq2seq.tokenizer import PAD_ID, Tokenizer
 from seq2seq.training.data import DataError, TranslationDataModule, os_reason
 from seq2seq.training.module import TrainingDiverged, TranslationModule, check_hyperparameters
 from seq2seq.training.pretrained import fine_tuning_config, load_pretrained
 from seq2seq.training.schedule import NO_END, max_time_timer
+
+log = logging.getLogger(__name__)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -141,14 +143,19 @@ class TranslationCLI(LightningCLI):
         # Which model.transformer fields the YAML files and the command line set: a fine-tuning run takes
         # the others from model.init_from (the parsed config holds every field, defaults filled in). Only
         # then: without init_from the second parse would fail on the link from it.
-        self.given_transformer_fields: set[str] = set()
+        self.given_fields: dict[str, set[str]] = {"model.transformer": set(), "data": set()}
         if self.config["model"].get("init_from") is not None:
-            given = parser.parse_args(args, defaults=False).get("model.transformer")
-            self.given_transformer_fields = set(vars(given)) if given is not None else set()
+            given = parser.parse_args(args, defaults=False)
+            for section in self.given_fields:
+                values = given.get(section)
+                self.given_fields[section] = set(vars(values)) if values is not None else set()
 
     def before_instantiate_classes(self) -> None:
         # Instantiating the data module trains the tokenizer (minutes on WMT): check the model first.
-        check_model_section(self.config["model"], given_fields=self.given_transformer_fields)
+        check_model_section(self.config["model"], given_fields=self.given_fields["model.transformer"])
+        if self.config["model"].get("init_from") is not None:
+            check_fine_tuning_data(self.config["data"], init_from=self.config["model"]["init_from"],
+                                   given_fields=self.given_fields["data"])
         check_accelerator(self.config["trainer"]["accelerator"])
 
 
@@ -186,6 +193,28 @@ def check_model_section(model: Any, *, given_fields: Collection[str]) -> None:
         TransformerConfig(vocab_size=PAD_ID + 1, **transformer)
     except ConfigError as error:
         raise ConfigError(f"model.transformer.{error.field}", error.problem) from None
+
+
+def check_fine_tuning_data(data: Any, *, init_from: str, given_fields: Collection[str]) -> None:
+    """What the `data:` section says that model.init_from decides: the direction and the tokenizer."""
+    pretrained = load_pretrained(init_from)
+    pair, ours = (pretrained.src_lang, pretrained.tgt_lang), (data.src_lang, data.tgt_lang)
+    if ours == pair[::-1]:
+        raise ConfigError("data.src_lang", f"is {data.src_lang} and data.tgt_lang {data.tgt_lang}, but model.init_from "
+                                           f"{init_from} translates {pair[0]} to {pair[1]}: this data would train it "
+                                           "backwards; swap them, or start from a model of this direction")
+    if ours != pair:  # another name for a language (deu, de), or a multilingual model (mul): said, not refused
+        log.warning(f"note: model.init_from {init_from} translates {pair[0]} to {pair[1]}; this run's data is "
+                    f"{ours[0]} to {ours[1]}, which the fine-tuned checkpoint will say")
+    vocab_size = Tokenizer.from_bytes(pretrained.tokenizer).vocab_size
+    if "vocab_size" in given_fields and data.vocab_size != vocab_size:
+        raise ConfigError("data.vocab_size", f"is {data.vocab_size}, but the data is tokenised with model.init_from "
+                                             f"{init_from}'s tokenizer, of {vocab_size} pieces (none is trained): "
+                                             "leave it out")
+    ignored = sorted({"tokenizer_model_type", "character_coverage"} & set(given_fields))
+    if ignored:
+        log.warning(f"note: data.{' and data.'.join(ignored)} ignored: no tokenizer is trained, model.init_from "
+                    f"{init_from}'s is used")
 
 
 def check_writable(folder: str | Path, *, option: str) -> None:
@@ -258,7 +287,10 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
     except CheckpointError as error:
         raise CheckpointError(f"--ckpt_path {ckpt_path}: {error}; or leave out --ckpt_path to start afresh") from None
     started_from = checkpoint.get("hyper_parameters", {}).get("init_from")
-    if init_from is not None and started_from != init_from:
+    if init_from is None and started_from is not None:
+        raise CheckpointError(f"--ckpt_path {ckpt_path}: {path} is of a fine-tuning run started from {started_from}: "
+                              f"repeat that run's command, --model.init_from {started_from} included")
+    if init_from is not None and (started_from is None or not same_file(started_from, init_from)):
         # Resuming a fine-tuning run is its command plus --ckpt_path; any other pairing mixes two meanings.
         raise CheckpointError(f"model.init_from and --ckpt_path {ckpt_path} are both given, but {path} is not a "
                               f"checkpoint of a run started from {init_from}: init_from starts a new run from a "
@@ -280,6 +312,15 @@ def resolve_resume(trainer: pl.Trainer, ckpt_path: str | None, *, model: Transla
         raise CheckpointError(f"--ckpt_path {ckpt_path}: {path} was trained with another tokenizer than "
                               f"data.tokenizer_path={data.tokenizer_path}; point it at that run's spm.model")
     return str(path)
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file (./m.ckpt and /abs/m.ckpt, or links to it), or, for files not
+    there any more, the same absolute path."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
 
 
 def main(args: list[str] | None = None) -> TranslationCLI:

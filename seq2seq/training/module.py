@@ -22,6 +22,7 @@ Every checkpoint carries what inference needs under the key "seq2seq", written b
 import math
 import time
 from dataclasses import asdict, fields
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, get_args
 
@@ -136,6 +137,8 @@ class TranslationModule(L.LightningModule):
                                              given_fields=[f.name for f in fields(TransformerConfig)])
         self.save_hyperparameters(ignore=["transformer", "val_search"])
         self.hparams["transformer"], self.hparams["val_search"] = transformer.to_dict(), asdict(val_search)
+        if init_from is not None:  # absolute: a resume from another folder still names the same file
+            self.hparams["init_from"] = str(Path(init_from).resolve())
         self.config, self.val_search = transformer, val_search
         self.model = Transformer(transformer)
         if pretrained is not None:

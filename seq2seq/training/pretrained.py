@@ -16,6 +16,8 @@ it must be PATH's but for the fields that may differ.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
@@ -32,11 +34,26 @@ MAY_DIFFER = ("dropout", "attention_dropout", "activation_dropout", "max_positio
 
 
 def load_pretrained(path: str | Path) -> InferenceCheckpoint:
-    """The checked inference part of `path`; a CheckpointError naming model.init_from if it cannot be used."""
+    """The checked inference part of `path`; a CheckpointError naming model.init_from if it cannot be used.
+
+    fit's checks, the module and the data module each ask for it: the file is read and its checksum
+    verified once per version of it (its size and modification time), not once per caller.
+    """
     try:
-        return read_inference(path, load_checkpoint(path))
+        stat = os.stat(path)
+    except OSError:
+        stat = None  # load_checkpoint says what is wrong with it
+    try:
+        if stat is None:
+            return read_inference(path, load_checkpoint(path))
+        return _load_pretrained(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
     except CheckpointError as error:
         raise CheckpointError(f"model.init_from: {error}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _load_pretrained(path: str, size: int, mtime_ns: int) -> InferenceCheckpoint:
+    return read_inference(path, load_checkpoint(path))
 
 
 def fine_tuning_config(pretrained: TransformerConfig, given: TransformerConfig, *, init_from: str | Path,

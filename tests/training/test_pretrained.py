@@ -87,8 +87,11 @@ def test_a_vocabulary_of_another_size_is_refused():
 # ---- end to end: python -m seq2seq.fit with model.init_from ------------------------------------------
 
 
-def finetune(root: Path, pretrained: Path, *extra: str, max_steps: int = 4):
+def finetune(root: Path, pretrained: Path, *extra: str, max_steps: int = 4, vocab_size: bool = True):
+    """The tiny run's YAML with model.init_from; `vocab_size=False` takes its data.vocab_size out."""
     config = write_tiny_run(root, max_steps=max_steps)
+    if not vocab_size:
+        config.write_text(config.read_text(encoding="utf-8").replace("  vocab_size: 600\n", ""), encoding="utf-8")
     return main(["--config", str(config), f"--model.init_from={pretrained}", *extra])
 
 
@@ -116,10 +119,14 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimiser_and_schedule
     finetuned = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert finetuned["hyper_parameters"]["init_from"] == str(pretrained)
     assert finetuned["seq2seq"]["tokenizer"] == stored["seq2seq"]["tokenizer"]
-    # Resuming the fine-tuning run: its command plus --ckpt_path; the step continues.
+    # Resuming the fine-tuning run: its command plus --ckpt_path; the step continues. The pretrained model
+    # may be named otherwise (another working directory, a relative path): it is the same file.
     config = write_tiny_run(tmp_path, max_steps=6)
-    cli = main(["--config", str(config), f"--model.init_from={pretrained}", "--model.transformer.dropout=0.1",
-                "--ckpt_path", "last"])
+    with pytest.raises(SystemExit, match=r"^error: --ckpt_path last: .*last\.ckpt is of a fine-tuning run started from "
+                                         r".*best\.ckpt: repeat that run's command, --model\.init_from .* included"):
+        main(["--config", str(config), "--ckpt_path", "last"])
+    cli = main(["--config", str(config), f"--model.init_from={pretrained.parent}/./{pretrained.name}",
+                "--model.transformer.dropout=0.1", "--ckpt_path", "last"])
     assert cli.trainer.global_step == 6
 
 
@@ -135,6 +142,12 @@ def test_bad_fine_tuning_input_is_one_line(tiny_run, tmp_path: Path):
     with pytest.raises(SystemExit, match=r"^error: model\.init_from and --ckpt_path .*last\.ckpt are both given, but "
                                          r".*last\.ckpt is not a checkpoint of a run started from"):
         finetune(tmp_path / "c", pretrained, "--ckpt_path", str(checkpoints / "last.ckpt"))
+    with pytest.raises(SystemExit, match=r"^error: data\.src_lang: is en and data\.tgt_lang de, but model\.init_from "
+                                         r".*best\.ckpt translates de to en: this data would train it backwards"):
+        finetune(tmp_path / "e", pretrained, "--data.src_lang=en", "--data.tgt_lang=de")
+    with pytest.raises(SystemExit, match=r"^error: data\.vocab_size: is 700, but the data is tokenised with "
+                                         r"model\.init_from .*best\.ckpt's tokenizer, of 600 pieces"):
+        finetune(tmp_path / "f", pretrained, "--data.vocab_size=700")
     other = tmp_path / "d"
     other.mkdir()
     Tokenizer.train(["ein kleiner Test", "a small test"] * 50, vocab_size=300).save(other / "spm.model")
@@ -156,7 +169,7 @@ def test_an_imported_marian_model_fine_tunes(tmp_path: Path):
     folder = write_marian_folder(tmp_path / "opus-mt-de-en", heads=2, layers=1, eos_logit_bias=2.0, train_lines=1000,
                                  vocab_pieces=200)
     pretrained = convert_huggingface(str(folder), tmp_path / "de-en.ckpt")
-    cli = finetune(tmp_path / "run", pretrained, max_steps=6)
+    cli = finetune(tmp_path / "run", pretrained, max_steps=6, vocab_size=False)
     assert cli.model.config.pad_id == cli.datamodule.tokenizer.pad_id == cli.model.config.vocab_size - 1
     batch = next(iter(cli.datamodule.train_dataloader()))
     pad, eos = cli.model.config.pad_id, cli.datamodule.tokenizer.eos_id
