@@ -6,20 +6,15 @@ saying what is wrong), and how a translation is written as text. Faces import th
 import argparse
 import dataclasses
 import re
-import sys
 import typing
 import warnings
 from dataclasses import fields
-from typing import TextIO
 
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.model import ConfigError
 from seq2seq.precision import PRECISIONS
 from seq2seq.search import SearchConfig
 from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, resolve_device
-
-MAX_LINE_BYTES = 1 << 20  # a "line" longer than this is no sentence: a binary file, /dev/zero
-
 
 # ---------------------------------------------------------------------------------------------
 # The search flags, and the Translator they run on.
@@ -117,23 +112,34 @@ def one_line(text: str) -> str:
     return text.replace("\r", " ").replace("\n", " ")
 
 
-def format_nbest(hyps: list[Translation], *, nbest: int, prefix: str = "") -> list[str]:
-    """`prefix score<TAB>translation` lines, one per hypothesis (beam search gives `nbest`).
+def pharaoh(alignment: list[tuple[int, int]]) -> str:
+    """Word alignments as Pharaoh's `i-j` pairs (source word i, translation word j), space-separated."""
+    return " ".join(f"{i}-{j}" for i, j in alignment)
+
+
+def with_extras(text: str, translation: Translation | None, search: SearchConfig) -> str:
+    """A translation's line with the columns `search` asks for: `<TAB>alignment` (Pharaoh), then
+    `<TAB>token scores` (one per token, then the final EOS's); an empty line's columns are empty."""
+    columns = [text]
+    if search.alignments:
+        columns.append(pharaoh(translation.alignment or []) if translation is not None else "")
+    if search.token_scores:
+        scores = translation.token_scores if translation is not None else None
+        columns.append(" ".join(f"{score:.4f}" for score in scores or []))
+    return "\t".join(columns)
+
+
+def format_nbest(hyps: list[Translation], *, nbest: int, prefix: str = "",
+                 search: SearchConfig = DEFAULT_SEARCH) -> list[str]:
+    """`prefix score<TAB>translation` lines, one per hypothesis (beam search gives `nbest`), with the
+    columns `search` asks for (`with_extras`).
 
     An empty input line has no hypotheses; it gets `nbest` empty translations with score 0 (the
     log-probability of the only possible output), so that it too gives `nbest` lines.
     """
     if not hyps:
-        return [f"{prefix}{0.0:.4f}\t"] * nbest
-    return [f"{prefix}{t.score:.4f}\t{one_line(t.text)}" for t in hyps]
-
-
-def utf8_stdout() -> TextIO:
-    """stdout writing UTF-8, as the input is read, whatever the locale's encoding says."""
-    reconfigure = getattr(sys.stdout, "reconfigure", None)  # a StringIO put in place of stdout has none
-    if reconfigure is not None:
-        reconfigure(encoding="utf-8")
-    return sys.stdout
+        return [with_extras(f"{prefix}{0.0:.4f}\t", None, search)] * nbest
+    return [with_extras(f"{prefix}{t.score:.4f}\t{one_line(t.text)}", t, search) for t in hyps]
 
 
 def one_line_warnings() -> None:

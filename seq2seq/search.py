@@ -39,6 +39,7 @@ from torch import Tensor
 
 from seq2seq.model.config import ConfigError, check_field_types, check_range
 from seq2seq.model.numerics import exp_
+from seq2seq.scoring import alignment_layer, force_decode
 
 NEG_INF = float("-inf")
 
@@ -68,6 +69,9 @@ class SearchConfig:
     top_k: int = _option(0, "sampling: draw from the k most likely tokens only; 0: all")
     top_p: float = _option(1.0, "sampling: draw from the smallest set of tokens with this much probability")
     seed: int | None = _option(None, "sampling: seed of the random draws, for a reproducible run")
+    token_scores: bool = _option(False, "also report each output token's log-probability (then the final EOS's)")
+    alignments: bool = _option(False, "also report word alignments (source word - output word), from the "
+                                      "decoder's cross-attention")
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -114,6 +118,10 @@ class Hypothesis:
     """Ranking score: length-normalised log_prob for beam search, log_prob otherwise."""
     log_prob: float
     """Sum of the log-probabilities of all tokens and the final EOS."""
+    token_log_probs: list[float] | None = None
+    """With SearchConfig.token_scores: the log-probability of each token, then of the final EOS."""
+    source_positions: list[int] | None = None
+    """With SearchConfig.alignments: per token, the source position its alignment layer attended to most."""
 
 
 @dataclass(frozen=True)
@@ -455,10 +463,39 @@ def decode(
     if config.sampling:
         if generator is None and config.seed is not None:
             generator = torch.Generator(device=src.device).manual_seed(config.seed)
-        return [[h] for h in sample(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix, generator=generator)]
-    if config.beam_size == 1:
-        return [[h] for h in greedy(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)]
-    return beam_search(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)
+        results = [[h] for h in sample(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix,
+                                       generator=generator)]
+    elif config.beam_size == 1:
+        results = [[h] for h in greedy(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)]
+    else:
+        results = beam_search(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)
+    if config.token_scores or config.alignments:
+        results = annotate(model, src, results, ids=SpecialIds(bos=bos, eos=eos, pad=pad),
+                           token_scores=config.token_scores, alignments=config.alignments)
+    return results
+
+
+def annotate(model: EncoderDecoder[Any], src: Tensor, results: list[list[Hypothesis]], *, ids: SpecialIds,
+             token_scores: bool, alignments: bool) -> list[list[Hypothesis]]:
+    """The hypotheses with their token log-probabilities and/or source positions, from one teacher-forced
+    pass over all of them (seq2seq/scoring.py): the search's own steps are left as they are."""
+    rows = [i for i, hyps in enumerate(results) for _ in hyps]
+    if not rows:
+        return results
+    # Alignments read a decoder layer's cross-attention: a model with layers (the Transformer's config)
+    layer = alignment_layer(cast(Any, model.config).num_decoder_layers) if alignments else None
+    with torch.inference_mode():
+        sources = src.index_select(0, torch.tensor(rows, dtype=torch.long, device=src.device))  # (H, S)
+        forced = force_decode(model, model.encode(sources), sources != ids.pad,
+                              [h.tokens for hyps in results for h in hyps], bos=ids.bos, eos=ids.eos, pad=ids.pad,
+                              align_layer=layer)
+    annotated: list[list[Hypothesis]] = []
+    for hyps in results:
+        mine, forced = forced[: len(hyps)], forced[len(hyps) :]
+        annotated.append([replace(h, token_log_probs=f.token_log_probs if token_scores else None,
+                                  source_positions=f.source_positions if alignments else None)
+                          for h, f in zip(hyps, mine, strict=True)])
+    return annotated
 
 
 @torch.inference_mode()

@@ -277,6 +277,24 @@ class Tokenizer:
         suffix = self.source_suffix
         return ids[: limit - len(suffix)] + suffix
 
+    def word_indices(self, ids: list[int]) -> list[int]:
+        """Per id, the index of the space-separated word of the decoded text it belongs to (what
+        `text.split(" ")` numbers; a no-break space joins): sentencepiece marks a space as "▁" at the
+        start of the piece after it.
+        A bare "▁" piece starts the word its next pieces spell, unless the next piece brings its own."""
+        vocabulary = self._vocabulary
+        out, word, bare = [], -1, False
+        for i in ids:
+            piece = vocabulary[i] if vocabulary is not None else self._sp.id_to_piece(int(i))
+            if piece.startswith("\u2581"):
+                if not bare:
+                    word += 1
+                bare = piece == "\u2581"
+            else:
+                word, bare = max(word, 0), False
+            out.append(max(word, 0))
+        return out
+
     def pieces(self) -> list[str]:
         """Every piece, in id order (what another engine's vocabulary file lists)."""
         if self._vocabulary is not None:

@@ -28,6 +28,7 @@ from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.model import Transformer
 from seq2seq.model.numerics import for_inference
 from seq2seq.precision import Precision, resolve_precision
+from seq2seq.scoring import Forced, force_decode
 from seq2seq.search import Hypothesis, SearchConfig, decode
 from seq2seq.tokenizer import Tokenizer
 
@@ -40,6 +41,11 @@ class Translation:
     score: float
     """The search's ranking score (length-normalised log-probability for beam search)."""
     tokens: list[int]
+    token_scores: list[float] | None = None
+    """SearchConfig.token_scores: the log-probability of each token, then of the final EOS."""
+    alignment: list[tuple[int, int]] | None = None
+    """SearchConfig.alignments: (source word, translation word) pairs, numbered from 0 as `text.split(" ")`
+    numbers them (runs of characters other than " "), sorted: Pharaoh's `i-j`. A word may have several partners, or none."""
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -140,7 +146,7 @@ class Translator:
             nbest = decode(self.model, src, search, bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id,
                            generator=generator)
             for i, sentence_hyps in zip(batch, nbest, strict=True):
-                yield i, self._detokenize(sentence_hyps)
+                yield i, self._detokenize(sentence_hyps, source=ids[i])
 
     def translate_stream(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
@@ -173,13 +179,60 @@ class Translator:
             assert next_line == len(chunk), "every line of the window is yielded"
             done += len(chunk)
 
+    def score(self, sources: Iterable[str], targets: Iterable[str], *, max_tokens: int = 8192,
+              first_line: int = 1) -> list[Forced | None]:
+        """The model's log-probability of each target given its source, token by token (the final EOS
+        included), as translation computes them (this Translator's precision and device); batched by
+        length. None, with a warning naming the line, where there is nothing to score against: an empty
+        source, or a source or target longer than the model reads (`max_positions`)."""
+        sources, targets = as_lines(sources, first_line=first_line), as_lines(targets, first_line=first_line)
+        if len(sources) != len(targets):
+            raise ValueError(f"{len(sources)} sources but {len(targets)} targets: they must be line-aligned")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
+        tokenizer, limit = self.tokenizer, self.model.config.max_positions
+        src_ids = tokenizer.encode_source([text.strip() for text in sources])
+        tgt_ids = tokenizer.encode_target([text.strip() for text in targets])
+        scored: list[Forced | None] = [None] * len(sources)
+        sizes: list[list[int]] = []  # what a pair costs in padded positions, for batching
+        for i, (source, target) in enumerate(zip(src_ids, tgt_ids, strict=True)):
+            problem = ("its source is empty" if not sources[i].strip() or tokenizer.source_tokens(source) <= 0 else
+                       f"its source has {len(source)} tokens" if len(source) > limit else
+                       f"its target has {len(target) + 1} tokens with EOS" if len(target) + 1 > limit else None)
+            if problem is not None:
+                warnings.warn(f"line {first_line + i} is not scored: {problem}"
+                              + (f", more than the model's max_positions ({limit})" if "tokens" in problem else ""),
+                              stacklevel=2)
+            sizes.append([] if problem is not None else [0] * max(len(source), len(target) + 1))
+        for batch in length_sorted_batches(sizes, max_tokens=max_tokens):
+            src = pad_batch([src_ids[i] for i in batch], pad=tokenizer.pad_id, device=self.device)  # (B, S)
+            with torch.inference_mode():
+                forced = force_decode(self.model, self.model.encode(src), src != tokenizer.pad_id,
+                                      [tgt_ids[i] for i in batch], bos=tokenizer.bos_id, eos=tokenizer.eos_id,
+                                      pad=tokenizer.pad_id)
+            for i, f in zip(batch, forced, strict=True):
+                scored[i] = f
+        return scored
+
     def _generator(self, search: SearchConfig) -> torch.Generator:
         assert search.seed is not None
         return torch.Generator(device=self.device).manual_seed(search.seed)
 
-    def _detokenize(self, hyps: list[Hypothesis]) -> list[Translation]:
+    def _detokenize(self, hyps: list[Hypothesis], *, source: list[int]) -> list[Translation]:
         texts = self.tokenizer.decode([h.tokens for h in hyps])
-        return [Translation(text=t, score=h.score, tokens=h.tokens) for t, h in zip(texts, hyps, strict=True)]
+        return [Translation(text=t, score=h.score, tokens=h.tokens, token_scores=h.token_log_probs,
+                            alignment=self._word_alignment(source, h))
+                for t, h in zip(texts, hyps, strict=True)]
+
+    def _word_alignment(self, source: list[int], hyp: Hypothesis) -> list[tuple[int, int]] | None:
+        """The hypothesis' token alignment (each token's most attended source position) as word pairs;
+        a token that attended to no text token (a Marian source's eos) aligns nothing."""
+        if hyp.source_positions is None:
+            return None
+        source_words = self.tokenizer.word_indices(source[: self.tokenizer.source_tokens(source)])
+        target_words = self.tokenizer.word_indices(hyp.tokens)
+        return sorted({(source_words[p], target_words[j]) for j, p in enumerate(hyp.source_positions)
+                       if p < len(source_words)})
 
     def _truncate(self, ids: list[list[int]], *, first_line: int) -> list[list[int]]:
         limit = self.model.config.max_positions

@@ -12,7 +12,9 @@ Endpoints (JSON or form bodies, as LibreTranslate takes them; errors are `{"erro
     GET  /languages      [{"code": "de", "name": "German", "targets": ["en"]}, ...]
     GET  /health         {"status": "ok", "batches": ..., "requests": ..., "sentences": ..., "queued": ...}
     POST /v1/translate   {"q": [...], "beam_size": 5, "nbest": 2, ...any SearchConfig field}
-                         -> {"translations": [[{"text": ..., "score": ...}, ...], ...]}
+                         -> {"translations": [[{"text": ..., "score": ...}, ...], ...]}; with
+                         "alignments": true each also has "alignment": [[i, j], ...], with
+                         "token_scores": true "token_scores": [...]
 
 Dynamic batching: a request's sentences join one queue; a batcher task takes whatever has arrived
 within --max-wait-ms of the first, decodes it in a worker thread (the event loop keeps accepting) in
@@ -424,6 +426,17 @@ async def until_disconnected(request: Request) -> None:
             pass
 
 
+def translation_json(translation: Translation) -> dict[str, Any]:
+    """/v1's answer for one translation: its text and score, and what the request asked for besides:
+    `alignment` ([[source word, translation word], ...]) and `token_scores`."""
+    out: dict[str, Any] = {"text": translation.text, "score": translation.score}
+    if translation.alignment is not None:
+        out["alignment"] = [list(pair) for pair in translation.alignment]
+    if translation.token_scores is not None:
+        out["token_scores"] = translation.token_scores
+    return out
+
+
 @dataclass
 class Server:
     """The endpoints over one Translator and its Batcher."""
@@ -529,8 +542,7 @@ class Server:
         except ConfigError as error:
             raise BadRequest(f"{error.field}: {error.problem}"[:300]) from None  # the problem shows the value
         nbest_lists = await self.translate(request, texts, search)
-        return JSONResponse({"translations": [[{"text": h.text, "score": h.score} for h in hyps]
-                                              for hyps in nbest_lists]})
+        return JSONResponse({"translations": [[translation_json(h) for h in hyps] for hyps in nbest_lists]})
 
     async def languages(self, request: Request) -> JSONResponse:
         src, tgt = self.translator.src_lang, self.translator.tgt_lang

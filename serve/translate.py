@@ -14,7 +14,6 @@ import argparse
 import sys
 
 from seq2seq.cli import (
-    MAX_LINE_BYTES,
     add_search_arguments,
     check_flags,
     describe,
@@ -22,9 +21,10 @@ from seq2seq.cli import (
     one_line,
     one_line_warnings,
     open_translator,
-    utf8_stdout,
+    with_extras,
 )
 from seq2seq.precision import tune_process_memory
+from seq2seq.textio import MAX_LINE_BYTES, utf8_stdout
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> None:
             line = line.removeprefix("\ufeff")  # a byte-order mark is not part of the sentence
         hyps = translator.translate_nbest([line], search, max_tokens=args.max_tokens, first_line=number)[0]
         if search.nbest > 1:
-            print("\n".join(format_nbest(hyps, nbest=search.nbest)), file=stdout)
+            print("\n".join(format_nbest(hyps, nbest=search.nbest, search=search)), file=stdout)
             print(file=stdout)
         else:
-            print(one_line(hyps[0].text) if hyps else "", file=stdout)
+            print(with_extras(one_line(hyps[0].text) if hyps else "", hyps[0] if hyps else None, search), file=stdout)
         stdout.flush()
 
 

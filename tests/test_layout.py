@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # The faces: commands a user runs. They share seq2seq/cli.py; nothing imports them.
-FACES = {"seq2seq.translate", "seq2seq.export", "seq2seq.convert", "seq2seq.average", "seq2seq.fit", "serve.server", "serve.translate"}
+FACES = {"seq2seq.translate", "seq2seq.score", "seq2seq.export", "seq2seq.convert", "seq2seq.average", "seq2seq.fit", "serve.server", "serve.translate"}
 # What trains: the only package that imports Lightning.
 TRAINING = "seq2seq.training"
 # Training never imports inference: the length penalty is tuned by seq2seq/tune.py, which the face runs.

@@ -108,6 +108,22 @@ def test_json_and_form_bodies_lists_and_alternatives(server: Running, translator
     theirs = translator.translate_nbest(SENTENCES[:2], SearchConfig(beam_size=4, nbest=2))
     assert [[h["text"] for h in hyps] for hyps in own["translations"]] == [[t.text for t in hyps] for hyps in theirs]
     assert own["translations"][0][0]["score"] == pytest.approx(theirs[0][0].score)
+    assert set(own["translations"][0][0]) == {"text", "score"}  # nothing asked, nothing more
+
+
+def test_v1_gives_alignments_and_token_scores_when_asked(server: Running, translator: Translator):
+    body = {"q": [SENTENCES[0], "", SENTENCES[4]], "beam_size": 3, "nbest": 2, "alignments": True,
+            "token_scores": True}
+    own = httpx.post(server.url + "/v1/translate", json=body).json()["translations"]
+    theirs = translator.translate_nbest(body["q"], SearchConfig(beam_size=3, nbest=2, alignments=True,
+                                                                token_scores=True))
+    assert own[1] == [] and len(own) == 3
+    for hyps, expected in zip(own, theirs, strict=True):
+        for h, t in zip(hyps, expected, strict=True):
+            assert h["text"] == t.text and h["alignment"] == [list(pair) for pair in t.alignment] and h["alignment"]
+            assert h["token_scores"] == pytest.approx(t.token_scores) and len(h["token_scores"]) == len(t.tokens) + 1
+    wrong = httpx.post(server.url + "/v1/translate", json={"q": "a", "alignments": "yes"})
+    assert wrong.status_code == 400 and "alignments" in wrong.json()["error"]
 
 
 def test_concurrent_requests_share_decoder_batches(server: Running, translator: Translator):

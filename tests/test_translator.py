@@ -141,7 +141,7 @@ def test_n_lines_in_n_lines_out_with_empty_and_too_long_lines(trained64: Transla
 
 def test_beam_size_1_is_greedy_search(model64: Translator):
     ids = model64.tokenizer.encode_source(SENTENCES)
-    src = pad_batch(ids, device=torch.device("cpu"))
+    src = pad_batch(ids, pad=PAD_ID, device=torch.device("cpu"))
     expected = greedy(model64.model, src, SearchConfig(), **IDS)
     got = model64.translate_nbest(SENTENCES, SearchConfig(beam_size=1), max_tokens=50)
     assert [hyps[0].tokens for hyps in got] == [h.tokens for h in expected]
@@ -246,7 +246,7 @@ def test_progress_bar_only_on_a_terminal(terminal: bool):
 
     progress, output, best = Stream(), io.StringIO(), []
     hyps = [[Translation(text=f"line {i}", score=-1.0, tokens=[4])] for i in range(3)]
-    write_translations(iter(hyps), output, nbest=1, best=best, total=3, progress=progress)
+    write_translations(iter(hyps), output, search=SearchConfig(), best=best, total=3, progress=progress)
     assert output.getvalue() == "line 0\nline 1\nline 2\n" and best == ["line 0", "line 1", "line 2"]
     assert ("/3 [" in progress.getvalue()) == terminal  # the bar ("0/3 [00:00<?, ...]"); nothing when piped
     assert terminal or progress.getvalue() == ""
@@ -266,7 +266,7 @@ def test_length_sorted_batches_respect_the_budget_and_cover_every_sentence_once(
             padded = len(batch) * max(len(ids[i]) for i in batch)
             assert padded <= max_tokens or len(batch) == 1  # a sentence over budget goes alone
     assert length_sorted_batches([[], []], max_tokens=10) == []
-    src = pad_batch([[5, 6, 7], [8]], device=torch.device("cpu"))
+    src = pad_batch([[5, 6, 7], [8]], pad=PAD_ID, device=torch.device("cpu"))
     assert src.tolist() == [[5, 6, 7], [8, PAD_ID, PAD_ID]]
 
 
@@ -623,7 +623,7 @@ def test_cli_writes_into_a_fifo_without_emptying_or_closing_it_first(checkpoint:
 
 
 def test_lines_of_exactly_the_limit_are_read_and_one_byte_more_is_refused(tmp_path: Path):
-    from seq2seq.translate import MAX_LINE_BYTES, InputError, iter_lines
+    from seq2seq.textio import MAX_LINE_BYTES, InputError, iter_lines
 
     path = tmp_path / "in.txt"
     path.write_bytes(b"a" * MAX_LINE_BYTES + b"\r\n" + b"b" * MAX_LINE_BYTES + b"\n" + b"c" * MAX_LINE_BYTES)

@@ -128,6 +128,18 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(rows, length, -1))  # (R, Tq, D)
 
 
+    def weights(self, x: Tensor, *, keys: Tensor, mask: Tensor | None) -> Tensor:
+        """The attention probabilities forward computes (float32 at least, no dropout), (B, H, Tq, Tk), for reading
+        rather than computing with (SDPA does not return them); x: (B, Tq, D), one query row per key row;
+        no relative positions (cross-attention has none)."""
+        queries = self.split_heads(self.q_proj(x))  # (B, H, Tq, Dh)
+        dtype = torch.promote_types(queries.dtype, torch.float32)
+        scores = queries.to(dtype) @ keys.to(dtype).transpose(-1, -2) * self.head_dim**-0.5  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(dim=-1)
+
+
 def fold_beams(queries: Tensor, *, sentences: int) -> Tensor:
     """(N*K, H, Tq, Dh), the K rows of a sentence adjacent -> (N, H, K*Tq, Dh)."""
     rows, heads, length, head_dim = queries.shape

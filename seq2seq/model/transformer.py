@@ -252,6 +252,25 @@ class Transformer(nn.Module):
         hidden = self.decoder(tgt_in, memory=memory, src_mask=src_mask[:, None, None, :], state=state)
         return self.output_projection(hidden)
 
+    def decode_with_attention(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, *,
+                              layer: int) -> tuple[Tensor, Tensor]:
+        """`decode` without a state, and decoder layer `layer`'s cross-attention averaged over its heads,
+        (R, T, S), float32 at least: where each target position read the source (word alignments come from it).
+        One memory row per target row (R = N)."""
+        attention = cast(DecoderLayer, self.decoder.layers[layer]).cross_attn
+        seen: dict[str, Tensor] = {}
+
+        def keep(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen.update(x=args[0], keys=kwargs["keys"], mask=kwargs["mask"])
+
+        handle = attention.register_forward_pre_hook(keep, with_kwargs=True)  # the layer's own input, unchanged
+        try:
+            logits = self.decode(tgt_in, memory, src_mask)
+        finally:
+            handle.remove()
+        weights = attention.weights(seen["x"], keys=seen["keys"], mask=seen["mask"])  # (R, H, T, S)
+        return logits, weights.mean(dim=1)
+
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced logits (B, T, V) for `tgt_in` (BOS + target) given `src`."""
         return self.output_projection(self.hidden_states(src, tgt_in))

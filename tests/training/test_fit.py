@@ -47,7 +47,18 @@ def parse(*config_names: str, overrides: tuple[str, ...] = ()):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_every_config_parses_and_builds_offline(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_every_config_parses_and_builds_offline(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                request: pytest.FixtureRequest):
+    if name == "finetune.yaml":  # needs a model to start from: the export tests' en→de demo model stands in
+        pretrained = request.getfixturevalue("trained")
+        cli = TranslationCLI(TranslationModule, TranslationDataModule, trainer_class=Trainer, run=False, args=[
+            "--config", str(REPO / "configs" / name), f"--model.init_from={pretrained}",
+            f"--data.tokenizer_path={tmp_path}/spm.model", f"--trainer.default_root_dir={tmp_path}"])
+        stored = torch.load(pretrained, weights_only=True)["seq2seq"]
+        assert cli.model.config.d_model == stored["model_config"]["d_model"] == 64  # init_from's model ...
+        assert (cli.model.config.dropout, cli.model.config.attention_dropout) == (0.1, 0.1)  # ... with the YAML's dropouts
+        assert (tmp_path / "spm.model").read_bytes() == stored["tokenizer"]  # its tokenizer, written, not trained
+        return
     names = (name,) if name != "multi30k_local.yaml" else ("multi30k.yaml", name)
     if name == "wmt.yaml":  # accelerator: gpu, refused where torch finds none: parsed as on a GPU machine
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
