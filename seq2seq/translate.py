@@ -61,15 +61,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input", default="-", help="one sentence per line; - for stdin")
     parser.add_argument("--output", default="-", help="where translations go; - for stdout")
     parser.add_argument("--ref", default=None, help="reference translations, line-aligned: print BLEU and chrF")
+    parser.add_argument("--target-prefix", default=None, metavar="FILE",
+                        help="line-aligned with the input: the start each translation must have (an empty line: none)")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
     check_flags(parser, args)
     inputs = {"--input": args.input, "--checkpoint": args.checkpoint} | ({"--ref": args.ref} if args.ref else {})
-    for option in ("--input", "--ref"):  # the checkpoint says what is wrong with it when it loads
+    if args.target_prefix:
+        inputs["--target-prefix"] = args.target_prefix
+    for option in ("--input", "--ref", "--target-prefix"):  # the checkpoint says what is wrong with it when it loads
         if inputs.get(option):
             check_input_path(inputs[option], option=option)
     if args.ref == "-" and args.input == "-":
         parser.error("--ref - and --input - would both read stdin; give one of them as a file")
+    if args.target_prefix == "-" and args.input == "-":
+        parser.error("--target-prefix - and --input - would both read stdin; give one of them as a file")
     check_output_path(args.output, inputs=inputs)
     one_line_warnings()
     try:
@@ -87,12 +93,18 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if references is not None and total is not None and len(references) != total:
         raise SystemExit(f"error: {source_name} has {total} lines but {args.ref} has {len(references)}; "
                          "the references must be line-aligned with the input")
+    if args.target_prefix:
+        prefix_total = count_lines(args.target_prefix, option="--target-prefix")
+        if prefix_total is not None and total is not None and prefix_total != total:
+            raise SystemExit(f"error: {source_name} has {total} lines but --target-prefix {args.target_prefix} has "
+                             f"{prefix_total}; give one prefix per input line (an empty line for none)")
     translator, search = open_translator(parser, args)
     start = time.perf_counter()
     best: list[str] | None = [] if references is not None else None  # kept only for the scores
     output = Output(args.output)
     lines = UpToABadLine(iter_lines(args.input))
-    results = translator.translate_stream(lines, search, max_tokens=args.max_tokens, window=WINDOW)
+    prefixes = iter_lines(args.target_prefix, option="--target-prefix") if args.target_prefix else None
+    results = translator.translate_stream(lines, search, max_tokens=args.max_tokens, window=WINDOW, prefixes=prefixes)
     try:
         write_translations(results, output, search=search, best=best, total=total)
         output.close()
@@ -106,7 +118,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     except BrokenPipeError:  # `... | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         raise SystemExit(141) from None
-    except InputError as error:
+    except (InputError, ValueError) as error:  # ValueError: a target prefix too long, or prefixes that end early
         raise SystemExit(f"error: {error}; {where(args.output)} holds the translations of the {output.lines} lines "
                          "before it") from None
     except OSError as error:  # a full disk, /dev/full

@@ -96,14 +96,15 @@ class Translator:
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
                    device=device, precision=precision, search=loaded.search)
 
-    def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *,
-                  max_tokens: int = 8192) -> list[str]:
+    def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
+                  prefixes: Iterable[str] | None = None) -> list[str]:
         """One translation per input line, in input order (the best of `search`'s n-best)."""
-        return [hyps[0].text if hyps else "" for hyps in self.translate_nbest(texts, search, max_tokens=max_tokens)]
+        return [hyps[0].text if hyps else ""
+                for hyps in self.translate_nbest(texts, search, max_tokens=max_tokens, prefixes=prefixes)]
 
     def translate_nbest(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
-        first_line: int = 1, generator: torch.Generator | None = None,
+        first_line: int = 1, generator: torch.Generator | None = None, prefixes: Iterable[str] | None = None,
     ) -> list[list[Translation]]:
         """Per input line its translations, best first (`search.nbest`, one for greedy and sampling); "" gets [].
 
@@ -111,17 +112,22 @@ class Translator:
         search then holds beam_size times as many decoder rows. `first_line` is the number warnings
         give the first text (a caller translating a file in pieces passes each piece's position), and
         `generator` the random draws of sampling (default: a new one seeded with `search.seed`).
+
+        `prefixes` (one per text, "" for none): the start each translation must have (autocompletion,
+        CTranslate2's target_prefix), tokenised alone and forced, then continued by the search; the
+        translations include it. A prefix that ends inside a word forces the pieces that spell it
+        alone, which the model may rarely have seen continued: end prefixes at a space where you can.
         """
         lines = as_lines(texts, first_line=first_line)
         results: list[list[Translation]] = [[] for _ in lines]
         for i, translations in self._translate_batches(lines, search, max_tokens=max_tokens, first_line=first_line,
-                                                       generator=generator):
+                                                       generator=generator, prefixes=prefixes):
             results[i] = translations
         return results
 
     def _translate_batches(
         self, lines: list[str], search: SearchConfig | None, *, max_tokens: int, first_line: int,
-        generator: torch.Generator | None,
+        generator: torch.Generator | None, prefixes: Iterable[str] | None = None,
     ) -> Iterator[tuple[int, list[Translation]]]:
         """(index, translations) of every line: the empty ones ([]) first, then batch by batch (longest first)."""
         search = self.search if search is None else search
@@ -131,6 +137,7 @@ class Translator:
         search.check_vocabulary(self.model.config.vocab_size)  # before any work, even for no sentence
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
+        forced = self._prefix_ids(prefixes, len(lines), first_line=first_line) if prefixes is not None else None
         ids = self._truncate(self.tokenizer.encode_source([text.strip() for text in lines]), first_line=first_line)
         if generator is None and search.sampling and search.seed is not None:  # one for all the batches
             generator = self._generator(search)
@@ -144,40 +151,48 @@ class Translator:
         for batch in length_sorted_batches(ids, max_tokens=max_tokens):
             src = pad_batch([ids[i] for i in batch], pad=tokenizer.pad_id, device=self.device)  # (B, S)
             nbest = decode(self.model, src, search, bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id,
-                           generator=generator)
+                           generator=generator, prefix=[forced[i] for i in batch] if forced is not None else None)
             for i, sentence_hyps in zip(batch, nbest, strict=True):
                 yield i, self._detokenize(sentence_hyps, source=ids[i])
 
     def translate_stream(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
-        window: int = 1000,
+        window: int = 1000, prefixes: Iterable[str] | None = None,
     ) -> Iterator[list[Translation]]:
         """translate_nbest's results, one line at a time and in order, as soon as a line and all lines
         before it are done; `window` lines are read and batched (sorted by length) at a time.
 
         Memory stays bounded, and a caller can write each line while the rest of its window is
-        decoded (an interrupted run keeps what was written).
+        decoded (an interrupted run keeps what was written). `prefixes`: as translate_nbest's, read
+        alongside the texts; a ValueError if they end before the texts, or go on after them.
         """
         if isinstance(texts, str | bytes):
             as_lines(texts)  # the same TypeError as translate_nbest
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive number of lines, got {window!r}")
         iterator, done = iter(texts), 0
+        prefix_iterator = iter(prefixes) if prefixes is not None else None
         search = self.search if search is None else search
         # One generator for the whole stream: a new one per window would replay the same draws.
         generator = self._generator(search) if search.sampling and search.seed is not None else None
         while chunk := list(islice(iterator, window)):
+            chunk_prefixes = list(islice(prefix_iterator, len(chunk))) if prefix_iterator is not None else None
+            if chunk_prefixes is not None and len(chunk_prefixes) < len(chunk):
+                raise ValueError(f"the target prefixes end after line {done + len(chunk_prefixes)}, before the texts "
+                                 "do: give one per text (an empty one for none)")
             ready: dict[int, list[Translation]] = {}
             next_line = 0
             for i, translations in self._translate_batches(as_lines(chunk, first_line=done + 1), search,
                                                            max_tokens=max_tokens, first_line=done + 1,
-                                                           generator=generator):
+                                                           generator=generator, prefixes=chunk_prefixes):
                 ready[i] = translations
                 while next_line in ready:
                     yield ready.pop(next_line)
                     next_line += 1
             assert next_line == len(chunk), "every line of the window is yielded"
             done += len(chunk)
+        if prefix_iterator is not None and next(prefix_iterator, None) is not None:
+            raise ValueError(f"there are more target prefixes than the {done} texts: give one per text")
 
     def score(self, sources: Iterable[str], targets: Iterable[str], *, max_tokens: int = 8192,
               first_line: int = 1) -> list[Forced | None]:
@@ -213,6 +228,19 @@ class Translator:
             for i, f in zip(batch, forced, strict=True):
                 scored[i] = f
         return scored
+
+    def _prefix_ids(self, prefixes: Iterable[str], count: int, *, first_line: int) -> list[list[int]]:
+        """The target prefixes' ids, one list per line; a ValueError naming the line of one too long to force."""
+        prefixes = as_lines(prefixes, first_line=first_line)
+        if len(prefixes) != count:
+            raise ValueError(f"{len(prefixes)} target prefixes for {count} texts: give one per text (\"\" for none)")
+        ids = self.tokenizer.encode_target([prefix.strip() for prefix in prefixes])
+        limit = self.model.config.max_positions - 1  # the decoder reads BOS + at most this many tokens
+        for i, prefix in enumerate(ids):
+            if len(prefix) > limit:
+                raise ValueError(f"the target prefix of line {first_line + i} has {len(prefix)} tokens, more than "
+                                 f"the model writes ({limit}: max_positions - 1); shorten it")
+        return ids
 
     def _generator(self, search: SearchConfig) -> torch.Generator:
         assert search.seed is not None

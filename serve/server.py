@@ -14,7 +14,8 @@ Endpoints (JSON or form bodies, as LibreTranslate takes them; errors are `{"erro
     POST /v1/translate   {"q": [...], "beam_size": 5, "nbest": 2, ...any SearchConfig field}
                          -> {"translations": [[{"text": ..., "score": ...}, ...], ...]}; with
                          "alignments": true each also has "alignment": [[i, j], ...], with
-                         "token_scores": true "token_scores": [...]
+                         "token_scores": true "token_scores": [...]; "target_prefix": the start of
+                         each translation (a string, or a list as long as q)
 
 Dynamic batching: a request's sentences join one queue; a batcher task takes whatever has arrived
 within --max-wait-ms of the first, decodes it in a worker thread (the event loop keeps accepting) in
@@ -149,6 +150,7 @@ class Job:
     costs: list[int]  # decoder tokens per sentence (decoding_cost)
     result: asyncio.Future[list[list[Translation]]]
     generator: torch.Generator | None = None  # seeded sampling: one for all the job's decoder calls
+    prefixes: list[str] | None = None  # /v1's target_prefix: the start of each translation ("" for none)
     answers: dict[int, list[Translation]] = field(default_factory=dict)
 
     @property
@@ -191,14 +193,15 @@ class Batcher:
         return [decoding_cost(len(ids), search, max_positions=max_positions)
                 for ids in self.translator.tokenizer.encode_source(texts)]
 
-    def submit(self, texts: list[str], search: SearchConfig, *,
-               costs: list[int] | None = None) -> asyncio.Future[list[list[Translation]]]:
-        """Queue the texts; raises Busy when the queue is full."""
+    def submit(self, texts: list[str], search: SearchConfig, *, costs: list[int] | None = None,
+               prefixes: list[str] | None = None) -> asyncio.Future[list[list[Translation]]]:
+        """Queue the texts (with the start each translation must have, if `prefixes`); raises Busy when
+        the queue is full."""
         costs = self.costs(texts, search) if costs is None else costs
         generator = None
         if search.sampling and search.seed is not None:
             generator = torch.Generator(device=self.translator.device).manual_seed(search.seed)
-        job = Job(texts, search, costs, asyncio.get_running_loop().create_future(), generator)
+        job = Job(texts, search, costs, asyncio.get_running_loop().create_future(), generator, prefixes)
         try:
             self.queue.put_nowait(job)
         except asyncio.QueueFull:
@@ -255,10 +258,11 @@ class Batcher:
             return
         jobs = list({id(job): job for job, _ in call}.values())
         texts = [job.texts[i] for job, i in call]
+        prefixes = [job.prefixes[i] if job.prefixes else "" for job, i in call] if any(j.prefixes for j in jobs) else None
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self.executor, lambda: self.translator.translate_nbest(
-                    texts, jobs[0].search, max_tokens=self.max_tokens, generator=jobs[0].generator))
+                    texts, jobs[0].search, max_tokens=self.max_tokens, generator=jobs[0].generator, prefixes=prefixes))
         except Exception as error:  # noqa: BLE001  # every waiting request must hear of it
             if len(jobs) == 1:
                 if not jobs[0].result.done():
@@ -479,9 +483,10 @@ class Server:
             f"more than this server's limit of {self.max_request_tokens} per request (--max-request-tokens); send "
             "fewer or shorter sentences per request" + (", or ask for a smaller beam" if rows > 1 else ""))
 
-    async def translate(self, request: Request, texts: list[str], search: SearchConfig) -> list[list[Translation]]:
+    async def translate(self, request: Request, texts: list[str], search: SearchConfig, *,
+                        prefixes: list[str] | None = None) -> list[list[Translation]]:
         costs = self.check_cost(texts, search)
-        future = self.batcher.submit(texts, search, costs=costs)
+        future = self.batcher.submit(texts, search, costs=costs, prefixes=prefixes)
         gone = asyncio.ensure_future(until_disconnected(request))
         waiting: set[asyncio.Future[Any]] = {future, gone}
         try:
@@ -531,8 +536,9 @@ class Server:
 
     async def v1_translate(self, request: Request) -> JSONResponse:
         body = await read_body(request)
-        texts, _ = texts_of(body, char_limit=self.char_limit)
-        options = {k: v for k, v in body.items() if k != "q"}
+        texts, single = texts_of(body, char_limit=self.char_limit)
+        prefixes = self.target_prefixes(body, texts, single=single)
+        options = {k: v for k, v in body.items() if k not in ("q", "target_prefix")}
         names = {f.name for f in dataclasses.fields(SearchConfig)}
         unknown = sorted(set(options) - names)
         if unknown:
@@ -541,8 +547,26 @@ class Server:
             search = dataclasses.replace(self.search, **options)
         except ConfigError as error:
             raise BadRequest(f"{error.field}: {error.problem}"[:300]) from None  # the problem shows the value
-        nbest_lists = await self.translate(request, texts, search)
+        nbest_lists = await self.translate(request, texts, search, prefixes=prefixes)
         return JSONResponse({"translations": [[translation_json(h) for h in hyps] for hyps in nbest_lists]})
+
+    def target_prefixes(self, body: dict[str, Any], texts: list[str], *, single: bool) -> list[str] | None:
+        """/v1's `target_prefix`: a string for a single q, a list as long as q's for a list ("" for none);
+        each within the model's length."""
+        if "target_prefix" not in body:
+            return None
+        given = body["target_prefix"]
+        prefixes = [given] if single and isinstance(given, str) else given
+        if not isinstance(prefixes, list) or len(prefixes) != len(texts) or not all(isinstance(p, str) for p in prefixes):
+            raise BadRequest(f"target_prefix must be {'a string' if single else f'a list of {len(texts)} strings'}, "
+                             "as q is: the start each translation must have (\"\" for none)")
+        if sum(len(p) for p in prefixes) > self.char_limit:
+            raise BadRequest(f"target_prefix has more than this server's limit of {self.char_limit} characters")
+        limit = self.translator.model.config.max_positions - 1
+        for i, ids in enumerate(self.translator.tokenizer.encode_target([p.strip() for p in prefixes])):
+            if len(ids) > limit:
+                raise BadRequest(f"target_prefix[{i}] has {len(ids)} tokens, more than the model writes ({limit})")
+        return [" ".join(p.split()) for p in prefixes]
 
     async def languages(self, request: Request) -> JSONResponse:
         src, tgt = self.translator.src_lang, self.translator.tgt_lang

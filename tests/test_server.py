@@ -126,6 +126,21 @@ def test_v1_gives_alignments_and_token_scores_when_asked(server: Running, transl
     assert wrong.status_code == 400 and "alignments" in wrong.json()["error"]
 
 
+def test_v1_target_prefix(server: Running, translator: Translator):
+    url = server.url + "/v1/translate"
+    one = httpx.post(url, json={"q": SENTENCES[0], "target_prefix": "Ein Hund"}).json()["translations"]
+    assert one[0][0]["text"] == translator.translate([SENTENCES[0]], SEARCH, prefixes=["Ein Hund"])[0]
+    assert one[0][0]["text"].startswith("Ein Hund")
+    many = httpx.post(url, json={"q": SENTENCES[:3], "target_prefix": ["Zwei", "", "Eine Frau"]}).json()
+    assert [hyps[0]["text"] for hyps in many["translations"]] == translator.translate(
+        SENTENCES[:3], SEARCH, prefixes=["Zwei", "", "Eine Frau"])
+    for bad, message in ((["a"], "target_prefix must be a list of 3 strings, as q is"),
+                         (5, "target_prefix must be a list of 3 strings"),
+                         (["a", "b", " ".join(["x"] * 200)], "target_prefix[2] has")):
+        reply = httpx.post(url, json={"q": SENTENCES[:3], "target_prefix": bad})
+        assert reply.status_code == 400 and message in reply.json()["error"], reply.json()
+
+
 def test_concurrent_requests_share_decoder_batches(server: Running, translator: Translator):
     before = httpx.get(server.url + "/health").json()
     texts = [f"{SENTENCES[i % len(SENTENCES)]}" if i < 6 else f"A dog and {i} cats ." for i in range(16)]

@@ -828,3 +828,51 @@ def test_a_cuda_build_on_a_machine_without_a_gpu_is_one_line(monkeypatch, capsys
     assert error == ("python -m seq2seq.translate: error: --device: device 'cuda' cannot be used here (Found no "
                      "NVIDIA driver on your system. Please check that you have an NVIDIA GPU); use cpu, or a device "
                      "this machine has (cuda, cuda:1, mps)")
+
+
+# ---- target prefixes (autocompletion) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("search", [SearchConfig(beam_size=3, nbest=2, max_len_a=0, max_len_b=12),
+                                    SearchConfig(beam_size=1), SearchConfig(sampling=True, seed=1)],
+                         ids=["beam", "greedy", "sampling"])
+def test_target_prefixes_start_each_translation(translator: Translator, search: SearchConfig):
+    texts, prefixes = SENTENCES[:3], ["A dog", "", "Two men play"]
+    got = translator.translate_nbest(texts, search, prefixes=prefixes)
+    if not search.sampling:  # (a draw depends on the other rows of its batch)
+        assert got[1] == translator.translate_nbest(texts, search)[1]  # "" forces nothing
+    for prefix, hyps in ((prefixes[0], got[0]), (prefixes[2], got[2])):
+        ids = translator.tokenizer.encode_target([prefix])[0]
+        assert hyps and all(h.tokens[: len(ids)] == ids and h.text.startswith(prefix) for h in hyps)
+    streamed = list(translator.translate_stream(texts, search, prefixes=iter(prefixes), window=2))
+    assert all(h.tokens[:2] == got[0][0].tokens[:2] for h in streamed[0])  # "A dog": two pieces
+    if not search.sampling:
+        assert [[h.tokens for h in hyps] for hyps in streamed] == [[h.tokens for h in hyps] for hyps in got]
+
+
+def test_bad_target_prefixes_are_refused_naming_the_line(translator: Translator):
+    with pytest.raises(ValueError, match=r"^2 target prefixes for 3 texts: give one per text"):
+        translator.translate_nbest(SENTENCES[:3], prefixes=["a", "b"])
+    long = " ".join(["dog"] * 200)
+    with pytest.raises(ValueError, match=r"^the target prefix of line 5 has \d+ tokens, more than the model writes"):
+        translator.translate_nbest(SENTENCES[:2], prefixes=["", long], first_line=4)
+    with pytest.raises(ValueError, match=r"^the target prefixes end after line 1, before the texts do"):
+        list(translator.translate_stream(SENTENCES[:3], prefixes=["a"]))
+    with pytest.raises(ValueError, match=r"^there are more target prefixes than the 2 texts"):
+        list(translator.translate_stream(SENTENCES[:2], prefixes=["a", "b", "c"]))
+
+
+def test_the_cli_reads_target_prefixes_line_by_line(checkpoint: Path, translator: Translator, tmp_path: Path):
+    (tmp_path / "in").write_text("\n".join(SENTENCES[:3]) + "\n", encoding="utf-8")
+    (tmp_path / "prefix").write_text("A dog\n\nTwo men\n", encoding="utf-8")
+    done = run_cli("--checkpoint", str(checkpoint), "--input", str(tmp_path / "in"), "--target-prefix",
+                   str(tmp_path / "prefix"), "--beam", "2")
+    assert done.returncode == 0, done.stderr
+    expected = translator.translate(SENTENCES[:3], SearchConfig(beam_size=2), prefixes=["A dog", "", "Two men"])
+    assert done.stdout.split("\n")[:3] == expected
+    (tmp_path / "prefix").write_text("A dog\n", encoding="utf-8")
+    done = run_cli("--checkpoint", str(checkpoint), "--input", str(tmp_path / "in"), "--target-prefix",
+                   str(tmp_path / "prefix"))
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'in'} has 3 lines but --target-prefix {tmp_path / 'prefix'} has 1; give one prefix per "
+        "input line (an empty line for none)")
