@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from seq2seq.constraints import Phrases, advance, all_met, allocate, met, next_tokens, start
 from seq2seq.model.config import ConfigError, check_field_types, check_range
 from seq2seq.model.numerics import exp_
 from seq2seq.scoring import alignment_layer, force_decode
@@ -453,14 +454,22 @@ class Live:
 def decode(
     model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
     prefix: Sequence[Sequence[int]] | None = None, generator: torch.Generator | None = None,
+    constraints: Sequence[Phrases] | None = None,
 ) -> list[list[Hypothesis]]:
     """Per source sentence (B, S) its hypotheses, best first: `nbest` of them, or one for greedy and sampling.
 
     Sampling draws with `generator`, or with a new one seeded from `config.seed`; a caller decoding
-    many batches passes one generator so that the batches draw different numbers.
+    many batches passes one generator so that the batches draw different numbers. `constraints`: per
+    sentence, target phrases (token ids) its outputs must contain (`constrained_beam_search`; a sentence
+    whose phrases could not all be placed gets no hypothesis).
     """
     config.check_vocabulary(model.config.vocab_size)
-    if config.sampling:
+    if constraints is not None and any(constraints):
+        if config.sampling:
+            raise ValueError("lexical constraints need a search (beam_size >= 1), not sampling")
+        results = constrained_beam_search(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix,
+                                          constraints=constraints)
+    elif config.sampling:
         if generator is None and config.seed is not None:
             generator = torch.Generator(device=src.device).manual_seed(config.seed)
         results = [[h] for h in sample(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix,
@@ -540,6 +549,100 @@ def beam_search(
         if keep.numel() == 0:
             break
         live = live.advance(cand.next_tokens, cand.next_scores, beams=cand.next_beams, keep=keep)
+
+    return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
+
+
+@torch.inference_mode()
+def constrained_beam_search(
+    model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
+    constraints: Sequence[Phrases], prefix: Sequence[Sequence[int]] | None = None,
+) -> list[list[Hypothesis]]:
+    """Beam search whose outputs contain every phrase of their sentence's `constraints`, in any order:
+    dynamic beam allocation (seq2seq/constraints.py). Per sentence its n-best, best first; none for a
+    sentence whose phrases could not all be placed (the caller says so).
+
+    As beam_search otherwise (the candidates, the length-normalised ranking, the stop rules), with three
+    differences: each hypothesis is also extended by every token that makes progress on a constraint;
+    the K that go on are shared out among banks of constraint tokens met; EOS is banned until all of a
+    hypothesis' phrases are placed. A sentence's max_len is raised to hold its phrases (and its prefix).
+    The bookkeeping is per hypothesis in Python: it costs more per step than beam_search, and is used only
+    where some sentence has constraints.
+    """
+    beam_size, alpha = config.beam_size, config.length_penalty
+    batch = src.size(0)
+    if batch == 0:
+        return []
+    if len(constraints) != batch:
+        raise ValueError(f"constraints has {len(constraints)} entries for {batch} source sentences")
+    ids = SpecialIds(bos=bos, eos=eos, pad=pad)
+    phrases = [[list(p) for p in sentence] for sentence in constraints]
+    if any(not p for sentence in phrases for p in sentence):
+        raise ValueError("a constraint is empty: every phrase needs at least one token")
+    live = Live.start(model, src, config, ids=ids, prefix=prefix)
+    needed = torch.tensor([sum(map(len, p)) for p in phrases], device=src.device) + live.limits.prefix_len
+    live.limits = live.limits._replace(max_len=torch.maximum(live.limits.max_len, needed).clamp(
+        max=model.config.max_positions - 1))
+    num_banks = [sum(map(len, p)) + 1 for p in phrases]
+    progress = [[start(p)] for p in phrases]  # by input sentence: per live hypothesis
+    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
+
+    while True:
+        n, k_cur, step = live.tokens.shape
+        sentences = live.sentence.tolist()
+        logits, normalizer = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N*K_cur, V)
+        rows = logits.view(n, k_cur, -1)
+        constrain_(rows, live.tokens, live.limits, ids=ids, min_len=config.min_len,
+                   no_repeat_ngram_size=config.no_repeat_ngram_size)
+        unmet = torch.tensor([[not all_met(progress[i][b]) for b in range(k_cur)] for i in sentences],
+                             dtype=torch.bool, device=logits.device)  # (N, K_cur)
+        rows[..., ids.eos] = rows[..., ids.eos].masked_fill(unmet, NEG_INF)  # no end before every phrase is in
+        top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K)
+        top = (top_logits - normalizer[:, None]).tolist()
+        wanted = [(s * k_cur + b, token) for s, i in enumerate(sentences) for b in range(k_cur)
+                  for token in sorted(next_tokens(progress[i][b], phrases[i]))]
+        wanted_log_probs: list[float] = []
+        if wanted:
+            at = torch.tensor(wanted, device=logits.device)
+            wanted_log_probs = (logits[at[:, 0], at[:, 1]] - normalizer[at[:, 0]]).tolist()
+        scores, top_tokens_list = live.scores.tolist(), top_tokens.tolist()
+        candidates: list[dict[tuple[int, int], float]] = [{} for _ in range(n)]  # (beam, token) -> log_prob
+        for row, (log_probs, tokens) in enumerate(zip(top, top_tokens_list, strict=True)):
+            s, b = divmod(row, k_cur)
+            for log_prob, token in zip(log_probs, tokens, strict=True):
+                candidates[s][b, token] = scores[s][b] + log_prob
+        for (row, token), log_prob in zip(wanted, wanted_log_probs, strict=True):
+            s, b = divmod(row, k_cur)
+            candidates[s][b, token] = scores[s][b] + log_prob
+
+        next_beams, next_tokens_, next_scores, keep = [], [], [], []
+        max_len = live.limits.max_len.tolist()
+        for s, i in enumerate(sentences):
+            ranked = sorted(((score, b, token) for (b, token), score in candidates[s].items() if score > NEG_INF),
+                            key=lambda c: -c[0])
+            for score, b, token in ranked[:beam_size]:  # EOS among the K best: a complete hypothesis
+                if token == ids.eos and len(finished[i]) < beam_size:
+                    finished[i].append(Hypothesis(tokens=live.tokens[s, b].tolist(), log_prob=score,
+                                                  score=float(length_normalize(score, step + 1, alpha=alpha))))
+            going = [(score, b, token) for score, b, token in ranked if token != ids.eos]
+            after = [advance(progress[i][b], phrases[i], token) for _, b, token in going]
+            chosen = allocate([met(p, phrases[i]) for p in after], beam_size=beam_size, num_banks=num_banks[i])
+            dead = beam_size - len(chosen)  # rows at -inf: they go on and never finish
+            next_beams.append([going[c][1] for c in chosen] + [0] * dead)
+            next_tokens_.append([going[c][2] for c in chosen] + [ids.pad] * dead)
+            next_scores.append([going[c][0] for c in chosen] + [NEG_INF] * dead)
+            progress[i] = [after[c] for c in chosen] + [start(phrases[i])] * dead
+            done = sorted((h.score for h in finished[i]), reverse=True)
+            best_live = max(next_scores[-1])
+            worst_kept = done[config.nbest - 1] if len(done) >= config.nbest else NEG_INF
+            overtaken = best_live == NEG_INF or worst_kept >= best_live / ((6 + max_len[s]) / 6) ** alpha
+            if not (len(finished[i]) >= beam_size or max_len[s] <= step or overtaken):
+                keep.append(s)
+        if not keep:
+            break
+        device = live.scores.device
+        live = live.advance(torch.tensor(next_tokens_, device=device), torch.tensor(next_scores, device=device),
+                            beams=torch.tensor(next_beams, device=device), keep=torch.tensor(keep, device=device))
 
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
 

@@ -20,7 +20,8 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TextIO
 
 import sacrebleu
@@ -63,19 +64,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ref", default=None, help="reference translations, line-aligned: print BLEU and chrF")
     parser.add_argument("--target-prefix", default=None, metavar="FILE",
                         help="line-aligned with the input: the start each translation must have (an empty line: none)")
+    parser.add_argument("--constraints", default=None, metavar="FILE",
+                        help="line-aligned with the input: tab-separated phrases each translation must contain")
+    parser.add_argument("--glossary", default=None, metavar="FILE",
+                        help="`source term<TAB>target term` lines: where a source term occurs (a whole word), its "
+                             "target term must be in the translation")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
     check_flags(parser, args)
     inputs = {"--input": args.input, "--checkpoint": args.checkpoint} | ({"--ref": args.ref} if args.ref else {})
-    if args.target_prefix:
-        inputs["--target-prefix"] = args.target_prefix
-    for option in ("--input", "--ref", "--target-prefix"):  # the checkpoint says what is wrong with it when it loads
+    for option in ("--target-prefix", "--constraints", "--glossary"):
+        if getattr(args, option[2:].replace("-", "_")):
+            inputs[option] = getattr(args, option[2:].replace("-", "_"))
+    for option in ("--input", "--ref", "--target-prefix", "--constraints", "--glossary"):  # the checkpoint says what is wrong with it when it loads
         if inputs.get(option):
             check_input_path(inputs[option], option=option)
     if args.ref == "-" and args.input == "-":
         parser.error("--ref - and --input - would both read stdin; give one of them as a file")
-    if args.target_prefix == "-" and args.input == "-":
-        parser.error("--target-prefix - and --input - would both read stdin; give one of them as a file")
+    for option in ("--target-prefix", "--constraints", "--glossary"):
+        if inputs.get(option) == "-" and args.input == "-":
+            parser.error(f"{option} - and --input - would both read stdin; give one of them as a file")
     check_output_path(args.output, inputs=inputs)
     one_line_warnings()
     try:
@@ -93,18 +101,27 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if references is not None and total is not None and len(references) != total:
         raise SystemExit(f"error: {source_name} has {total} lines but {args.ref} has {len(references)}; "
                          "the references must be line-aligned with the input")
-    if args.target_prefix:
-        prefix_total = count_lines(args.target_prefix, option="--target-prefix")
-        if prefix_total is not None and total is not None and prefix_total != total:
-            raise SystemExit(f"error: {source_name} has {total} lines but --target-prefix {args.target_prefix} has "
-                             f"{prefix_total}; give one prefix per input line (an empty line for none)")
+    for option, path in (("--target-prefix", args.target_prefix), ("--constraints", args.constraints)):
+        aligned = count_lines(path, option=option) if path else None
+        if aligned is not None and total is not None and aligned != total:
+            raise SystemExit(f"error: {source_name} has {total} lines but {option} {path} has {aligned}; give one "
+                             "line per input line (an empty line for none)")
+    if args.constraints and Path(args.constraints).is_file():  # every phrase checked before any work
+        try:
+            for _ in read_constraints(args.constraints):
+                pass
+        except InputError as error:
+            raise SystemExit(f"error: {error}") from None
+    glossary = read_glossary(args.glossary) if args.glossary else None
     translator, search = open_translator(parser, args)
     start = time.perf_counter()
     best: list[str] | None = [] if references is not None else None  # kept only for the scores
     output = Output(args.output)
     lines = UpToABadLine(iter_lines(args.input))
     prefixes = iter_lines(args.target_prefix, option="--target-prefix") if args.target_prefix else None
-    results = translator.translate_stream(lines, search, max_tokens=args.max_tokens, window=WINDOW, prefixes=prefixes)
+    constraints = read_constraints(args.constraints) if args.constraints else None
+    results = translator.translate_stream(lines, search, max_tokens=args.max_tokens, window=WINDOW, prefixes=prefixes,
+                                          constraints=constraints, glossary=glossary)
     try:
         write_translations(results, output, search=search, best=best, total=total)
         output.close()
@@ -141,6 +158,38 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
 
 
+def read_constraints(path: str) -> Iterator[list[str]]:
+    """Each line's tab-separated phrases (a blank line: none), read as they are needed; InputError naming
+    the line of an empty phrase."""
+    for number, line in enumerate(iter_lines(path, option="--constraints"), start=1):
+        phrases = line.split("\t") if line.strip() else []
+        if any(not phrase.strip() for phrase in phrases):
+            raise InputError(f"--constraints {path} line {number} has an empty phrase (two tabs together, or one at "
+                             "an end): separate the phrases by one tab")
+        yield phrases
+
+
+def read_glossary(path: str) -> dict[str, str]:
+    """`source term<TAB>target term` lines (blank lines skipped); one error line naming a line without a
+    tab, an empty term, or a source term given twice with different targets."""
+    glossary: dict[str, str] = {}
+    for number, line in enumerate(read_lines(path, option="--glossary"), start=1):
+        if not line.strip():
+            continue
+        if line.count("\t") != 1:
+            tabs = "no tab" if line.count("\t") == 0 else "more than one tab"
+            raise SystemExit(f"error: --glossary {path} line {number} has {tabs}: write source term<TAB>target term")
+        source, target = (" ".join(part.split()) for part in line.split("\t"))
+        if not source or not target:
+            raise SystemExit(f"error: --glossary {path} line {number} has an empty {'source' if not source else 'target'} "
+                             "term: write source term<TAB>target term")
+        if glossary.get(source, target) != target:
+            raise SystemExit(f"error: --glossary {path} line {number} gives {source!r} a second target term "
+                             f"({glossary[source]!r}, then {target!r}); keep one")
+        glossary[source] = target
+    return glossary
+
+
 def write_translations(results: Iterable[list[Translation]], output: Output | TextIO, *, search: SearchConfig,
                        best: list[str] | None = None, total: int | None = None, progress: TextIO | None = None) -> None:
     """Write each line's translation(s) as soon as it and every line before it are done, one whole line
@@ -159,6 +208,10 @@ def write_translations(results: Iterable[list[Translation]], output: Output | Te
                 text = with_extras(first, hyps[0] if hyps else None, search) + "\n"
             output.write(text)
             output.flush()
+            unmet = hyps[0].unmet_constraints if hyps else None
+            if unmet:  # a constraint the search could not place: translated without them, and said
+                print(f"warning: line {i + 1}: could not place the constraint(s) {', '.join(map(repr, unmet))}; "
+                      "translated without them", file=sys.stderr)
             if best is not None:
                 best.append(first)
             bar.update()

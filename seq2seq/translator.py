@@ -16,8 +16,9 @@ names its line. `translate_stream` does the same over a window of lines at a tim
 file's translations can be written as they are made.
 """
 
+import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -43,6 +44,9 @@ class Translation:
     tokens: list[int]
     token_scores: list[float] | None = None
     """SearchConfig.token_scores: the log-probability of each token, then of the final EOS."""
+    unmet_constraints: list[str] | None = None
+    """With constraints: the phrases this translation lacks; [] when it has them all (a sentence whose phrases
+    the constrained search could not place is translated without them, and says so here)."""
     alignment: list[tuple[int, int]] | None = None
     """SearchConfig.alignments: (source word, translation word) pairs, numbered from 0 as `text.split(" ")`
     numbers them (runs of characters other than " "), sorted: Pharaoh's `i-j`. A word may have several partners, or none."""
@@ -97,14 +101,18 @@ class Translator:
                    device=device, precision=precision, search=loaded.search)
 
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
-                  prefixes: Iterable[str] | None = None) -> list[str]:
-        """One translation per input line, in input order (the best of `search`'s n-best)."""
+                  prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
+                  glossary: Mapping[str, str] | None = None) -> list[str]:
+        """One translation per input line, in input order (the best of `search`'s n-best); the options as
+        translate_nbest's."""
         return [hyps[0].text if hyps else ""
-                for hyps in self.translate_nbest(texts, search, max_tokens=max_tokens, prefixes=prefixes)]
+                for hyps in self.translate_nbest(texts, search, max_tokens=max_tokens, prefixes=prefixes,
+                                                 constraints=constraints, glossary=glossary)]
 
     def translate_nbest(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
         first_line: int = 1, generator: torch.Generator | None = None, prefixes: Iterable[str] | None = None,
+        constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | None = None,
     ) -> list[list[Translation]]:
         """Per input line its translations, best first (`search.nbest`, one for greedy and sampling); "" gets [].
 
@@ -117,17 +125,26 @@ class Translator:
         CTranslate2's target_prefix), tokenised alone and forced, then continued by the search; the
         translations include it. A prefix that ends inside a word forces the pieces that spell it
         alone, which the model may rarely have seen continued: end prefixes at a space where you can.
+
+        `constraints` (one list of phrases per text): target phrases each translation must contain, in
+        any order (seq2seq/constraints.py); each is tokenised alone (with the leading space of a word, as
+        sentencepiece marks it) and must appear as exactly those pieces. An empty phrase, or phrases too
+        long for the model together, are an error naming the line. `glossary` (source term -> target
+        term): each term found in a text as a whole word (case-sensitive) adds its target term to that
+        text's constraints.
         """
         lines = as_lines(texts, first_line=first_line)
         results: list[list[Translation]] = [[] for _ in lines]
         for i, translations in self._translate_batches(lines, search, max_tokens=max_tokens, first_line=first_line,
-                                                       generator=generator, prefixes=prefixes):
+                                                       generator=generator, prefixes=prefixes,
+                                                       constraints=constraints, glossary=glossary):
             results[i] = translations
         return results
 
     def _translate_batches(
         self, lines: list[str], search: SearchConfig | None, *, max_tokens: int, first_line: int,
         generator: torch.Generator | None, prefixes: Iterable[str] | None = None,
+        constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | None = None,
     ) -> Iterator[tuple[int, list[Translation]]]:
         """(index, translations) of every line: the empty ones ([]) first, then batch by batch (longest first)."""
         search = self.search if search is None else search
@@ -138,6 +155,13 @@ class Translator:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
         forced = self._prefix_ids(prefixes, len(lines), first_line=first_line) if prefixes is not None else None
+        if glossary:
+            found = [glossary_terms(text, glossary) for text in lines]
+            given = as_constraint_lists(constraints) if constraints is not None else [[] for _ in lines]
+            # (lists of another length than the texts are left as given: constraint_ids says so)
+            constraints = [[*g, *t] for g, t in zip(given, found, strict=True)] if len(given) == len(found) else given
+        phrases = (self.constraint_ids(constraints, len(lines), forced=forced, first_line=first_line)
+                   if constraints is not None else None)
         ids = self._truncate(self.tokenizer.encode_source([text.strip() for text in lines]), first_line=first_line)
         if generator is None and search.sampling and search.seed is not None:  # one for all the batches
             generator = self._generator(search)
@@ -150,21 +174,32 @@ class Translator:
         yield from ((i, []) for i in empty)
         for batch in length_sorted_batches(ids, max_tokens=max_tokens):
             src = pad_batch([ids[i] for i in batch], pad=tokenizer.pad_id, device=self.device)  # (B, S)
-            nbest = decode(self.model, src, search, bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id,
-                           generator=generator, prefix=[forced[i] for i in batch] if forced is not None else None)
+            prefix = [forced[i] for i in batch] if forced is not None else None
+            bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+            nbest = decode(self.model, src, search, bos=bos, eos=eos, pad=pad, generator=generator, prefix=prefix,
+                           constraints=[phrases[i][1] for i in batch] if phrases is not None else None)
+            if phrases is not None and any(not hyps for hyps in nbest):  # phrases the search could not place
+                lost = [r for r, hyps in enumerate(nbest) if not hyps]
+                alone = decode(self.model, src[lost], search, bos=bos, eos=eos, pad=pad, generator=generator,
+                               prefix=[prefix[r] for r in lost] if prefix is not None else None)
+                for r, hyps in zip(lost, alone, strict=True):
+                    nbest[r] = hyps
             for i, sentence_hyps in zip(batch, nbest, strict=True):
-                yield i, self._detokenize(sentence_hyps, source=ids[i])
+                yield i, self._detokenize(sentence_hyps, source=ids[i],
+                                          phrases=phrases[i] if phrases is not None else None)
 
     def translate_stream(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
-        window: int = 1000, prefixes: Iterable[str] | None = None,
+        window: int = 1000, prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
+        glossary: Mapping[str, str] | None = None,
     ) -> Iterator[list[Translation]]:
         """translate_nbest's results, one line at a time and in order, as soon as a line and all lines
         before it are done; `window` lines are read and batched (sorted by length) at a time.
 
         Memory stays bounded, and a caller can write each line while the rest of its window is
-        decoded (an interrupted run keeps what was written). `prefixes`: as translate_nbest's, read
-        alongside the texts; a ValueError if they end before the texts, or go on after them.
+        decoded (an interrupted run keeps what was written). `prefixes` and `constraints`: as
+        translate_nbest's, read alongside the texts; a ValueError if they end before the texts, or go on
+        after them. `glossary`: as translate_nbest's.
         """
         if isinstance(texts, str | bytes):
             as_lines(texts)  # the same TypeError as translate_nbest
@@ -172,6 +207,9 @@ class Translator:
             raise ValueError(f"window must be a positive number of lines, got {window!r}")
         iterator, done = iter(texts), 0
         prefix_iterator = iter(prefixes) if prefixes is not None else None
+        if isinstance(constraints, str | bytes):
+            as_constraint_lists(constraints)  # the TypeError
+        constraint_iterator = iter(constraints) if constraints is not None else None
         search = self.search if search is None else search
         # One generator for the whole stream: a new one per window would replay the same draws.
         generator = self._generator(search) if search.sampling and search.seed is not None else None
@@ -180,11 +218,17 @@ class Translator:
             if chunk_prefixes is not None and len(chunk_prefixes) < len(chunk):
                 raise ValueError(f"the target prefixes end after line {done + len(chunk_prefixes)}, before the texts "
                                  "do: give one per text (an empty one for none)")
+            chunk_constraints = (list(islice(constraint_iterator, len(chunk))) if constraint_iterator is not None
+                                 else None)
+            if chunk_constraints is not None and len(chunk_constraints) < len(chunk):
+                raise ValueError(f"the constraints end after line {done + len(chunk_constraints)}, before the texts "
+                                 "do: give one list per text (an empty one for none)")
             ready: dict[int, list[Translation]] = {}
             next_line = 0
             for i, translations in self._translate_batches(as_lines(chunk, first_line=done + 1), search,
                                                            max_tokens=max_tokens, first_line=done + 1,
-                                                           generator=generator, prefixes=chunk_prefixes):
+                                                           generator=generator, prefixes=chunk_prefixes,
+                                                           constraints=chunk_constraints, glossary=glossary):
                 ready[i] = translations
                 while next_line in ready:
                     yield ready.pop(next_line)
@@ -193,6 +237,8 @@ class Translator:
             done += len(chunk)
         if prefix_iterator is not None and next(prefix_iterator, None) is not None:
             raise ValueError(f"there are more target prefixes than the {done} texts: give one per text")
+        if constraint_iterator is not None and next(constraint_iterator, None) is not None:
+            raise ValueError(f"there are more constraint lists than the {done} texts: give one per text")
 
     def score(self, sources: Iterable[str], targets: Iterable[str], *, max_tokens: int = 8192,
               first_line: int = 1) -> list[Forced | None]:
@@ -242,14 +288,40 @@ class Translator:
                                  f"the model writes ({limit}: max_positions - 1); shorten it")
         return ids
 
+    def constraint_ids(self, constraints: Iterable[Sequence[str]], count: int, *, forced: list[list[int]] | None,
+                        first_line: int) -> list[tuple[list[str], list[list[int]]]]:
+        """Per line, its phrases (deduplicated) and their ids; a ValueError naming the line of an empty
+        phrase, or of phrases (and prefix) that together exceed what the model writes."""
+        lines = as_constraint_lists(constraints)
+        if len(lines) != count:
+            raise ValueError(f"{len(lines)} constraint lists for {count} texts: give one per text ([] for none)")
+        limit = self.model.config.max_positions - 1
+        out = []
+        for i, phrases in enumerate(lines):
+            if isinstance(phrases, str | bytes) or not all(isinstance(p, str) for p in phrases):
+                raise TypeError(f"the constraints of line {first_line + i} must be a list of strings (phrases)")
+            texts = list(dict.fromkeys(" ".join(p.split()) for p in phrases))
+            if any(not text for text in texts):
+                raise ValueError(f"line {first_line + i} has an empty constraint: every phrase needs some text")
+            ids = self.tokenizer.encode_target(texts)
+            total = sum(map(len, ids)) + (len(forced[i]) if forced is not None else 0)
+            if total > limit:
+                raise ValueError(f"the constraints of line {first_line + i} take {total} tokens, more than the model "
+                                 f"writes ({limit}: max_positions - 1); shorten or drop some")
+            out.append((texts, ids))
+        return out
+
     def _generator(self, search: SearchConfig) -> torch.Generator:
         assert search.seed is not None
         return torch.Generator(device=self.device).manual_seed(search.seed)
 
-    def _detokenize(self, hyps: list[Hypothesis], *, source: list[int]) -> list[Translation]:
+    def _detokenize(self, hyps: list[Hypothesis], *, source: list[int],
+                    phrases: tuple[list[str], list[list[int]]] | None = None) -> list[Translation]:
         texts = self.tokenizer.decode([h.tokens for h in hyps])
         return [Translation(text=t, score=h.score, tokens=h.tokens, token_scores=h.token_log_probs,
-                            alignment=self._word_alignment(source, h))
+                            alignment=self._word_alignment(source, h),
+                            unmet_constraints=None if phrases is None else [
+                                text for text, ids in zip(*phrases, strict=True) if not contains(h.tokens, ids)])
                 for t, h in zip(texts, hyps, strict=True)]
 
     def _word_alignment(self, source: list[int], hyp: Hypothesis) -> list[tuple[int, int]] | None:
@@ -273,6 +345,23 @@ class Translator:
                 )
                 ids[i] = self.tokenizer.cut_source(sentence, limit)
         return ids
+
+
+def glossary_terms(text: str, glossary: Mapping[str, str]) -> list[str]:
+    """The target terms of the glossary's source terms that `text` holds as whole words (case-sensitive)."""
+    return [target for source, target in glossary.items()
+            if source.strip() and re.search(rf"(?<!\w){re.escape(source.strip())}(?!\w)", text)]
+
+
+def as_constraint_lists(constraints: Iterable[Sequence[str]]) -> list[Sequence[str]]:
+    if isinstance(constraints, str | bytes):
+        raise TypeError("constraints is a single string; pass one list of phrases per text")
+    return list(constraints)
+
+
+def contains(tokens: list[int], phrase: list[int]) -> bool:
+    """Whether `phrase` appears in `tokens` as a contiguous run."""
+    return any(tokens[i : i + len(phrase)] == phrase for i in range(len(tokens) - len(phrase) + 1))
 
 
 def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:

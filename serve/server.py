@@ -86,7 +86,7 @@ from seq2seq.cli import add_search_arguments, check_flags, describe, one_line_wa
 from seq2seq.model import ConfigError
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
-from seq2seq.translator import Translation, Translator
+from seq2seq.translator import Translation, Translator, glossary_terms
 
 LANGUAGE_NAMES = {"cs": "Czech", "de": "German", "en": "English", "fr": "French", "es": "Spanish", "it": "Italian",
                   "nl": "Dutch", "pt": "Portuguese", "ro": "Romanian", "ru": "Russian", "zh": "Chinese",
@@ -151,6 +151,7 @@ class Job:
     result: asyncio.Future[list[list[Translation]]]
     generator: torch.Generator | None = None  # seeded sampling: one for all the job's decoder calls
     prefixes: list[str] | None = None  # /v1's target_prefix: the start of each translation ("" for none)
+    constraints: list[list[str]] | None = None  # /v1's constraints and glossary terms: phrases per text
     answers: dict[int, list[Translation]] = field(default_factory=dict)
 
     @property
@@ -194,14 +195,15 @@ class Batcher:
                 for ids in self.translator.tokenizer.encode_source(texts)]
 
     def submit(self, texts: list[str], search: SearchConfig, *, costs: list[int] | None = None,
-               prefixes: list[str] | None = None) -> asyncio.Future[list[list[Translation]]]:
+               prefixes: list[str] | None = None,
+               constraints: list[list[str]] | None = None) -> asyncio.Future[list[list[Translation]]]:
         """Queue the texts (with the start each translation must have, if `prefixes`); raises Busy when
         the queue is full."""
         costs = self.costs(texts, search) if costs is None else costs
         generator = None
         if search.sampling and search.seed is not None:
             generator = torch.Generator(device=self.translator.device).manual_seed(search.seed)
-        job = Job(texts, search, costs, asyncio.get_running_loop().create_future(), generator, prefixes)
+        job = Job(texts, search, costs, asyncio.get_running_loop().create_future(), generator, prefixes, constraints)
         try:
             self.queue.put_nowait(job)
         except asyncio.QueueFull:
@@ -259,10 +261,13 @@ class Batcher:
         jobs = list({id(job): job for job, _ in call}.values())
         texts = [job.texts[i] for job, i in call]
         prefixes = [job.prefixes[i] if job.prefixes else "" for job, i in call] if any(j.prefixes for j in jobs) else None
+        constraints = ([job.constraints[i] if job.constraints else [] for job, i in call]
+                       if any(j.constraints for j in jobs) else None)
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self.executor, lambda: self.translator.translate_nbest(
-                    texts, jobs[0].search, max_tokens=self.max_tokens, generator=jobs[0].generator, prefixes=prefixes))
+                    texts, jobs[0].search, max_tokens=self.max_tokens, generator=jobs[0].generator, prefixes=prefixes,
+                    constraints=constraints))
         except Exception as error:  # noqa: BLE001  # every waiting request must hear of it
             if len(jobs) == 1:
                 if not jobs[0].result.done():
@@ -438,6 +443,8 @@ def translation_json(translation: Translation) -> dict[str, Any]:
         out["alignment"] = [list(pair) for pair in translation.alignment]
     if translation.token_scores is not None:
         out["token_scores"] = translation.token_scores
+    if translation.unmet_constraints:
+        out["unmet_constraints"] = translation.unmet_constraints
     return out
 
 
@@ -484,9 +491,10 @@ class Server:
             "fewer or shorter sentences per request" + (", or ask for a smaller beam" if rows > 1 else ""))
 
     async def translate(self, request: Request, texts: list[str], search: SearchConfig, *,
-                        prefixes: list[str] | None = None) -> list[list[Translation]]:
+                        prefixes: list[str] | None = None,
+                        constraints: list[list[str]] | None = None) -> list[list[Translation]]:
         costs = self.check_cost(texts, search)
-        future = self.batcher.submit(texts, search, costs=costs, prefixes=prefixes)
+        future = self.batcher.submit(texts, search, costs=costs, prefixes=prefixes, constraints=constraints)
         gone = asyncio.ensure_future(until_disconnected(request))
         waiting: set[asyncio.Future[Any]] = {future, gone}
         try:
@@ -538,7 +546,8 @@ class Server:
         body = await read_body(request)
         texts, single = texts_of(body, char_limit=self.char_limit)
         prefixes = self.target_prefixes(body, texts, single=single)
-        options = {k: v for k, v in body.items() if k not in ("q", "target_prefix")}
+        constraints = self.constraints(body, texts, single=single, prefixes=prefixes)
+        options = {k: v for k, v in body.items() if k not in ("q", "target_prefix", "constraints", "glossary")}
         names = {f.name for f in dataclasses.fields(SearchConfig)}
         unknown = sorted(set(options) - names)
         if unknown:
@@ -547,8 +556,41 @@ class Server:
             search = dataclasses.replace(self.search, **options)
         except ConfigError as error:
             raise BadRequest(f"{error.field}: {error.problem}"[:300]) from None  # the problem shows the value
-        nbest_lists = await self.translate(request, texts, search, prefixes=prefixes)
+        if constraints is not None and search.sampling:
+            raise BadRequest("constraints and glossary need a search (beam_size >= 1), not sampling")
+        nbest_lists = await self.translate(request, texts, search, prefixes=prefixes, constraints=constraints)
         return JSONResponse({"translations": [[translation_json(h) for h in hyps] for hyps in nbest_lists]})
+
+    def constraints(self, body: dict[str, Any], texts: list[str], *, single: bool,
+                    prefixes: list[str] | None) -> list[list[str]] | None:
+        """/v1's `constraints` (a list of phrases for a single q, a list of such lists as long as q's) and
+        `glossary` (an object, source term -> target term, for every text), as phrases per text; checked
+        as the translator will check them."""
+        if "constraints" not in body and "glossary" not in body:
+            return None
+        per_text: list[list[str]] = [[] for _ in texts]
+        if "constraints" in body:
+            given = body["constraints"]
+            lists = [given] if single and isinstance(given, list) and all(isinstance(p, str) for p in given) else given
+            if (not isinstance(lists, list) or len(lists) != len(texts)
+                    or not all(isinstance(x, list) and all(isinstance(p, str) for p in x) for x in lists)):
+                raise BadRequest(f"constraints must be {'a list of phrases' if single else f'a list of {len(texts)} lists of phrases'}"
+                                 ", as q is: the target phrases each translation must contain")
+            per_text = [list(x) for x in lists]
+        glossary = body.get("glossary")
+        if glossary is not None:
+            if not isinstance(glossary, dict) or not all(isinstance(k, str) and isinstance(v, str) and k.strip() and
+                                                         v.strip() for k, v in glossary.items()):
+                raise BadRequest("glossary must be an object of source term -> target term, neither empty")
+            per_text = [[*phrases, *glossary_terms(text, glossary)] for phrases, text in zip(per_text, texts, strict=True)]
+        if sum(len(p) for phrases in per_text for p in phrases) > self.char_limit:
+            raise BadRequest(f"the constraints have more than this server's limit of {self.char_limit} characters")
+        try:
+            forced = self.translator.tokenizer.encode_target(prefixes) if prefixes is not None else None
+            self.translator.constraint_ids(per_text, len(texts), forced=forced, first_line=1)
+        except ValueError as error:  # it names the text by its line number: here, its place in q (from 1)
+            raise BadRequest(str(error).replace("line ", "q item ", 1)) from None
+        return per_text
 
     def target_prefixes(self, body: dict[str, Any], texts: list[str], *, single: bool) -> list[str] | None:
         """/v1's `target_prefix`: a string for a single q, a list as long as q's for a list ("" for none);

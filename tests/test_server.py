@@ -126,6 +126,24 @@ def test_v1_gives_alignments_and_token_scores_when_asked(server: Running, transl
     assert wrong.status_code == 400 and "alignments" in wrong.json()["error"]
 
 
+def test_v1_constraints_and_glossary(server: Running, translator: Translator):
+    url = server.url + "/v1/translate"
+    one = httpx.post(url, json={"q": SENTENCES[0], "constraints": ["Katze"]}).json()["translations"]
+    expected = translator.translate_nbest([SENTENCES[0]], SEARCH, constraints=[["Katze"]])[0][0]
+    assert one[0][0]["text"] == expected.text and "Katze" in expected.text and "unmet_constraints" not in one[0][0]
+    body = {"q": SENTENCES[:2], "constraints": [["Haus"], []], "glossary": {"football": "Tennis"}}
+    many = httpx.post(url, json=body).json()["translations"]
+    assert [hyps[0]["text"] for hyps in many] == translator.translate(
+        SENTENCES[:2], SEARCH, constraints=[["Haus"], []], glossary={"football": "Tennis"})
+    assert "Tennis" in many[1][0]["text"]
+    for bad, message in (({"constraints": "Katze"}, "constraints must be a list of 2 lists of phrases"),
+                         ({"constraints": [["a"], [""]]}, "q item 2 has an empty constraint"),
+                         ({"glossary": ["dog", "Hund"]}, "glossary must be an object"),
+                         ({"constraints": [["a"], []], "sampling": True}, "not sampling")):
+        reply = httpx.post(url, json={"q": SENTENCES[:2], **bad})
+        assert reply.status_code == 400 and message in reply.json()["error"], reply.json()
+
+
 def test_v1_target_prefix(server: Running, translator: Translator):
     url = server.url + "/v1/translate"
     one = httpx.post(url, json={"q": SENTENCES[0], "target_prefix": "Ein Hund"}).json()["translations"]

@@ -1,0 +1,217 @@
+"""Lexical constraints (seq2seq/constraints.py, search.constrained_beam_search): the progress functions,
+the search against a brute-force constrained search on a table model, and the Translator, CLI and
+server faces of constraints and glossaries."""
+
+import itertools
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_search import PrefixState, per_row
+
+from seq2seq.constraints import Progress, advance, all_met, allocate, met, next_tokens, start
+from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.search import SearchConfig, beam_search, decode
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.translator import Translator, glossary_terms
+
+IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
+
+
+# ---- progress over one hypothesis ---------------------------------------------------------------------
+
+
+def test_progress_places_phrases_in_any_order_and_loses_an_unfinished_one():
+    phrases = [[5, 6, 7], [9]]
+    p = start(phrases)
+    assert next_tokens(p, phrases) == {5, 9} and met(p, phrases) == 0
+    p = advance(p, phrases, 5)
+    assert p == Progress(done=(False, False), active=0, matched=1) and next_tokens(p, phrases) == {5, 6, 9}
+    p = advance(p, phrases, 8)  # left unfinished: its progress is lost
+    assert p == Progress(done=(False, False)) and met(p, phrases) == 0
+    for token in (9, 5, 6, 7):
+        p = advance(p, phrases, token)
+    assert all_met(p) and met(p, phrases) == 4 and next_tokens(p, phrases) == set()
+    p = advance(start(phrases), phrases, 5)
+    assert advance(p, phrases, 9) == Progress(done=(False, True))  # leaves phrase 0, places phrase 1
+
+
+def test_allocate_shares_the_beam_among_banks():
+    # candidates best first, with their banks (constraint tokens met)
+    assert allocate([0, 0, 0, 1, 2], beam_size=3, num_banks=3) == [0, 3, 4]  # one place per bank
+    assert allocate([0, 0, 0, 0, 2], beam_size=4, num_banks=3) == [0, 1, 2, 4]  # bank 1 empty: its place goes back
+    assert allocate([0, 1, 2, 3], beam_size=2, num_banks=4) == [2, 3]  # fewer places than banks: the fullest
+    assert allocate([0, 0], beam_size=5, num_banks=1) == [0, 1]
+
+
+# ---- the search against brute force --------------------------------------------------------------------
+
+
+class BigramModel:
+    """log P(next | source's first token, the last token) = table[src0][last]; only tokens 4..7 and EOS
+    have probability, so a beam of 400 holds every output of up to 4 tokens: beam search is exhaustive."""
+
+    def __init__(self, seed: int, vocab_size: int = 800):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.full((8, 8, vocab_size), -math.inf)
+        self.table[:, :, [EOS_ID, 4, 5, 6, 7]] = torch.randn(8, 8, 5, generator=g) * 1.5
+        self.table = self.table.log_softmax(-1)
+        self.config = SimpleNamespace(max_positions=64, pad_id=PAD_ID, vocab_size=vocab_size)
+
+    def encode(self, src):
+        return src.float()[:, :, None]
+
+    def new_state(self):
+        return PrefixState()
+
+    def decode(self, tgt_in, memory, src_mask, state=None):
+        memory = per_row(memory, src_mask, tgt_in)
+        state.grow(tgt_in)
+        first = memory[:, 0, 0].long()
+        last = state.fed[:, -1].clamp(max=7)  # a dead beam (-inf) may go on with any token: its row is moot
+        return self.table[first, last][:, None, :]
+
+    def log_prob(self, src0: int, tokens: list[int]) -> float:
+        previous, total = BOS_ID, 0.0
+        for token in [*tokens, EOS_ID]:
+            total += float(self.table[src0, previous, token])
+            previous = token
+        return total
+
+
+def brute_force(model: BigramModel, src0: int, phrases: list[list[int]], max_len: int) -> tuple[list[int], float]:
+    """The most likely output of at most max_len tokens that contains every phrase."""
+    best: tuple[list[int], float] = ([], -math.inf)
+    for length in range(max_len + 1):
+        for tokens in itertools.product(range(4, 8), repeat=length):
+            tokens = list(tokens)
+            if all(any(tokens[i : i + len(p)] == p for i in range(len(tokens))) for p in phrases):
+                score = model.log_prob(src0, tokens)
+                if score > best[1]:
+                    best = (tokens, score)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_exhaustive_constrained_beam_finds_the_brute_force_best(seed: int):
+    model = BigramModel(seed)
+    src = torch.tensor([[4, 4], [5, 4], [6, 4], [7, 4]])
+    constraints = [[[6, 6]], [[7], [4]], [], [[5, 4, 5]]]
+    search = SearchConfig(beam_size=400, length_penalty=0.0, max_len_a=0.0, max_len_b=4)
+    results = decode(model, src, search, constraints=constraints, **IDS)
+    for src0, phrases, [best] in zip((4, 5, 6, 7), constraints, results, strict=True):
+        tokens, score = brute_force(model, src0, phrases, 4)
+        assert best.tokens == tokens and best.log_prob == pytest.approx(score, abs=1e-4)
+    unconstrained = beam_search(model, src[2:3], search, **IDS)
+    assert unconstrained[0][0].tokens == results[2][0].tokens  # no phrases: the plain search's answer
+
+
+def random_model() -> Transformer:
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=30, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=1,
+                               num_decoder_layers=2, dropout=0.0, max_positions=64)
+    model = Transformer(config).double().eval()
+    with torch.no_grad():
+        model.output_projection.weight[EOS_ID].mul_(3)
+    return model
+
+
+@pytest.mark.parametrize("search", [SearchConfig(beam_size=1, max_len_a=0, max_len_b=6),
+                                    SearchConfig(beam_size=4, nbest=3, max_len_a=0, max_len_b=6)],
+                         ids=["greedy", "beam"])
+def test_every_output_holds_its_phrases_and_the_others_are_untouched(search: SearchConfig):
+    model = random_model()
+    src = torch.randint(4, 30, (4, 6), generator=torch.Generator().manual_seed(1))
+    constraints = [[[7, 8], [12]], [], [[20, 21, 22, 23, 24, 25, 26, 27]], [[9, 9, 9]]]  # 8 tokens: max_len grows
+    prefix = [[], [], [], [11]]
+    results = decode(model, src, search, constraints=constraints, prefix=prefix, **IDS)
+    plain = decode(model, src[1:2], search, **IDS)
+    assert [h.tokens for h in results[1]] == [h.tokens for h in plain[0]]
+    for phrases, pre, hyps in zip(constraints, prefix, results, strict=True):
+        # (a beam still short of its phrases at max_len cannot end: fewer than nbest may finish)
+        assert 1 <= len(hyps) <= search.nbest
+        for h in hyps:
+            assert h.tokens[: len(pre)] == pre
+            assert all(any(h.tokens[i : i + len(p)] == p for i in range(len(h.tokens))) for p in phrases)
+    with pytest.raises(ValueError, match="not sampling"):
+        decode(model, src, SearchConfig(sampling=True), constraints=constraints, **IDS)
+
+
+# ---- Translator, CLI, server ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def translator(trained: Path) -> Translator:
+    return Translator.from_checkpoint(trained, precision="fp32")
+
+
+SOURCES = ["The woman does not sell the book.", "A man sees the dog.", "", "The children sing."]
+
+
+def test_translator_constraints_and_glossary(translator: Translator):
+    search = SearchConfig(beam_size=4)
+    got = translator.translate_nbest(SOURCES, search, constraints=[["Katze"], [], [], ["nicht", "Lied"]])
+    assert "Katze" in got[0][0].text.split() or "Katze" in got[0][0].text and got[0][0].unmet_constraints == []
+    assert got[2] == [] and got[3][0].unmet_constraints == []
+    assert "nicht" in got[3][0].text and "Lied" in got[3][0].text
+    assert got[1][0].text == translator.translate([SOURCES[1]], search)[0] and got[1][0].unmet_constraints == []
+    glossary = {"dog": "Pferd", "book": "Zeitung", "og": "never"}  # whole words only: "og" is not in "dog"
+    assert glossary_terms(SOURCES[1], glossary) == ["Pferd"]
+    via_glossary = translator.translate(SOURCES, search, glossary=glossary)
+    assert "Zeitung" in via_glossary[0] and "Pferd" in via_glossary[1] and "never" not in " ".join(via_glossary)
+    assert translator.translate_nbest(SOURCES[:1], search)[0][0].unmet_constraints is None
+
+
+def test_a_phrase_the_search_cannot_place_is_said_not_dropped(translator: Translator):
+    """no_repeat_ngram_size 1 forbids any token twice: a phrase of one piece twice cannot be placed."""
+    search = SearchConfig(beam_size=4, no_repeat_ngram_size=1)
+    piece = translator.tokenizer.encode_target(["Buch"])[0]
+    assert len(piece) == 1
+    [[t]] = translator.translate_nbest(SOURCES[:1], search, constraints=[["Buch Buch"]])
+    assert t.unmet_constraints == ["Buch Buch"] and t.text  # translated without it, and says so
+
+
+def test_bad_constraints_name_the_line(translator: Translator):
+    with pytest.raises(ValueError, match=r"^line 2 has an empty constraint"):
+        translator.translate_nbest(SOURCES[:2], constraints=[["Hund"], ["", "x"]])
+    with pytest.raises(ValueError, match=r"^the constraints of line 1 take \d+ tokens, more than the model writes"):
+        translator.translate_nbest(SOURCES[:1], constraints=[[" ".join(["Katze"] * 200)]])
+    with pytest.raises(ValueError, match=r"^1 constraint lists for 2 texts"):
+        translator.translate_nbest(SOURCES[:2], constraints=[["Hund"]])
+    with pytest.raises(ValueError, match=r"^the constraints end after line 1, before the texts do"):
+        list(translator.translate_stream(SOURCES[:2], constraints=[["Hund"]]))
+
+
+def test_the_cli_reads_constraints_and_a_glossary(trained: Path, translator: Translator, tmp_path: Path, capsys):
+    from seq2seq.translate import main
+
+    (tmp_path / "in").write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    (tmp_path / "constraints").write_text("Katze\n\n\nnicht\tLied\n", encoding="utf-8")
+    (tmp_path / "glossary").write_text("dog\tPferd\n\nbook\tZeitung\n", encoding="utf-8")
+    main(["--checkpoint", str(trained), "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
+          "--constraints", str(tmp_path / "constraints"), "--glossary", str(tmp_path / "glossary"),
+          "--precision", "fp32", "--beam", "4"])
+    lines = (tmp_path / "out").read_text(encoding="utf-8").split("\n")
+    expected = translator.translate(SOURCES, SearchConfig(beam_size=4), constraints=[["Katze"], [], [], ["nicht", "Lied"]],
+                                    glossary={"dog": "Pferd", "book": "Zeitung"})
+    assert lines[:4] == expected and "Zeitung" in lines[0] and "Katze" in lines[0] and "Pferd" in lines[1]
+    for content, message in (("dog Pferd\n", "line 1 has no tab: write source term<TAB>target term"),
+                             ("dog\tPferd\ncat\t\n", "line 2 has an empty target term"),
+                             ("dog\tPferd\tHund\n", "line 1 has more than one tab"),
+                             ("dog\tPferd\ndog\tHund\n", "line 2 gives 'dog' a second target term")):
+        (tmp_path / "glossary").write_text(content, encoding="utf-8")
+        with pytest.raises(SystemExit, match=f"^error: --glossary .*glossary {message}"):
+            main(["--checkpoint", str(trained), "--input", str(tmp_path / "in"), "--output", str(tmp_path / "o2"),
+                  "--glossary", str(tmp_path / "glossary")])
+    (tmp_path / "constraints").write_text("Katze\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"has 4 lines but --constraints .*constraints has 1; give one line per "
+                                         r"input line"):
+        main(["--checkpoint", str(trained), "--input", str(tmp_path / "in"), "--output", str(tmp_path / "o3"),
+              "--constraints", str(tmp_path / "constraints")])
+    (tmp_path / "constraints").write_text("Katze\nHund\t\n\n\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"^error: --constraints .*constraints line 2 has an empty phrase \(two tabs "
+                                         r"together, or one at an end\): separate the phrases by one tab$"):
+        main(["--checkpoint", str(trained), "--input", str(tmp_path / "in"), "--output", str(tmp_path / "o4"),
+              "--constraints", str(tmp_path / "constraints")])
