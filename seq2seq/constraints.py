@@ -14,7 +14,8 @@ This module holds the small pure functions over one hypothesis' progress; phrase
 the target side tokenises each phrase alone (a phrase must appear spelled with exactly those pieces).
 Like fairseq's, a phrase left unfinished (another token came between its pieces) loses its progress
 and can be started again; of two phrases that start with the same token, the first in the list is
-begun.
+begun. A placed phrase must end its word: the token after it may not continue the word (a piece
+without sentencepiece's leading space), so "bricht" is not met by "brichtigen".
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Progress:
     """The phrase being placed (-1: none)."""
     matched: int = 0
     """Its tokens placed so far."""
+    just_placed: bool = False
+    """The last token completed a phrase: the next may not continue its word (the phrase stays whole)."""
 
 
 def start(phrases: Phrases) -> Progress:
@@ -57,13 +60,15 @@ def advance(progress: Progress, phrases: Phrases, token: int) -> Progress:
         if phrase[progress.matched] == token:
             if progress.matched + 1 == len(phrase):
                 done = tuple(d or i == progress.active for i, d in enumerate(progress.done))
-                return Progress(done=done)
+                return Progress(done=done, just_placed=True)
             return Progress(done=progress.done, active=progress.active, matched=progress.matched + 1)
         progress = Progress(done=progress.done)  # the phrase was left unfinished: its progress is lost
+    elif progress.just_placed:
+        progress = Progress(done=progress.done)
     for i, phrase in enumerate(phrases):
         if not progress.done[i] and phrase[0] == token:
             if len(phrase) == 1:
-                return Progress(done=tuple(d or j == i for j, d in enumerate(progress.done)))
+                return Progress(done=tuple(d or j == i for j, d in enumerate(progress.done)), just_placed=True)
             return Progress(done=progress.done, active=i, matched=1)
     return progress
 

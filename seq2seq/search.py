@@ -454,21 +454,22 @@ class Live:
 def decode(
     model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
     prefix: Sequence[Sequence[int]] | None = None, generator: torch.Generator | None = None,
-    constraints: Sequence[Phrases] | None = None,
+    constraints: Sequence[Phrases] | None = None, continues_word: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Per source sentence (B, S) its hypotheses, best first: `nbest` of them, or one for greedy and sampling.
 
     Sampling draws with `generator`, or with a new one seeded from `config.seed`; a caller decoding
     many batches passes one generator so that the batches draw different numbers. `constraints`: per
     sentence, target phrases (token ids) its outputs must contain (`constrained_beam_search`; a sentence
-    whose phrases could not all be placed gets no hypothesis).
+    whose phrases could not all be placed gets no hypothesis); `continues_word` (V,) bool marks the tokens
+    that continue a word, which may not follow a placed phrase (None: any may).
     """
     config.check_vocabulary(model.config.vocab_size)
     if constraints is not None and any(constraints):
         if config.sampling:
             raise ValueError("lexical constraints need a search (beam_size >= 1), not sampling")
         results = constrained_beam_search(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix,
-                                          constraints=constraints)
+                                          constraints=constraints, continues_word=continues_word)
     elif config.sampling:
         if generator is None and config.seed is not None:
             generator = torch.Generator(device=src.device).manual_seed(config.seed)
@@ -557,6 +558,7 @@ def beam_search(
 def constrained_beam_search(
     model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
     constraints: Sequence[Phrases], prefix: Sequence[Sequence[int]] | None = None,
+    continues_word: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search whose outputs contain every phrase of their sentence's `constraints`, in any order:
     dynamic beam allocation (seq2seq/constraints.py). Per sentence its n-best, best first; none for a
@@ -597,6 +599,11 @@ def constrained_beam_search(
         unmet = torch.tensor([[not all_met(progress[i][b]) for b in range(k_cur)] for i in sentences],
                              dtype=torch.bool, device=logits.device)  # (N, K_cur)
         rows[..., ids.eos] = rows[..., ids.eos].masked_fill(unmet, NEG_INF)  # no end before every phrase is in
+        if continues_word is not None:  # a phrase just placed ends its word
+            placed = [s * k_cur + b for s, i in enumerate(sentences) for b in range(k_cur) if progress[i][b].just_placed]
+            if placed:
+                at = torch.tensor(placed, device=logits.device)
+                logits[at] = logits[at].masked_fill(continues_word.to(logits.device), NEG_INF)
         top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K)
         top = (top_logits - normalizer[:, None]).tolist()
         wanted = [(s * k_cur + b, token) for s, i in enumerate(sentences) for b in range(k_cur)

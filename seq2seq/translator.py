@@ -87,6 +87,7 @@ class Translator:
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.search = search
+        self._continues: torch.Tensor | None = None  # _continues_word's, made on first use
 
     @classmethod
     def from_checkpoint(
@@ -177,7 +178,8 @@ class Translator:
             prefix = [forced[i] for i in batch] if forced is not None else None
             bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
             nbest = decode(self.model, src, search, bos=bos, eos=eos, pad=pad, generator=generator, prefix=prefix,
-                           constraints=[phrases[i][1] for i in batch] if phrases is not None else None)
+                           constraints=[phrases[i][1] for i in batch] if phrases is not None else None,
+                           continues_word=self._continues_word() if phrases is not None else None)
             if phrases is not None and any(not hyps for hyps in nbest):  # phrases the search could not place
                 lost = [r for r, hyps in enumerate(nbest) if not hyps]
                 alone = decode(self.model, src[lost], search, bos=bos, eos=eos, pad=pad, generator=generator,
@@ -287,6 +289,15 @@ class Translator:
                 raise ValueError(f"the target prefix of line {first_line + i} has {len(prefix)} tokens, more than "
                                  f"the model writes ({limit}: max_positions - 1); shorten it")
         return ids
+
+    def _continues_word(self) -> torch.Tensor:
+        """(V,) bool: the pieces that continue a word (no leading "▁"), specials excepted; computed once."""
+        if self._continues is None:
+            pieces = self.tokenizer.pieces()
+            specials = {self.tokenizer.eos_id, self.tokenizer.pad_id, self.tokenizer.bos_id, self.tokenizer.unk_id}
+            self._continues = torch.tensor([not p.startswith("\u2581") and i not in specials
+                                            for i, p in enumerate(pieces)], dtype=torch.bool, device=self.device)
+        return self._continues
 
     def constraint_ids(self, constraints: Iterable[Sequence[str]], count: int, *, forced: list[list[int]] | None,
                         first_line: int) -> list[tuple[list[str], list[list[int]]]]:

@@ -33,9 +33,11 @@ def test_progress_places_phrases_in_any_order_and_loses_an_unfinished_one():
     assert p == Progress(done=(False, False)) and met(p, phrases) == 0
     for token in (9, 5, 6, 7):
         p = advance(p, phrases, token)
-    assert all_met(p) and met(p, phrases) == 4 and next_tokens(p, phrases) == set()
+    assert all_met(p) and p.just_placed and met(p, phrases) == 4 and next_tokens(p, phrases) == set()
     p = advance(start(phrases), phrases, 5)
-    assert advance(p, phrases, 9) == Progress(done=(False, True))  # leaves phrase 0, places phrase 1
+    p = advance(p, phrases, 9)
+    assert p == Progress(done=(False, True), just_placed=True)  # leaves phrase 0, places phrase 1
+    assert advance(p, phrases, 4) == Progress(done=(False, True))  # the next token: no longer "just placed"
 
 
 def test_allocate_shares_the_beam_among_banks():
@@ -135,6 +137,12 @@ def test_every_output_holds_its_phrases_and_the_others_are_untouched(search: Sea
         for h in hyps:
             assert h.tokens[: len(pre)] == pre
             assert all(any(h.tokens[i : i + len(p)] == p for i in range(len(h.tokens))) for p in phrases)
+    # A placed phrase ends its word: with every token but 9 continuing a word, 12 is followed by 9 or EOS
+    continues = torch.ones(30, dtype=torch.bool)
+    continues[[9, EOS_ID]] = False
+    for h in decode(model, src, search, constraints=[[[12]]] * 4, continues_word=continues, **IDS):
+        at = h[0].tokens.index(12)
+        assert h[0].tokens[at + 1 : at + 2] in ([], [9])
     with pytest.raises(ValueError, match="not sampling"):
         decode(model, src, SearchConfig(sampling=True), constraints=constraints, **IDS)
 
