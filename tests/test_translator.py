@@ -874,5 +874,5 @@ def test_the_cli_reads_target_prefixes_line_by_line(checkpoint: Path, translator
     done = run_cli("--checkpoint", str(checkpoint), "--input", str(tmp_path / "in"), "--target-prefix",
                    str(tmp_path / "prefix"))
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
-        f"error: {tmp_path / 'in'} has 3 lines but --target-prefix {tmp_path / 'prefix'} has 1; give one prefix per "
+        f"error: {tmp_path / 'in'} has 3 lines but --target-prefix {tmp_path / 'prefix'} has 1; give one line per "
         "input line (an empty line for none)")
