@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, CheckpointError, inference_entry, save_atomic
+from seq2seq.marian import channel_order, layer_modules
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
 from seq2seq.tokenizer import Tokenizer
@@ -292,9 +293,7 @@ def _load_file(path: Path) -> dict[str, Tensor]:
 def our_weights(hf: dict[str, Tensor], config: TransformerConfig, *, where: Path) -> dict[str, Tensor]:
     """MarianMTModel's weights as our Transformer's state dict (the channel order: module docstring)."""
     d = config.d_model
-    # marian = ours[..., order] (export.marian_channel_order), so ours = marian[..., inverse]
-    order = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))
-    inverse = order.argsort()
+    inverse = channel_order(d).argsort()  # marian = ours[..., order], so ours = marian[..., inverse]
     used: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...]) -> Tensor:
@@ -340,16 +339,9 @@ def our_weights(hf: dict[str, Tensor], config: TransformerConfig, *, where: Path
     for stack in ("encoder", "decoder"):
         out[f"{stack}.embed.tokens.weight"] = embeddings[stack][:, inverse]
         _check_positions(hf, config, stack, used, where=where)
-        for i in range(config.num_encoder_layers if stack == "encoder" else config.num_decoder_layers):
-            ours, name = f"{stack}.layers.{i}", f"model.{stack}.layers.{i}"
-            attention(f"{ours}.self_attn", f"{name}.self_attn")
-            norm(f"{ours}.self_attn_residual.norm", f"{name}.self_attn_layer_norm")
-            if stack == "decoder":
-                attention(f"{ours}.cross_attn", f"{name}.encoder_attn")
-                norm(f"{ours}.cross_attn_residual.norm", f"{name}.encoder_attn_layer_norm")
-            reads(f"{ours}.ffn.w_in", f"{name}.fc1")
-            writes(f"{ours}.ffn.w_out", f"{name}.fc2")
-            norm(f"{ours}.ffn_residual.norm", f"{name}.final_layer_norm")
+    mappers = {"attention": attention, "norm": norm, "reads": reads, "writes": writes}
+    for kind, ours, theirs in layer_modules(config):
+        mappers[kind](ours, theirs)
     out["output_projection.weight"] = embeddings["output"][:, inverse]
     if config.output_bias:
         out["output_projection.bias"] = take("final_logits_bias", (1, config.vocab_size)).reshape(-1)
@@ -394,8 +386,7 @@ def _check_positions(hf: dict[str, Tensor], config: TransformerConfig, stack: st
         return
     used.add(name)
     d = config.d_model
-    ours = sinusoidal_table(max_positions=config.max_positions, d_model=d)
-    marian = ours[:, torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))]
+    marian = sinusoidal_table(max_positions=config.max_positions, d_model=d)[:, channel_order(d)]
     stored = hf[name].float()
     if stored.shape != marian.shape or not torch.allclose(stored, marian, atol=1e-4):
         raise ConvertError(f"{where}: '{name}' is not the sinusoid table of a static_position_embeddings model "

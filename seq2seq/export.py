@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from seq2seq.checkpoint import CheckpointError, InferenceCheckpoint, load_checkpoint, read_inference
+from seq2seq.marian import channel_order, layer_modules
 from seq2seq.model import TransformerConfig
 from seq2seq.tokenizer import Tokenizer
 
@@ -390,19 +391,12 @@ def marian_refusal(config: TransformerConfig) -> str | None:
     return None
 
 
-def marian_channel_order(d_model: int) -> torch.Tensor:
-    """Marian's sinusoids put every sin in the first half of the channels and every cos in the second;
-    ours interleave them. Reordering the residual stream's channels the same way in every tensor that
-    reads or writes it (embeddings, projections, norms) leaves the model's function unchanged."""
-    return torch.cat((torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)))
-
-
 def marian_state_dict(loaded: InferenceCheckpoint) -> dict[str, torch.Tensor]:
-    """Our weights under MarianMTModel's names, channels reordered (see marian_channel_order)."""
+    """Our weights under MarianMTModel's names, channels reordered (seq2seq/marian.py)."""
     from seq2seq.model.positions import sinusoidal_table
 
     config, weights = loaded.config, loaded.weights
-    order = marian_channel_order(config.d_model)
+    order = channel_order(config.d_model)
     out: dict[str, torch.Tensor] = {}
 
     def reads(name: str, ours: str) -> None:  # a Linear whose input is the residual stream
@@ -429,17 +423,9 @@ def marian_state_dict(loaded: InferenceCheckpoint) -> dict[str, torch.Tensor]:
     for stack in ("encoder", "decoder"):
         out[f"model.{stack}.embed_tokens.weight"] = weights[f"{stack}.embed.tokens.weight"][:, order]
         out[f"model.{stack}.embed_positions.weight"] = table
-        layers = config.num_encoder_layers if stack == "encoder" else config.num_decoder_layers
-        for i in range(layers):
-            hf, ours = f"model.{stack}.layers.{i}", f"{stack}.layers.{i}"
-            attention(f"{hf}.self_attn", f"{ours}.self_attn")
-            norm(f"{hf}.self_attn_layer_norm", f"{ours}.self_attn_residual.norm")
-            if stack == "decoder":
-                attention(f"{hf}.encoder_attn", f"{ours}.cross_attn")
-                norm(f"{hf}.encoder_attn_layer_norm", f"{ours}.cross_attn_residual.norm")
-            reads(f"{hf}.fc1", f"{ours}.ffn.w_in")
-            writes(f"{hf}.fc2", f"{ours}.ffn.w_out")
-            norm(f"{hf}.final_layer_norm", f"{ours}.ffn_residual.norm")
+    mappers = {"attention": attention, "norm": norm, "reads": reads, "writes": writes}
+    for kind, ours, theirs in layer_modules(config):
+        mappers[kind](theirs, ours)
     if config.tie_embeddings == "all":  # one matrix for both stacks: Marian's `shared`
         out["model.shared.weight"] = out["model.encoder.embed_tokens.weight"]
     out["lm_head.weight"] = weights["output_projection.weight"][:, order]
