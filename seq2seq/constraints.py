@@ -15,7 +15,8 @@ the target side tokenises each phrase alone (a phrase must appear spelled with e
 Like fairseq's, a phrase left unfinished (another token came between its pieces) loses its progress
 and can be started again; of two phrases that start with the same token, the first in the list is
 begun. A placed phrase must end its word: the token after it may not continue the word (a piece
-without sentencepiece's leading space), so "bricht" is not met by "brichtigen".
+without sentencepiece's leading space that starts with a letter or digit; punctuation may follow), so
+"bricht" is not met by "brichtigen", and is by "bricht.".
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class Progress:
     """The phrase being placed (-1: none)."""
     matched: int = 0
     """Its tokens placed so far."""
-    just_placed: bool = False
-    """The last token completed a phrase: the next may not continue its word (the phrase stays whole)."""
+    just_placed: int = -1
+    """The phrase the last token completed (-1: none): the next token may not continue its word."""
 
 
 def start(phrases: Phrases) -> Progress:
@@ -53,22 +54,26 @@ def all_met(progress: Progress) -> bool:
     return all(progress.done)
 
 
-def advance(progress: Progress, phrases: Phrases, token: int) -> Progress:
-    """The progress after `token` is appended."""
+def advance(progress: Progress, phrases: Phrases, token: int, *, continues_word: bool = False) -> Progress:
+    """The progress after `token` is appended; `continues_word`: the token goes on with the word before it
+    (a piece without a leading space that is not punctuation), which undoes a phrase placed just before:
+    it would not be a whole word (the search bans such tokens there; a forced prefix can bring one)."""
+    if progress.just_placed >= 0 and continues_word:
+        progress = Progress(done=tuple(d and i != progress.just_placed for i, d in enumerate(progress.done)))
     if progress.active >= 0:
         phrase = phrases[progress.active]
         if phrase[progress.matched] == token:
             if progress.matched + 1 == len(phrase):
                 done = tuple(d or i == progress.active for i, d in enumerate(progress.done))
-                return Progress(done=done, just_placed=True)
+                return Progress(done=done, just_placed=progress.active)
             return Progress(done=progress.done, active=progress.active, matched=progress.matched + 1)
         progress = Progress(done=progress.done)  # the phrase was left unfinished: its progress is lost
-    elif progress.just_placed:
+    elif progress.just_placed >= 0:
         progress = Progress(done=progress.done)
     for i, phrase in enumerate(phrases):
         if not progress.done[i] and phrase[0] == token:
             if len(phrase) == 1:
-                return Progress(done=tuple(d or j == i for j, d in enumerate(progress.done)), just_placed=True)
+                return Progress(done=tuple(d or j == i for j, d in enumerate(progress.done)), just_placed=i)
             return Progress(done=progress.done, active=i, matched=1)
     return progress
 
@@ -96,3 +101,11 @@ def allocate(banks: Sequence[int], *, beam_size: int, num_banks: int) -> list[in
     chosen = set(taken)
     taken += [i for i in range(len(banks)) if i not in chosen][: beam_size - len(taken)]
     return sorted(taken)
+
+
+def holds(tokens: Sequence[int], phrase: Sequence[int], *, continuing: set[int]) -> bool:
+    """Whether `phrase` is in `tokens` as a whole word: a contiguous run not followed by a token that
+    continues its word (`continuing`)."""
+    phrase, n = list(phrase), len(phrase)
+    return any(list(tokens[i : i + n]) == phrase and (i + n == len(tokens) or tokens[i + n] not in continuing)
+               for i in range(len(tokens) - n + 1))

@@ -5,7 +5,9 @@ What the searches report about their outputs when `SearchConfig.token_scores` or
 (search.decode calls `force_decode` on the finished hypotheses: one batched pass, nothing added to the
 search's own steps), and what `python -m seq2seq.score` reports about given translations. Either way
 the numbers are the same function of (source, target): a translation scored by `seq2seq.score` gets
-the token scores its search reported, up to the rounding of the model's precision.
+the token scores its search reported, up to the rounding of the model's precision (int8 moves them most),
+when its text encodes back to the pieces the search wrote (a search may spell a word in pieces the
+tokenizer would not choose: `score` then scores the tokenizer's spelling).
 
 The log-probabilities are the model's own (log_softmax in float32, or the model's float64, over the whole
 vocabulary), as

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seq2seq.constraints import Phrases, advance, all_met, allocate, met, next_tokens, start
+from seq2seq.constraints import Phrases, advance, all_met, allocate, holds, met, next_tokens, start
 from seq2seq.model.config import ConfigError, check_field_types, check_range
 from seq2seq.model.numerics import exp_
 from seq2seq.scoring import alignment_layer, force_decode
@@ -460,17 +460,15 @@ def decode(
 
     Sampling draws with `generator`, or with a new one seeded from `config.seed`; a caller decoding
     many batches passes one generator so that the batches draw different numbers. `constraints`: per
-    sentence, target phrases (token ids) its outputs must contain (`constrained_beam_search`; a sentence
-    whose phrases could not all be placed gets no hypothesis); `continues_word` (V,) bool marks the tokens
-    that continue a word, which may not follow a placed phrase (None: any may).
+    sentence, target phrases (token ids) its outputs must contain: an output of the plain search that holds
+    them all is kept, the others are searched again by `constrained_beam_search` (a sentence whose phrases
+    it cannot place keeps its plain output: check with constraints.holds); `continues_word` (V,) bool
+    marks the tokens that continue a word, which may not follow a placed phrase (None: any may).
     """
     config.check_vocabulary(model.config.vocab_size)
-    if constraints is not None and any(constraints):
-        if config.sampling:
-            raise ValueError("lexical constraints need a search (beam_size >= 1), not sampling")
-        results = constrained_beam_search(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix,
-                                          constraints=constraints, continues_word=continues_word)
-    elif config.sampling:
+    if constraints is not None and any(constraints) and config.sampling:
+        raise ValueError("lexical constraints need a search (beam_size >= 1), not sampling")
+    if config.sampling:
         if generator is None and config.seed is not None:
             generator = torch.Generator(device=src.device).manual_seed(config.seed)
         results = [[h] for h in sample(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix,
@@ -479,6 +477,18 @@ def decode(
         results = [[h] for h in greedy(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)]
     else:
         results = beam_search(model, src, config, bos=bos, eos=eos, pad=pad, prefix=prefix)
+    if constraints is not None and any(constraints):
+        # Outputs that already hold their phrases stay as they are; the others are searched again under
+        # their constraints, and kept as they were (their phrases missing: the caller says so) if that fails.
+        continuing = set(continues_word.nonzero()[:, 0].tolist()) if continues_word is not None else set()
+        redo = [r for r, hyps in enumerate(results) if constraints[r] and not all(
+            holds(h.tokens, phrase, continuing=continuing) for h in hyps for phrase in constraints[r])]
+        if redo:
+            again = constrained_beam_search(
+                model, src[redo], config, bos=bos, eos=eos, pad=pad, constraints=[constraints[r] for r in redo],
+                prefix=[prefix[r] for r in redo] if prefix is not None else None, continues_word=continues_word)
+            for r, hyps in zip(redo, again, strict=True):
+                results[r] = hyps or results[r]
     if config.token_scores or config.alignments:
         results = annotate(model, src, results, ids=SpecialIds(bos=bos, eos=eos, pad=pad),
                            token_scores=config.token_scores, alignments=config.alignments)
@@ -571,7 +581,8 @@ def constrained_beam_search(
     The bookkeeping is per hypothesis in Python: it costs more per step than beam_search, and is used only
     where some sentence has constraints.
     """
-    beam_size, alpha = config.beam_size, config.length_penalty
+    # Beam 1 is greedy search, whose score is the log-probability: the same for a sentence whatever its batch
+    beam_size, alpha = config.beam_size, config.length_penalty if config.beam_size > 1 else 0.0
     batch = src.size(0)
     if batch == 0:
         return []
@@ -586,6 +597,7 @@ def constrained_beam_search(
     live.limits = live.limits._replace(max_len=torch.maximum(live.limits.max_len, needed).clamp(
         max=model.config.max_positions - 1))
     num_banks = [sum(map(len, p)) + 1 for p in phrases]
+    continuing = set(continues_word.nonzero()[:, 0].tolist()) if continues_word is not None else set()
     progress = [[start(p)] for p in phrases]  # by input sentence: per live hypothesis
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
 
@@ -600,7 +612,8 @@ def constrained_beam_search(
                              dtype=torch.bool, device=logits.device)  # (N, K_cur)
         rows[..., ids.eos] = rows[..., ids.eos].masked_fill(unmet, NEG_INF)  # no end before every phrase is in
         if continues_word is not None:  # a phrase just placed ends its word
-            placed = [s * k_cur + b for s, i in enumerate(sentences) for b in range(k_cur) if progress[i][b].just_placed]
+            placed = [s * k_cur + b for s, i in enumerate(sentences) for b in range(k_cur)
+                      if progress[i][b].just_placed >= 0]
             if placed:
                 at = torch.tensor(placed, device=logits.device)
                 logits[at] = logits[at].masked_fill(continues_word.to(logits.device), NEG_INF)
@@ -632,7 +645,8 @@ def constrained_beam_search(
                     finished[i].append(Hypothesis(tokens=live.tokens[s, b].tolist(), log_prob=score,
                                                   score=float(length_normalize(score, step + 1, alpha=alpha))))
             going = [(score, b, token) for score, b, token in ranked if token != ids.eos]
-            after = [advance(progress[i][b], phrases[i], token) for _, b, token in going]
+            after = [advance(progress[i][b], phrases[i], token, continues_word=token in continuing)
+                     for _, b, token in going]
             chosen = allocate([met(p, phrases[i]) for p in after], beam_size=beam_size, num_banks=num_banks[i])
             dead = beam_size - len(chosen)  # rows at -inf: they go on and never finish
             next_beams.append([going[c][1] for c in chosen] + [0] * dead)

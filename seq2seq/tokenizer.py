@@ -293,6 +293,8 @@ class Tokenizer:
             else:
                 word, bare = max(word, 0), False
             out.append(max(word, 0))
+        if bare and word > 0:  # bare "▁" pieces at the end spell no word (decoding drops the space)
+            out = [w if w < word else word - 1 for w in out]
         return out
 
     def pieces(self) -> list[str]:

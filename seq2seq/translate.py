@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
                              "target term must be in the translation")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
-    check_flags(parser, args)
+    search = check_flags(parser, args)
+    if search.sampling and (args.constraints or args.glossary):
+        parser.error("--constraints and --glossary need a search (--beam), not --sampling")
     inputs = {"--input": args.input, "--checkpoint": args.checkpoint} | ({"--ref": args.ref} if args.ref else {})
     for option in ("--target-prefix", "--constraints", "--glossary"):
         if getattr(args, option[2:].replace("-", "_")):

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from seq2seq.checkpoint import load_checkpoint, read_inference
+from seq2seq.constraints import holds
 from seq2seq.model import Transformer
 from seq2seq.model.numerics import for_inference
 from seq2seq.precision import Precision, resolve_precision
@@ -88,6 +89,7 @@ class Translator:
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.search = search
         self._continues: torch.Tensor | None = None  # _continues_word's, made on first use
+        self._continuing_ids: set[int] | None = None  # the same as ids
 
     @classmethod
     def from_checkpoint(
@@ -155,6 +157,9 @@ class Translator:
         search.check_vocabulary(self.model.config.vocab_size)  # before any work, even for no sentence
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
+        if search.sampling and (constraints is not None or glossary):
+            raise ValueError("constraints and glossaries need a search (beam_size >= 1), not sampling")
+        glossary = check_glossary(glossary) if glossary else None
         forced = self._prefix_ids(prefixes, len(lines), first_line=first_line) if prefixes is not None else None
         if glossary:
             found = [glossary_terms(text, glossary) for text in lines]
@@ -180,12 +185,6 @@ class Translator:
             nbest = decode(self.model, src, search, bos=bos, eos=eos, pad=pad, generator=generator, prefix=prefix,
                            constraints=[phrases[i][1] for i in batch] if phrases is not None else None,
                            continues_word=self._continues_word() if phrases is not None else None)
-            if phrases is not None and any(not hyps for hyps in nbest):  # phrases the search could not place
-                lost = [r for r, hyps in enumerate(nbest) if not hyps]
-                alone = decode(self.model, src[lost], search, bos=bos, eos=eos, pad=pad, generator=generator,
-                               prefix=[prefix[r] for r in lost] if prefix is not None else None)
-                for r, hyps in zip(lost, alone, strict=True):
-                    nbest[r] = hyps
             for i, sentence_hyps in zip(batch, nbest, strict=True):
                 yield i, self._detokenize(sentence_hyps, source=ids[i],
                                           phrases=phrases[i] if phrases is not None else None)
@@ -291,13 +290,18 @@ class Translator:
         return ids
 
     def _continues_word(self) -> torch.Tensor:
-        """(V,) bool: the pieces that continue a word (no leading "▁"), specials excepted; computed once."""
+        """(V,) bool: the pieces that continue a word (`continues_word`), specials excepted; computed once."""
         if self._continues is None:
             pieces = self.tokenizer.pieces()
             specials = {self.tokenizer.eos_id, self.tokenizer.pad_id, self.tokenizer.bos_id, self.tokenizer.unk_id}
-            self._continues = torch.tensor([not p.startswith("\u2581") and i not in specials
-                                            for i, p in enumerate(pieces)], dtype=torch.bool, device=self.device)
+            self._continues = torch.tensor([continues_word(p) and i not in specials for i, p in enumerate(pieces)],
+                                           dtype=torch.bool, device=self.device)
         return self._continues
+
+    def _continuing(self) -> set[int]:
+        if self._continuing_ids is None:
+            self._continuing_ids = set(self._continues_word().nonzero()[:, 0].tolist())
+        return self._continuing_ids
 
     def constraint_ids(self, constraints: Iterable[Sequence[str]], count: int, *, forced: list[list[int]] | None,
                         first_line: int) -> list[tuple[list[str], list[list[int]]]]:
@@ -332,7 +336,8 @@ class Translator:
         return [Translation(text=t, score=h.score, tokens=h.tokens, token_scores=h.token_log_probs,
                             alignment=self._word_alignment(source, h),
                             unmet_constraints=None if phrases is None else [
-                                text for text, ids in zip(*phrases, strict=True) if not contains(h.tokens, ids)])
+                                text for text, ids in zip(*phrases, strict=True)
+                                if not holds(h.tokens, ids, continuing=self._continuing())])
                 for t, h in zip(texts, hyps, strict=True)]
 
     def _word_alignment(self, source: list[int], hyp: Hypothesis) -> list[tuple[int, int]] | None:
@@ -342,8 +347,10 @@ class Translator:
             return None
         source_words = self.tokenizer.word_indices(source[: self.tokenizer.source_tokens(source)])
         target_words = self.tokenizer.word_indices(hyp.tokens)
+        # Pieces the text leaves out (a dropped <unk>, spaces a Marian decode collapses) must not point past it
+        words = len(self.tokenizer.decode([hyp.tokens])[0].split(" "))
         return sorted({(source_words[p], target_words[j]) for j, p in enumerate(hyp.source_positions)
-                       if p < len(source_words)})
+                       if p < len(source_words) and target_words[j] < words})
 
     def _truncate(self, ids: list[list[int]], *, first_line: int) -> list[list[int]]:
         limit = self.model.config.max_positions
@@ -358,6 +365,23 @@ class Translator:
         return ids
 
 
+def check_glossary(glossary: Mapping[str, str]) -> dict[str, str]:
+    """The glossary with runs of spaces in its terms made one; a ValueError for a term that is not text or is
+    empty, or a source term given two target terms (" dog " and "dog" are one term)."""
+    out: dict[str, str] = {}
+    for source, target in glossary.items():
+        if not isinstance(source, str) or not isinstance(target, str):
+            raise TypeError(f"the glossary maps text to text, not {type(source).__name__} to {type(target).__name__}")
+        source, target = " ".join(source.split()), " ".join(target.split())
+        if not source or not target:
+            raise ValueError(f"the glossary has an empty {'source' if not source else 'target'} term")
+        if out.get(source, target) != target:
+            raise ValueError(f"the glossary gives {source!r} two target terms ({out[source]!r} and {target!r}); "
+                             "keep one")
+        out[source] = target
+    return out
+
+
 def glossary_terms(text: str, glossary: Mapping[str, str]) -> list[str]:
     """The target terms of the glossary's source terms that `text` holds as whole words (case-sensitive)."""
     return [target for source, target in glossary.items()
@@ -370,9 +394,10 @@ def as_constraint_lists(constraints: Iterable[Sequence[str]]) -> list[Sequence[s
     return list(constraints)
 
 
-def contains(tokens: list[int], phrase: list[int]) -> bool:
-    """Whether `phrase` appears in `tokens` as a contiguous run."""
-    return any(tokens[i : i + len(phrase)] == phrase for i in range(len(tokens) - len(phrase) + 1))
+def continues_word(piece: str) -> bool:
+    """Whether a piece goes on with the word before it: no leading "▁", and a letter or digit first (or
+    a byte of a character the vocabulary lacks); punctuation does not."""
+    return not piece.startswith("\u2581") and (piece[:1].isalnum() or piece.startswith("<0x"))
 
 
 def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:

@@ -86,7 +86,7 @@ from seq2seq.cli import add_search_arguments, check_flags, describe, one_line_wa
 from seq2seq.model import ConfigError
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
-from seq2seq.translator import Translation, Translator, glossary_terms
+from seq2seq.translator import Translation, Translator, check_glossary, glossary_terms
 
 LANGUAGE_NAMES = {"cs": "Czech", "de": "German", "en": "English", "fr": "French", "es": "Spanish", "it": "Italian",
                   "nl": "Dutch", "pt": "Portuguese", "ro": "Romanian", "ru": "Russian", "zh": "Chinese",
@@ -112,13 +112,14 @@ class BodyTooLarge(Exception):
     """The body grew past --max-body-size while it was read: answered 413."""
 
 
-def decoding_cost(length: int, search: SearchConfig, *, max_positions: int) -> int:
+def decoding_cost(length: int, search: SearchConfig, *, max_positions: int, at_least: int = 0) -> int:
     """The decoder tokens one sentence of `length` source tokens may cost: its hypotheses times its
-    steps (the output limit as search.max_lengths computes it, plus EOS), at least MIN_STEPS_CHARGED."""
+    steps (the output limit as search.max_lengths computes it, raised to the `at_least` tokens a target
+    prefix and constraints need, plus EOS), at least MIN_STEPS_CHARGED."""
     if length == 0:
         return 0  # an empty line is answered without decoding
     length = min(length, max_positions)  # the Translator truncates a longer line
-    limit = min(max(math.floor(search.max_len_a * length + search.max_len_b), 0), max_positions - 1)
+    limit = min(max(math.floor(search.max_len_a * length + search.max_len_b), at_least, 0), max_positions - 1)
     rows = 1 if search.sampling else search.beam_size
     return rows * max(limit + 1, MIN_STEPS_CHARGED)
 
@@ -188,11 +189,13 @@ class Batcher:
         # One worker: torch already spreads one batch over the intra-op threads.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
 
-    def costs(self, texts: list[str], search: SearchConfig) -> list[int]:
-        """decoding_cost of each text, from the tokenizer's count of its tokens."""
+    def costs(self, texts: list[str], search: SearchConfig, *, at_least: list[int] | None = None) -> list[int]:
+        """decoding_cost of each text, from the tokenizer's count of its tokens (`at_least`: the target
+        tokens each must hold, its prefix's and constraints')."""
         max_positions = self.translator.model.config.max_positions
-        return [decoding_cost(len(ids), search, max_positions=max_positions)
-                for ids in self.translator.tokenizer.encode_source(texts)]
+        needed = at_least if at_least is not None else [0] * len(texts)
+        return [decoding_cost(len(ids), search, max_positions=max_positions, at_least=n)
+                for ids, n in zip(self.translator.tokenizer.encode_source(texts), needed, strict=True)]
 
     def submit(self, texts: list[str], search: SearchConfig, *, costs: list[int] | None = None,
                prefixes: list[str] | None = None,
@@ -463,7 +466,7 @@ class Server:
     def translator(self) -> Translator:
         return self.batcher.translator
 
-    def check_cost(self, texts: list[str], search: SearchConfig) -> list[int]:
+    def check_cost(self, texts: list[str], search: SearchConfig, *, at_least: list[int] | None = None) -> list[int]:
         """Each sentence's decoding_cost; a BadRequest if the request's beam or total is over the limits."""
         try:
             search.check_vocabulary(self.translator.model.config.vocab_size)
@@ -479,7 +482,7 @@ class Server:
         if sentences * rows * MIN_STEPS_CHARGED > self.max_request_tokens:
             raise self.over_budget(sentences * rows * MIN_STEPS_CHARGED, sentences, rows,
                                    f"at least {MIN_STEPS_CHARGED}")
-        costs = self.batcher.costs(texts, search)
+        costs = self.batcher.costs(texts, search, at_least=at_least)
         if sum(costs) > self.max_request_tokens:
             raise self.over_budget(sum(costs), sentences, rows, f"up to {max(costs) // rows}")
         return costs
@@ -493,7 +496,14 @@ class Server:
     async def translate(self, request: Request, texts: list[str], search: SearchConfig, *,
                         prefixes: list[str] | None = None,
                         constraints: list[list[str]] | None = None) -> list[list[Translation]]:
-        costs = self.check_cost(texts, search)
+        at_least = None
+        if prefixes is not None or constraints is not None:  # the output limit grows to hold them
+            tokenizer = self.translator.tokenizer
+            prefix_tokens = [len(ids) for ids in tokenizer.encode_target(prefixes)] if prefixes else [0] * len(texts)
+            phrase_tokens = ([sum(map(len, tokenizer.encode_target(phrases))) if phrases else 0 for phrases in constraints]
+                             if constraints else [0] * len(texts))
+            at_least = [a + b for a, b in zip(prefix_tokens, phrase_tokens, strict=True)]
+        costs = self.check_cost(texts, search, at_least=at_least)
         future = self.batcher.submit(texts, search, costs=costs, prefixes=prefixes, constraints=constraints)
         gone = asyncio.ensure_future(until_disconnected(request))
         waiting: set[asyncio.Future[Any]] = {future, gone}
@@ -579,9 +589,12 @@ class Server:
             per_text = [list(x) for x in lists]
         glossary = body.get("glossary")
         if glossary is not None:
-            if not isinstance(glossary, dict) or not all(isinstance(k, str) and isinstance(v, str) and k.strip() and
-                                                         v.strip() for k, v in glossary.items()):
-                raise BadRequest("glossary must be an object of source term -> target term, neither empty")
+            if not isinstance(glossary, dict):
+                raise BadRequest("glossary must be an object of source term -> target term")
+            try:
+                glossary = check_glossary(glossary)
+            except (TypeError, ValueError) as error:
+                raise BadRequest(str(error)) from None
             per_text = [[*phrases, *glossary_terms(text, glossary)] for phrases, text in zip(per_text, texts, strict=True)]
         if sum(len(p) for phrases in per_text for p in phrases) > self.char_limit:
             raise BadRequest(f"the constraints have more than this server's limit of {self.char_limit} characters")

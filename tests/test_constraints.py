@@ -33,10 +33,11 @@ def test_progress_places_phrases_in_any_order_and_loses_an_unfinished_one():
     assert p == Progress(done=(False, False)) and met(p, phrases) == 0
     for token in (9, 5, 6, 7):
         p = advance(p, phrases, token)
-    assert all_met(p) and p.just_placed and met(p, phrases) == 4 and next_tokens(p, phrases) == set()
+    assert all_met(p) and p.just_placed == 0 and met(p, phrases) == 4 and next_tokens(p, phrases) == set()
+    assert advance(p, phrases, 8, continues_word=True) == Progress(done=(False, True))  # 7 8: not a whole word
     p = advance(start(phrases), phrases, 5)
     p = advance(p, phrases, 9)
-    assert p == Progress(done=(False, True), just_placed=True)  # leaves phrase 0, places phrase 1
+    assert p == Progress(done=(False, True), just_placed=1)  # leaves phrase 0, places phrase 1
     assert advance(p, phrases, 4) == Progress(done=(False, True))  # the next token: no longer "just placed"
 
 
@@ -172,6 +173,31 @@ def test_translator_constraints_and_glossary(translator: Translator):
     assert translator.translate_nbest(SOURCES[:1], search)[0][0].unmet_constraints is None
 
 
+def test_a_phrase_the_model_already_writes_changes_nothing_and_punctuation_may_follow(translator: Translator):
+    search = SearchConfig(beam_size=4)
+    for source in SOURCES[:2] + SOURCES[3:]:
+        plain = translator.translate([source], search)[0]
+        for word in (plain.split(" ")[-1].rstrip(".!?"), plain.split(" ")[1]):  # the last word: a period follows it
+            [[t]] = translator.translate_nbest([source], search, constraints=[[word]])
+            assert t.text == plain and t.unmet_constraints == [], (source, word)
+
+
+def test_a_phrase_continued_by_a_forced_prefix_is_not_met(translator: Translator):
+    """A prefix forces "Buchx": the pieces of "Buch" are there, but not as a word; said, not counted."""
+    [[t]] = translator.translate_nbest(SOURCES[:1], SearchConfig(beam_size=4), prefixes=["Die Frau Buchx"],
+                                       constraints=[["Buch"]])
+    assert t.text.startswith("Die Frau Buchx")
+    assert (t.unmet_constraints == []) == any(w.strip(".,") == "Buch" for w in t.text.split(" "))
+
+
+def test_beam_1_scores_are_greedys_with_or_without_constraints_in_the_batch(translator: Translator):
+    search = SearchConfig(beam_size=1)
+    alone = translator.translate_nbest(SOURCES, search)
+    mixed = translator.translate_nbest(SOURCES, search, constraints=[["Katze"], [], [], []])
+    assert [h[0].score for h in mixed[1:] if h] == pytest.approx([h[0].score for h in alone[1:] if h])
+    assert mixed[0][0].score == pytest.approx(mixed[0][0].score)
+
+
 def test_a_phrase_the_search_cannot_place_is_said_not_dropped(translator: Translator):
     """no_repeat_ngram_size 1 forbids any token twice: a phrase of one piece twice cannot be placed."""
     search = SearchConfig(beam_size=4, no_repeat_ngram_size=1)
@@ -179,6 +205,16 @@ def test_a_phrase_the_search_cannot_place_is_said_not_dropped(translator: Transl
     assert len(piece) == 1
     [[t]] = translator.translate_nbest(SOURCES[:1], search, constraints=[["Buch Buch"]])
     assert t.unmet_constraints == ["Buch Buch"] and t.text  # translated without it, and says so
+
+
+def test_glossaries_are_checked_and_sampling_refused(translator: Translator):
+    with pytest.raises(ValueError, match=r"gives 'dog' two target terms \('Hund' and 'Köter'\)"):
+        translator.translate(SOURCES[:2], glossary={"dog": "Hund", " dog ": "Köter"})
+    with pytest.raises(ValueError, match="empty target term"):
+        translator.translate(SOURCES[:2], glossary={"dog": " "})
+    with pytest.raises(ValueError, match="need a search .*not sampling"):  # refused before any line, matched or not
+        translator.translate(["nothing to match"], SearchConfig(sampling=True), glossary={"dog": "Hund"})
+    assert glossary_terms("A (dog).", {"dog": "Hund", "c++": "C++", "og": "x"}) == ["Hund"]
 
 
 def test_bad_constraints_name_the_line(translator: Translator):

@@ -113,6 +113,14 @@ def test_word_indices_number_the_words_of_the_decoded_text(tokenizer: Tokenizer,
         assert spelled == tokenizer.decode([ids])[0].split(" "), text  # spaces only: "120\xa0cm" is one word
 
 
+def test_bare_spaces_at_the_end_spell_no_word(tokenizer: Tokenizer):
+    """A search can end on a bare "▁" piece, which decoding drops: it belongs to no word of the text."""
+    space = tokenizer.pieces().index("\u2581")
+    ids = [*tokenizer.encode_source(["Ein Hund"])[0], space, space]
+    words = tokenizer.word_indices(ids)
+    assert words[-2:] == [1, 1] and max(words) == 1  # the last word, "Hund"
+
+
 def test_translations_carry_word_alignments_in_bounds(tokenizer: Tokenizer):
     from seq2seq.translator import Translator
 

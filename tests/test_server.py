@@ -139,9 +139,17 @@ def test_v1_constraints_and_glossary(server: Running, translator: Translator):
     for bad, message in (({"constraints": "Katze"}, "constraints must be a list of 2 lists of phrases"),
                          ({"constraints": [["a"], [""]]}, "q item 2 has an empty constraint"),
                          ({"glossary": ["dog", "Hund"]}, "glossary must be an object"),
+                         ({"glossary": {"dog": "Hund", " dog": "Köter"}}, "gives 'dog' two target terms"),
                          ({"constraints": [["a"], []], "sampling": True}, "not sampling")):
         reply = httpx.post(url, json={"q": SENTENCES[:2], **bad})
         assert reply.status_code == 400 and message in reply.json()["error"], reply.json()
+
+
+def test_a_prefix_and_constraints_raise_a_requests_cost():
+    search = SearchConfig(beam_size=4, max_len_a=1.0, max_len_b=25)
+    assert decoding_cost(5, search, max_positions=128) == 4 * 31
+    assert decoding_cost(5, search, max_positions=128, at_least=60) == 4 * 61  # the limit grows to hold them
+    assert decoding_cost(5, search, max_positions=32, at_least=60) == 4 * 32  # up to what the model writes
 
 
 def test_v1_target_prefix(server: Running, translator: Translator):
