@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from pathlib import Path
 from typing import TextIO
 
@@ -51,7 +52,7 @@ from seq2seq.textio import (
     read_lines,
     where,
 )
-from seq2seq.translator import Translation
+from seq2seq.translator import Translation, Translator
 
 WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
 
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="line-aligned with the input: the start each translation must have (an empty line: none)")
     parser.add_argument("--constraints", default=None, metavar="FILE",
                         help="line-aligned with the input: tab-separated phrases each translation must contain")
+    parser.add_argument("--split-sentences", action="store_true",
+                        help="split each line into sentences, translate them, and put the line back together with "
+                             "its own spacing (still one output line per input line)")
     parser.add_argument("--glossary", default=None, metavar="FILE",
                         help="`source term<TAB>target term` lines: where a source term occurs (a whole word), its "
                              "target term must be in the translation")
@@ -74,6 +78,12 @@ def main(argv: list[str] | None = None) -> None:
     search = check_flags(parser, args)
     if search.sampling and (args.constraints or args.glossary):
         parser.error("--constraints and --glossary need a search (--beam), not --sampling")
+    if args.split_sentences:
+        given = [flag for flag, on in (("--nbest", search.nbest > 1), ("--alignments", search.alignments),
+                                       ("--token-scores", search.token_scores), ("--target-prefix", args.target_prefix),
+                                       ("--constraints", args.constraints)) if on]
+        if given:  # each is per sentence, and a line would hold several
+            parser.error(f"--split-sentences does not go with {given[0]} (yet): give one sentence per line for it")
     inputs = {"--input": args.input, "--checkpoint": args.checkpoint} | ({"--ref": args.ref} if args.ref else {})
     for option in ("--target-prefix", "--constraints", "--glossary"):
         if getattr(args, option[2:].replace("-", "_")):
@@ -122,8 +132,11 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     lines = UpToABadLine(iter_lines(args.input))
     prefixes = iter_lines(args.target_prefix, option="--target-prefix") if args.target_prefix else None
     constraints = read_constraints(args.constraints) if args.constraints else None
-    results = translator.translate_stream(lines, search, max_tokens=args.max_tokens, window=WINDOW, prefixes=prefixes,
-                                          constraints=constraints, glossary=glossary)
+    if args.split_sentences:
+        results = paragraphs(translator, lines, search, max_tokens=args.max_tokens, glossary=glossary)
+    else:
+        results = translator.translate_stream(lines, search, max_tokens=args.max_tokens, window=WINDOW,
+                                              prefixes=prefixes, constraints=constraints, glossary=glossary)
     try:
         write_translations(results, output, search=search, best=best, total=total)
         output.close()
@@ -158,6 +171,16 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
         print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
+
+
+def paragraphs(translator: Translator, lines: Iterable[str], search: SearchConfig, *, max_tokens: int,
+               glossary: dict[str, str] | None) -> Iterator[list[Translation]]:
+    """--split-sentences: each line's translation, its sentences translated a window of lines at a time,
+    as one 1-best Translation (its score, the sum of its sentences', is not kept: the output has none)."""
+    iterator = iter(lines)
+    while chunk := list(islice(iterator, WINDOW)):
+        for text in translator.translate_paragraphs(chunk, search, max_tokens=max_tokens, glossary=glossary):
+            yield [Translation(text=text, score=0.0, tokens=[])] if text.strip() else []
 
 
 def read_constraints(path: str) -> Iterator[list[str]]:

@@ -32,6 +32,7 @@ from seq2seq.model.numerics import for_inference
 from seq2seq.precision import Precision, resolve_precision
 from seq2seq.scoring import Forced, force_decode
 from seq2seq.search import Hypothesis, SearchConfig, decode
+from seq2seq.sentences import rejoin, sentence_spans
 from seq2seq.tokenizer import Tokenizer
 
 DEFAULT_SEARCH = SearchConfig()  # beam 5
@@ -111,6 +112,19 @@ class Translator:
         return [hyps[0].text if hyps else ""
                 for hyps in self.translate_nbest(texts, search, max_tokens=max_tokens, prefixes=prefixes,
                                                  constraints=constraints, glossary=glossary)]
+
+    def translate_paragraphs(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
+                             glossary: Mapping[str, str] | None = None) -> list[str]:
+        """One translation per text, each text split into sentences (seq2seq/sentences.py, the source
+        language's rules) and put back together with its own spaces, tabs and newlines between them; all
+        the sentences are translated as one batch, each as it would be alone. A text of one sentence
+        translates as `translate` translates it, its surrounding whitespace kept."""
+        texts = as_lines(texts)
+        spans = [sentence_spans(text, language=self.src_lang) for text in texts]
+        sentences = [text[start:end] for text, text_spans in zip(texts, spans, strict=True) for start, end in text_spans]
+        translated = iter(self.translate(sentences, search, max_tokens=max_tokens, glossary=glossary))
+        return [rejoin(text, text_spans, [next(translated) for _ in text_spans])
+                for text, text_spans in zip(texts, spans, strict=True)]
 
     def translate_nbest(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,

@@ -7,7 +7,8 @@
 
 Endpoints (JSON or form bodies, as LibreTranslate takes them; errors are `{"error": "..."}`):
 
-    POST /translate      q (a string or a list), source, target, format (text), alternatives (n-best)
+    POST /translate      q (a string or a list; each split into sentences, put back with its own
+                         spacing), source, target, format (text), alternatives (n-best)
                          -> {"translatedText": ..., "alternatives": [...]}    LibreTranslate's
     GET  /languages      [{"code": "de", "name": "German", "targets": ["en"]}, ...]
     GET  /health         {"status": "ok", "batches": ..., "requests": ..., "sentences": ..., "queued": ...}
@@ -86,6 +87,7 @@ from seq2seq.cli import add_search_arguments, check_flags, describe, one_line_wa
 from seq2seq.model import ConfigError
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
+from seq2seq.sentences import rejoin, sentence_spans
 from seq2seq.translator import Translation, Translator, check_glossary, glossary_terms
 
 LANGUAGE_NAMES = {"cs": "Czech", "de": "German", "en": "English", "fr": "French", "es": "Spanish", "it": "Italian",
@@ -393,8 +395,9 @@ async def read_multipart(request: Request) -> dict[str, list[str]]:
     return fields
 
 
-def texts_of(body: dict[str, Any], *, char_limit: int) -> tuple[list[str], bool]:
-    """The `q` field as a list of strings, and whether it was a single string."""
+def texts_of(body: dict[str, Any], *, char_limit: int, keep_layout: bool = False) -> tuple[list[str], bool]:
+    """The `q` field as a list of strings, and whether it was a single string; with `keep_layout` as
+    given (the caller splits them into sentences), else each made one line with single spaces."""
     if "q" not in body:
         raise BadRequest("missing field q: the text to translate (a string or a list of strings)")
     q = body["q"]
@@ -414,6 +417,8 @@ def texts_of(body: dict[str, Any], *, char_limit: int) -> tuple[list[str], bool]
     if chars > char_limit:
         raise BadRequest(f"q has {chars} characters, more than this server's limit of {char_limit}; "
                          "split the text over several requests")
+    if keep_layout:
+        return list(texts), single
     # One request line is one sentence to the model: newlines inside would be translated as one.
     return [" ".join(t.split()) for t in texts], single
 
@@ -529,7 +534,7 @@ class Server:
 
     async def libretranslate(self, request: Request) -> JSONResponse:
         body = await read_body(request)
-        texts, single = texts_of(body, char_limit=self.char_limit)
+        texts, single = texts_of(body, char_limit=self.char_limit, keep_layout=True)
         self.check_languages(body)
         alternatives = int_field(body, "alternatives", 0)
         if not 0 <= alternatives <= 9:
@@ -541,9 +546,18 @@ class Server:
         if alternatives:  # n-best: the beam must hold them
             nbest = alternatives + 1
             search = dataclasses.replace(search, nbest=nbest, beam_size=max(search.beam_size, nbest), sampling=False)
-        nbest_lists = await self.translate(request, texts, search)
-        best = [hyps[0].text if hyps else "" for hyps in nbest_lists]
-        others = [[h.text for h in hyps[1:]] + [""] * (alternatives - len(hyps[1:])) for hyps in nbest_lists]
+        # A text may be a paragraph: its sentences are translated (all of the request's in one batch) and
+        # put back with the text's own spaces and newlines; alternative i takes each sentence's i-th.
+        spans = [sentence_spans(text, language=self.translator.src_lang) for text in texts]
+        sentences = [text[a:b] for text, text_spans in zip(texts, spans, strict=True) for a, b in text_spans]
+        nbest_lists = iter(await self.translate(request, [" ".join(s.split()) for s in sentences], search))
+        best, others = [], []
+        for text, text_spans in zip(texts, spans, strict=True):
+            lists = [next(nbest_lists) for _ in text_spans]
+            best.append(rejoin(text, text_spans, [hyps[0].text if hyps else "" for hyps in lists]) if lists else "")
+            others.append([rejoin(text, text_spans, [(hyps[i] if i < len(hyps) else hyps[0]).text if hyps else ""
+                                                     for hyps in lists])
+                           if any(i < len(hyps) for hyps in lists) else "" for i in range(1, alternatives + 1)])
         response: dict[str, Any] = {"translatedText": best[0] if single else best}
         if alternatives:
             response["alternatives"] = others[0] if single else others

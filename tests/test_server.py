@@ -111,6 +111,19 @@ def test_json_and_form_bodies_lists_and_alternatives(server: Running, translator
     assert set(own["translations"][0][0]) == {"text", "score"}  # nothing asked, nothing more
 
 
+def test_a_paragraph_keeps_its_layout(server: Running, translator: Translator):
+    """LibreTranslate's q may be a paragraph: its sentences are translated and put back with its own spacing."""
+    text = f"  {SENTENCES[0]}\n\n{SENTENCES[1]}  {SENTENCES[2]}\n"
+    reply = httpx.post(server.url + "/translate", json={"q": [text, SENTENCES[3]], "source": "en", "target": "de"})
+    expected = translator.translate_paragraphs([text, SENTENCES[3]], SEARCH)
+    assert reply.json()["translatedText"] == expected
+    assert expected[0].startswith("  ") and expected[0].count("\n\n") == 1 and expected[0].endswith("\n")
+    assert expected[0] == f"  {alone(translator, SENTENCES[0])}\n\n{alone(translator, SENTENCES[1])}  " \
+                          f"{alone(translator, SENTENCES[2])}\n"
+    two = httpx.post(server.url + "/translate", json={"q": text, "source": "en", "target": "de", "alternatives": 1})
+    assert two.json()["translatedText"] == expected[0] and two.json()["alternatives"][0] != expected[0]
+
+
 def test_v1_gives_alignments_and_token_scores_when_asked(server: Running, translator: Translator):
     body = {"q": [SENTENCES[0], "", SENTENCES[4]], "beam_size": 3, "nbest": 2, "alignments": True,
             "token_scores": True}
