@@ -87,3 +87,21 @@ def test_the_cli_splits_lines_and_keeps_one_line_per_line(trained: Path, transla
     assert out[:-1] == translator.translate_paragraphs(lines, SearchConfig(beam_size=3))
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(trained), "--input", str(tmp_path / "in"), "--split-sentences", "--nbest", "2"])
+
+
+def test_a_line_longer_than_the_model_reads_is_split_not_truncated(translator: Translator):
+    """A run-on line of several hundred tokens without a sentence end: cut at spaces into parts that fit,
+    each translated, the spaces between them kept; no part truncated (no warning)."""
+    import warnings
+
+    words = " ".join(ended(DEMO_DATA / "test.en.gz")[:40]).replace(".", "").split(" ")
+    line = " ".join(words)
+    limit = translator.model.config.max_positions
+    assert len(translator.tokenizer.encode_source([line])[0]) > 2 * limit
+    spans = translator._within_limit(line, sentence_spans(line, language="en"))
+    assert len(spans) >= 3 and rejoin(line, spans, [line[a:b] for a, b in spans]) == line
+    assert all(len(translator.tokenizer.encode_source([line[a:b]])[0]) <= limit for a, b in spans)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a truncation warning would fail here
+        [out] = translator.translate_paragraphs([line], SearchConfig(beam_size=2))
+    assert out == " ".join(translator.translate([line[a:b] for a, b in spans], SearchConfig(beam_size=2)))
