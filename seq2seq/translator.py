@@ -122,7 +122,9 @@ class Translator:
         the model reads is cut at spaces into parts that fit, not truncated."""
         texts = as_lines(texts)
         spans = [self._within_limit(text, sentence_spans(text, language=self.src_lang)) for text in texts]
-        sentences = [text[start:end] for text, text_spans in zip(texts, spans, strict=True) for start, end in text_spans]
+        # A newline or tab inside a sentence is a space to the model (the server sends them so too)
+        sentences = [" ".join(text[start:end].split()) for text, text_spans in zip(texts, spans, strict=True)
+                     for start, end in text_spans]
         translated = iter(self.translate(sentences, search, max_tokens=max_tokens, glossary=glossary))
         return [rejoin(text, text_spans, [next(translated) for _ in text_spans])
                 for text, text_spans in zip(texts, spans, strict=True)]

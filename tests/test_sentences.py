@@ -72,6 +72,10 @@ def test_a_paragraph_translates_as_its_sentences_alone(translator: Translator):
         assert [text[a:b] for a, b in spans] == chosen
         assert output == rejoin(text, spans, [alone[s] for s in chosen])
     assert got[-2:] == ["", "  "]
+    # Tabs and runs of spaces inside a sentence are one space to the model (pysbd ends a segment at a newline)
+    first, rest = sentences[0].split(" ", 1)
+    [spaced] = translator.translate_paragraphs([f"{first} \t {rest}"], search)
+    assert spaced == translator.translate([sentences[0]], search)[0]
 
 
 def test_the_cli_splits_lines_and_keeps_one_line_per_line(trained: Path, translator: Translator, tmp_path: Path):
