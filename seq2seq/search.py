@@ -635,8 +635,7 @@ def constrained_beam_search(
             s, b = divmod(row, k_cur)
             candidates[s][b, token] = scores[s][b] + log_prob
 
-        next_beams, next_tokens_, next_scores, keep = [], [], [], []
-        max_len = live.limits.max_len.tolist()
+        next_beams, next_tokens_, next_scores, worst_kept = [], [], [], []
         for s, i in enumerate(sentences):
             ranked = sorted(((score, b, token) for (b, token), score in candidates[s].items() if score > NEG_INF),
                             key=lambda c: -c[0])
@@ -653,17 +652,20 @@ def constrained_beam_search(
             next_tokens_.append([going[c][2] for c in chosen] + [ids.pad] * dead)
             next_scores.append([going[c][0] for c in chosen] + [NEG_INF] * dead)
             progress[i] = [after[c] for c in chosen] + [start(phrases[i])] * dead
-            done = sorted((h.score for h in finished[i]), reverse=True)
-            best_live = max(next_scores[-1])
-            worst_kept = done[config.nbest - 1] if len(done) >= config.nbest else NEG_INF
-            overtaken = best_live == NEG_INF or worst_kept >= best_live / ((6 + max_len[s]) / 6) ** alpha
-            if not (len(finished[i]) >= beam_size or max_len[s] <= step or overtaken):
-                keep.append(s)
-        if not keep:
-            break
+            kept = sorted((h.score for h in finished[i]), reverse=True)
+            worst_kept.append(kept[config.nbest - 1] if len(kept) >= config.nbest else NEG_INF)
         device = live.scores.device
-        live = live.advance(torch.tensor(next_tokens_, device=device), torch.tensor(next_scores, device=device),
-                            beams=torch.tensor(next_beams, device=device), keep=torch.tensor(keep, device=device))
+        scores_ = torch.tensor(next_scores, device=device)  # (N, K)
+        num_finished = torch.tensor([len(finished[i]) for i in sentences], device=device)
+        best_live = scores_.amax(dim=1)  # allocation orders by bank, not score: the best is anywhere
+        done = ((num_finished >= beam_size) | (live.limits.max_len <= step) | best_live.isneginf()
+                | cannot_be_overtaken(torch.tensor(worst_kept, dtype=torch.float64, device=device), best_live,
+                                      live.limits.max_len, alpha=alpha))
+        keep = (~done).nonzero()[:, 0]  # (N',)
+        if keep.numel() == 0:
+            break
+        live = live.advance(torch.tensor(next_tokens_, device=device), scores_,
+                            beams=torch.tensor(next_beams, device=device), keep=keep)
 
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
 
