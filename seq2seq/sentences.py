@@ -14,8 +14,11 @@ needs. Its rules cover 23 languages; another language is split with the English 
 from __future__ import annotations
 
 import functools
+import re
 
 import pysbd
+
+from seq2seq.tokenizer import Tokenizer
 
 SUPPORTED = frozenset(pysbd.languages.LANGUAGE_CODES)
 
@@ -54,3 +57,51 @@ def rejoin(text: str, spans: list[tuple[int, int]], translations: list[str]) -> 
         cursor = end
     out.append(text[cursor:])
     return "".join(out)
+
+
+def rejoin_all(texts: list[str], spans: list[list[tuple[int, int]]], translations: list[str]) -> list[str]:
+    """`rejoin` for each text, the translations of all their sentences given in order, text after text."""
+    if len(translations) != sum(map(len, spans)):
+        raise ValueError(f"{sum(map(len, spans))} sentences but {len(translations)} translations")
+    out, at = [], 0
+    for text, text_spans in zip(texts, spans, strict=True):
+        out.append(rejoin(text, text_spans, translations[at : at + len(text_spans)]))
+        at += len(text_spans)
+    return out
+
+
+def split_paragraphs(texts: list[str], *, tokenizer: Tokenizer, language: str,
+                     max_positions: int) -> tuple[list[list[tuple[int, int]]], list[str]]:
+    """Each text's sentence spans and all their sentences, text after text, as a model is given them:
+    tabs, newlines and runs of spaces inside one are one space, and a sentence longer than the model
+    reads (`max_positions` source tokens) is cut at spaces into parts that fit rather than truncated.
+    What Translator.translate_paragraphs and the server's /translate translate; `rejoin_all` puts their
+    translations back."""
+    spans = [_within_limit(text, sentence_spans(text, language=language), tokenizer=tokenizer,
+                           limit=max_positions - len(tokenizer.source_suffix)) for text in texts]
+    sentences = [" ".join(text[start:end].split()) for text, text_spans in zip(texts, spans, strict=True)
+                 for start, end in text_spans]
+    return spans, sentences
+
+
+def _within_limit(text: str, spans: list[tuple[int, int]], *, tokenizer: Tokenizer,
+                  limit: int) -> list[tuple[int, int]]:
+    """The spans, each sentence of more than `limit` text tokens cut at spaces into parts that fit: a part
+    ends where its words' tokens (each word counted alone) would overflow. A single word too long stays
+    whole (and is truncated, with its warning)."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        sentence = text[start:end]
+        if tokenizer.source_tokens(tokenizer.encode_source([sentence])[0]) <= limit:
+            out.append((start, end))
+            continue
+        words = [(start + m.start(), start + m.end()) for m in re.finditer(r"\S+", sentence)]
+        counts = [tokenizer.source_tokens(ids) for ids in tokenizer.encode_source([text[a:b] for a, b in words])]
+        part_start, used, previous_end = words[0][0], 0, words[0][1]
+        for (a, b), count in zip(words, counts, strict=True):
+            if used and used + count > limit:
+                out.append((part_start, previous_end))
+                part_start, used = a, 0
+            used, previous_end = used + count, b
+        out.append((part_start, previous_end))
+    return out

@@ -32,7 +32,7 @@ from seq2seq.model.numerics import for_inference
 from seq2seq.precision import Precision, resolve_precision
 from seq2seq.scoring import Forced, force_decode
 from seq2seq.search import Hypothesis, SearchConfig, decode
-from seq2seq.sentences import rejoin, sentence_spans
+from seq2seq.sentences import rejoin_all, split_paragraphs
 from seq2seq.tokenizer import Tokenizer
 
 DEFAULT_SEARCH = SearchConfig()  # beam 5
@@ -121,37 +121,9 @@ class Translator:
         translates as `translate` translates it, its surrounding whitespace kept; a sentence longer than
         the model reads is cut at spaces into parts that fit, not truncated."""
         texts = as_lines(texts)
-        spans = [self._within_limit(text, sentence_spans(text, language=self.src_lang)) for text in texts]
-        # A newline or tab inside a sentence is a space to the model (the server sends them so too)
-        sentences = [" ".join(text[start:end].split()) for text, text_spans in zip(texts, spans, strict=True)
-                     for start, end in text_spans]
-        translated = iter(self.translate(sentences, search, max_tokens=max_tokens, glossary=glossary))
-        return [rejoin(text, text_spans, [next(translated) for _ in text_spans])
-                for text, text_spans in zip(texts, spans, strict=True)]
-
-    def _within_limit(self, text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The spans, each sentence longer than the model reads (`max_positions` source tokens) cut at
-        spaces into parts that fit, rather than truncated: a part ends where its words' tokens (each
-        word counted alone) would overflow. A single word too long for the model stays whole (and is
-        truncated, with its warning)."""
-        limit = self.model.config.max_positions - len(self.tokenizer.source_suffix)
-        out: list[tuple[int, int]] = []
-        for start, end in spans:
-            sentence = text[start:end]
-            if self.tokenizer.source_tokens(self.tokenizer.encode_source([sentence])[0]) <= limit:
-                out.append((start, end))
-                continue
-            words = [(start + m.start(), start + m.end()) for m in re.finditer(r"\S+", sentence)]
-            counts = [self.tokenizer.source_tokens(ids)
-                      for ids in self.tokenizer.encode_source([text[a:b] for a, b in words])]
-            part_start, used, previous_end = words[0][0], 0, words[0][1]
-            for (a, b), count in zip(words, counts, strict=True):
-                if used and used + count > limit:
-                    out.append((part_start, previous_end))
-                    part_start, used = a, 0
-                used, previous_end = used + count, b
-            out.append((part_start, previous_end))
-        return out
+        spans, sentences = split_paragraphs(texts, tokenizer=self.tokenizer, language=self.src_lang,
+                                            max_positions=self.model.config.max_positions)
+        return rejoin_all(texts, spans, self.translate(sentences, search, max_tokens=max_tokens, glossary=glossary))
 
     def translate_nbest(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,

@@ -56,6 +56,7 @@ import asyncio
 import contextlib
 import dataclasses
 import http
+import itertools
 import json
 import logging
 import math
@@ -87,7 +88,7 @@ from seq2seq.cli import add_search_arguments, check_flags, describe, one_line_wa
 from seq2seq.model import ConfigError
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
-from seq2seq.sentences import rejoin, sentence_spans
+from seq2seq.sentences import rejoin_all, split_paragraphs
 from seq2seq.translator import Translation, Translator, check_glossary, glossary_terms
 
 LANGUAGE_NAMES = {"cs": "Czech", "de": "German", "en": "English", "fr": "French", "es": "Spanish", "it": "Italian",
@@ -548,16 +549,17 @@ class Server:
             search = dataclasses.replace(search, nbest=nbest, beam_size=max(search.beam_size, nbest), sampling=False)
         # A text may be a paragraph: its sentences are translated (all of the request's in one batch) and
         # put back with the text's own spaces and newlines; alternative i takes each sentence's i-th.
-        spans = [sentence_spans(text, language=self.translator.src_lang) for text in texts]
-        sentences = [text[a:b] for text, text_spans in zip(texts, spans, strict=True) for a, b in text_spans]
-        nbest_lists = iter(await self.translate(request, [" ".join(s.split()) for s in sentences], search))
-        best, others = [], []
-        for text, text_spans in zip(texts, spans, strict=True):
-            lists = [next(nbest_lists) for _ in text_spans]
-            best.append(rejoin(text, text_spans, [hyps[0].text if hyps else "" for hyps in lists]) if lists else "")
-            others.append([rejoin(text, text_spans, [(hyps[i] if i < len(hyps) else hyps[0]).text if hyps else ""
-                                                     for hyps in lists])
-                           if any(i < len(hyps) for hyps in lists) else "" for i in range(1, alternatives + 1)])
+        spans, sentences = split_paragraphs(texts, tokenizer=self.translator.tokenizer, language=self.translator.src_lang,
+                                            max_positions=self.translator.model.config.max_positions)
+        nbest_lists = await self.translate(request, sentences, search)
+        best = rejoin_all(texts, spans, [hyps[0].text if hyps else "" for hyps in nbest_lists])
+        # Alternative i of a text: its sentences' i-th (their best where they have fewer), or "" where none has one
+        bounds = list(itertools.accumulate((len(text_spans) for text_spans in spans), initial=0))
+        most = [max((len(hyps) for hyps in nbest_lists[a:b]), default=0) for a, b in itertools.pairwise(bounds)]
+        alternative = [rejoin_all(texts, spans, [(hyps[i] if i < len(hyps) else hyps[0]).text if hyps else ""
+                                                 for hyps in nbest_lists]) for i in range(1, alternatives + 1)]
+        others = [[alternative[i - 1][t] if i < most[t] else "" for i in range(1, alternatives + 1)]
+                  for t in range(len(texts))]
         response: dict[str, Any] = {"translatedText": best[0] if single else best}
         if alternatives:
             response["alternatives"] = others[0] if single else others
