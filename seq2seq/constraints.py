@@ -103,7 +103,7 @@ def allocate(banks: Sequence[int], *, beam_size: int, num_banks: int) -> list[in
     return sorted(taken)
 
 
-def holds(tokens: Sequence[int], phrase: Sequence[int], *, continuing: set[int]) -> bool:
+def holds(tokens: Sequence[int], phrase: Sequence[int], *, continuing: frozenset[int]) -> bool:
     """Whether `phrase` is in `tokens` as a whole word: a contiguous run not followed by a token that
     continues its word (`continuing`)."""
     phrase, n = list(phrase), len(phrase)

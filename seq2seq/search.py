@@ -454,7 +454,7 @@ class Live:
 def decode(
     model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
     prefix: Sequence[Sequence[int]] | None = None, generator: torch.Generator | None = None,
-    constraints: Sequence[Phrases] | None = None, continues_word: Tensor | None = None,
+    constraints: Sequence[Phrases] | None = None, continuing: frozenset[int] = frozenset(),
 ) -> list[list[Hypothesis]]:
     """Per source sentence (B, S) its hypotheses, best first: `nbest` of them, or one for greedy and sampling.
 
@@ -462,8 +462,8 @@ def decode(
     many batches passes one generator so that the batches draw different numbers. `constraints`: per
     sentence, target phrases (token ids) its outputs must contain: an output of the plain search that holds
     them all is kept, the others are searched again by `constrained_beam_search` (a sentence whose phrases
-    it cannot place keeps its plain output: check with constraints.holds); `continues_word` (V,) bool
-    marks the tokens that continue a word, which may not follow a placed phrase (None: any may).
+    it cannot place keeps its plain output: check with constraints.holds); `continuing`: the tokens that
+    continue a word, which may not follow a placed phrase (empty: any may).
     """
     config.check_vocabulary(model.config.vocab_size)
     if constraints is not None and any(constraints) and config.sampling:
@@ -480,13 +480,12 @@ def decode(
     if constraints is not None and any(constraints):
         # Outputs that already hold their phrases stay as they are; the others are searched again under
         # their constraints, and kept as they were (their phrases missing: the caller says so) if that fails.
-        continuing = set(continues_word.nonzero()[:, 0].tolist()) if continues_word is not None else set()
         redo = [r for r, hyps in enumerate(results) if constraints[r] and not all(
             holds(h.tokens, phrase, continuing=continuing) for h in hyps for phrase in constraints[r])]
         if redo:
             again = constrained_beam_search(
                 model, src[redo], config, bos=bos, eos=eos, pad=pad, constraints=[constraints[r] for r in redo],
-                prefix=[prefix[r] for r in redo] if prefix is not None else None, continues_word=continues_word)
+                prefix=[prefix[r] for r in redo] if prefix is not None else None, continuing=continuing)
             for r, hyps in zip(redo, again, strict=True):
                 results[r] = hyps or results[r]
     if config.token_scores or config.alignments:
@@ -568,7 +567,7 @@ def beam_search(
 def constrained_beam_search(
     model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, bos: int, eos: int, pad: int,
     constraints: Sequence[Phrases], prefix: Sequence[Sequence[int]] | None = None,
-    continues_word: Tensor | None = None,
+    continuing: frozenset[int] = frozenset(),
 ) -> list[list[Hypothesis]]:
     """Beam search whose outputs contain every phrase of their sentence's `constraints`, in any order:
     dynamic beam allocation (seq2seq/constraints.py). Per sentence its n-best, best first; none for a
@@ -597,7 +596,8 @@ def constrained_beam_search(
     live.limits = live.limits._replace(max_len=torch.maximum(live.limits.max_len, needed).clamp(
         max=model.config.max_positions - 1))
     num_banks = [sum(map(len, p)) + 1 for p in phrases]
-    continuing = set(continues_word.nonzero()[:, 0].tolist()) if continues_word is not None else set()
+    continues_word = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=src.device)  # (V,)
+    continues_word[sorted(continuing)] = True
     progress = [[start(p)] for p in phrases]  # by input sentence: per live hypothesis
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
 
@@ -611,12 +611,12 @@ def constrained_beam_search(
         unmet = torch.tensor([[not all_met(progress[i][b]) for b in range(k_cur)] for i in sentences],
                              dtype=torch.bool, device=logits.device)  # (N, K_cur)
         rows[..., ids.eos] = rows[..., ids.eos].masked_fill(unmet, NEG_INF)  # no end before every phrase is in
-        if continues_word is not None:  # a phrase just placed ends its word
+        if continuing:  # a phrase just placed ends its word
             placed = [s * k_cur + b for s, i in enumerate(sentences) for b in range(k_cur)
                       if progress[i][b].just_placed >= 0]
             if placed:
                 at = torch.tensor(placed, device=logits.device)
-                logits[at] = logits[at].masked_fill(continues_word.to(logits.device), NEG_INF)
+                logits[at] = logits[at].masked_fill(continues_word, NEG_INF)
         top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K)
         top = (top_logits - normalizer[:, None]).tolist()
         wanted = [(s * k_cur + b, token) for s, i in enumerate(sentences) for b in range(k_cur)

@@ -89,8 +89,7 @@ class Translator:
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.search = search
-        self._continues: torch.Tensor | None = None  # _continues_word's, made on first use
-        self._continuing_ids: set[int] | None = None  # the same as ids
+        self._continuing: frozenset[int] | None = None  # continuing_ids(), made on first use
 
     @classmethod
     def from_checkpoint(
@@ -197,7 +196,7 @@ class Translator:
             bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
             nbest = decode(self.model, src, search, bos=bos, eos=eos, pad=pad, generator=generator, prefix=prefix,
                            constraints=[phrases[i][1] for i in batch] if phrases is not None else None,
-                           continues_word=self._continues_word() if phrases is not None else None)
+                           continuing=self.continuing_ids() if phrases is not None else frozenset())
             for i, sentence_hyps in zip(batch, nbest, strict=True):
                 yield i, self._detokenize(sentence_hyps, source=ids[i],
                                           phrases=phrases[i] if phrases is not None else None)
@@ -302,19 +301,15 @@ class Translator:
                                  f"the model writes ({limit}: max_positions - 1); shorten it")
         return ids
 
-    def _continues_word(self) -> torch.Tensor:
-        """(V,) bool: the pieces that continue a word (`continues_word`), specials excepted; computed once."""
-        if self._continues is None:
-            pieces = self.tokenizer.pieces()
-            specials = {self.tokenizer.eos_id, self.tokenizer.pad_id, self.tokenizer.bos_id, self.tokenizer.unk_id}
-            self._continues = torch.tensor([continues_word(p) and i not in specials for i, p in enumerate(pieces)],
-                                           dtype=torch.bool, device=self.device)
-        return self._continues
-
-    def _continuing(self) -> set[int]:
-        if self._continuing_ids is None:
-            self._continuing_ids = set(self._continues_word().nonzero()[:, 0].tolist())
-        return self._continuing_ids
+    def continuing_ids(self) -> frozenset[int]:
+        """The pieces that continue a word (`continues_word`), specials excepted: what may not follow a
+        placed constraint. Computed once."""
+        if self._continuing is None:
+            tokenizer = self.tokenizer
+            specials = {tokenizer.eos_id, tokenizer.pad_id, tokenizer.bos_id, tokenizer.unk_id}
+            self._continuing = frozenset(i for i, piece in enumerate(tokenizer.pieces())
+                                         if continues_word(piece) and i not in specials)
+        return self._continuing
 
     def constraint_ids(self, constraints: Iterable[Sequence[str]], count: int, *, forced: list[list[int]] | None,
                         first_line: int) -> list[tuple[list[str], list[list[int]]]]:
@@ -350,7 +345,7 @@ class Translator:
                             alignment=self._word_alignment(source, h),
                             unmet_constraints=None if phrases is None else [
                                 text for text, ids in zip(*phrases, strict=True)
-                                if not holds(h.tokens, ids, continuing=self._continuing())])
+                                if not holds(h.tokens, ids, continuing=self.continuing_ids())])
                 for t, h in zip(texts, hyps, strict=True)]
 
     def _word_alignment(self, source: list[int], hyp: Hypothesis) -> list[tuple[int, int]] | None:

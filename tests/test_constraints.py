@@ -139,9 +139,8 @@ def test_every_output_holds_its_phrases_and_the_others_are_untouched(search: Sea
             assert h.tokens[: len(pre)] == pre
             assert all(any(h.tokens[i : i + len(p)] == p for i in range(len(h.tokens))) for p in phrases)
     # A placed phrase ends its word: with every token but 9 continuing a word, 12 is followed by 9 or EOS
-    continues = torch.ones(30, dtype=torch.bool)
-    continues[[9, EOS_ID]] = False
-    for h in decode(model, src, search, constraints=[[[12]]] * 4, continues_word=continues, **IDS):
+    continuing = frozenset(range(30)) - {9, EOS_ID}
+    for h in decode(model, src, search, constraints=[[[12]]] * 4, continuing=continuing, **IDS):
         at = h[0].tokens.index(12)
         assert h[0].tokens[at + 1 : at + 2] in ([], [9])
     with pytest.raises(ValueError, match="not sampling"):
