@@ -10,15 +10,15 @@ when its text encodes back to the pieces the search wrote (a search may spell a 
 tokenizer would not choose: `score` then scores the tokenizer's spelling).
 
 The log-probabilities are the model's own (log_softmax in float32, or the model's float64, over the whole
-vocabulary), as
-`Hypothesis.log_prob` sums them: no renormalisation over what a search may have banned.
+vocabulary), as `Hypothesis.log_prob` sums them: no renormalisation over what a search may have banned.
+A model whose alignments are asked for has `decode_with_attention` (the Transformer's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -39,13 +39,6 @@ class Forced:
     @property
     def log_prob(self) -> float:
         return sum(self.token_log_probs)
-
-
-class Aligning(Protocol):
-    """A model whose cross-attention can be read (the Transformer's `decode_with_attention`)."""
-
-    def decode_with_attention(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, *,
-                              layer: int) -> tuple[Tensor, Tensor]: ...
 
 
 def alignment_layer(num_decoder_layers: int) -> int:
