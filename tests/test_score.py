@@ -130,3 +130,21 @@ def test_translate_writes_alignment_and_token_score_columns(trained: Path, trans
         assert text == hyps[0].text
         assert alignment == " ".join(f"{i}-{j}" for i, j in hyps[0].alignment)
         assert [float(x) for x in scores.split(" ")] == pytest.approx(hyps[0].token_scores, abs=1e-4)
+
+
+@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.05), ("int8", 0.1)])
+def test_scores_and_alignments_in_bf16_and_int8(trained: Path, precision: str, bound: float):
+    """The forced pass in each precision auto may pick: token scores near the search's own log-probs (per
+    token, as test_translator's bounds for these formats), and alignments within the words."""
+    sources, _ = demo_pairs(20)
+    translator = Translator.from_checkpoint(trained, precision=precision)
+    assert translator.precision == precision
+    search = SearchConfig(beam_size=4, length_penalty=0.0, token_scores=True, alignments=True)
+    tokens = 0
+    moved = 0.0
+    for source, [t] in zip(sources, translator.translate_nbest(sources, search), strict=True):
+        assert len(t.token_scores) == len(t.tokens) + 1
+        moved += abs(sum(t.token_scores) - t.score)  # length_penalty 0: the score is the search's log-prob
+        tokens += len(t.token_scores)
+        assert all(0 <= i < len(source.split(" ")) and 0 <= j < len(t.text.split(" ")) for i, j in t.alignment)
+    assert moved / tokens < bound, f"{precision}: {moved / tokens:.4f} a token"
