@@ -1,0 +1,194 @@
+"""The server's queue: requests' sentences gathered into batches as they arrive, one decoder call at a
+time per model, each request charged its decoding cost before it is queued."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from seq2seq.search import SearchConfig
+from seq2seq.translator import Translation, Translator
+
+# Every hypothesis holds a vocabulary-wide row of scores (the logits and the search's temporaries
+# over them) however short its output: measured, about as much memory as 20 cached target positions.
+# Charged less, a client could ask for one-step outputs (max_len_b 0) of thousands of one-token
+# sentences and hold that many rows at once.
+MIN_STEPS_CHARGED = 16
+
+
+class Busy(Exception):
+    """The queue is full: answered 429."""
+
+
+def decoding_cost(length: int, search: SearchConfig, *, max_positions: int, at_least: int = 0) -> int:
+    """The decoder tokens one sentence of `length` source tokens may cost: its hypotheses times its
+    steps (the output limit as search.max_lengths computes it, raised to the `at_least` tokens a target
+    prefix and constraints need, plus EOS), at least MIN_STEPS_CHARGED."""
+    if length == 0:
+        return 0  # an empty line is answered without decoding
+    length = min(length, max_positions)  # the Translator truncates a longer line
+    limit = min(max(math.floor(search.max_len_a * length + search.max_len_b), at_least, 0), max_positions - 1)
+    rows = 1 if search.sampling else search.beam_size
+    return rows * max(limit + 1, MIN_STEPS_CHARGED)
+
+
+def summary(error: BaseException) -> str:
+    """One line for the log: the error's type and the first line of its message."""
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:500]
+
+
+
+@dataclass
+class Job:
+    """One request's sentences, waiting for the batcher; `result` resolves to their n-best lists."""
+
+    texts: list[str]
+    search: SearchConfig
+    costs: list[int]  # decoder tokens per sentence (decoding_cost)
+    result: asyncio.Future[list[list[Translation]]]
+    generator: torch.Generator | None = None  # seeded sampling: one for all the job's decoder calls
+    prefixes: list[str] | None = None  # /v1's target_prefix: the start of each translation ("" for none)
+    constraints: list[list[str]] | None = None  # /v1's constraints and glossary terms: phrases per text
+    answers: dict[int, list[Translation]] = field(default_factory=dict)
+
+    @property
+    def cost(self) -> int:
+        return sum(self.costs)
+
+    def answer(self, index: int, translations: list[Translation]) -> None:
+        self.answers[index] = translations
+        if len(self.answers) == len(self.texts) and not self.result.done():
+            self.result.set_result([self.answers[i] for i in range(len(self.texts))])
+
+
+@dataclass
+class Stats:
+    batches: int = 0  # decoder calls (translate_nbest), each one length-sorted batch of sentences
+    requests: int = 0
+    sentences: int = 0
+
+
+@dataclass
+class Batcher:
+    """The queue of jobs and the task that decodes them in batches, one decoder call at a time."""
+
+    translator: Translator
+    max_tokens: int = 8192  # source tokens per encoder batch, as translate_nbest takes them
+    max_batch_tokens: int = 8192  # decoder tokens (decoding_cost) per decoder call
+    max_wait: float = 0.005  # seconds the first job of a batch waits for others to join it
+    batching: bool = True  # False: one request per batch (the benchmark's baseline)
+    max_queue: int = 1024
+    stats: Stats = field(default_factory=Stats)
+
+    def __post_init__(self) -> None:
+        self.queue: asyncio.Queue[Job] = asyncio.Queue(self.max_queue)
+        # One worker: torch already spreads one batch over the intra-op threads.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
+
+    def costs(self, texts: list[str], search: SearchConfig, *, at_least: list[int] | None = None) -> list[int]:
+        """decoding_cost of each text, from the tokenizer's count of its tokens (`at_least`: the target
+        tokens each must hold, its prefix's and constraints')."""
+        max_positions = self.translator.model.config.max_positions
+        needed = at_least if at_least is not None else [0] * len(texts)
+        return [decoding_cost(len(ids), search, max_positions=max_positions, at_least=n)
+                for ids, n in zip(self.translator.tokenizer.encode_source(texts), needed, strict=True)]
+
+    def submit(self, texts: list[str], search: SearchConfig, *, costs: list[int] | None = None,
+               prefixes: list[str] | None = None,
+               constraints: list[list[str]] | None = None) -> asyncio.Future[list[list[Translation]]]:
+        """Queue the texts (with the start each translation must have, if `prefixes`); raises Busy when
+        the queue is full."""
+        costs = self.costs(texts, search) if costs is None else costs
+        generator = None
+        if search.sampling and search.seed is not None:
+            generator = torch.Generator(device=self.translator.device).manual_seed(search.seed)
+        job = Job(texts, search, costs, asyncio.get_running_loop().create_future(), generator, prefixes, constraints)
+        try:
+            self.queue.put_nowait(job)
+        except asyncio.QueueFull:
+            raise Busy(f"the server has {self.queue.qsize()} requests queued; retry later") from None
+        self.stats.requests += 1
+        return job.result
+
+    async def run(self) -> None:
+        """Forever: take the first job, gather what joins it within max_wait, decode, answer."""
+        loop = asyncio.get_running_loop()
+        while True:
+            jobs = [await self.queue.get()]
+            deadline = loop.time() + self.max_wait
+            cost = jobs[0].cost
+            while self.batching and cost < self.max_batch_tokens:
+                try:
+                    job = self.queue.get_nowait() if loop.time() >= deadline else await asyncio.wait_for(
+                        self.queue.get(), deadline - loop.time())
+                except (asyncio.QueueEmpty, asyncio.TimeoutError):
+                    break
+                jobs.append(job)
+                cost += job.cost
+            await self._decode(jobs)
+
+    async def _decode(self, jobs: list[Job]) -> None:
+        by_search: dict[SearchConfig, list[Job]] = {}
+        for job in jobs:
+            by_search.setdefault(job.search, []).append(job)
+        groups = [group for search, group in by_search.items() if not (search.sampling and search.seed is not None)]
+        # A seeded draw must not depend on what else arrived: such requests are decoded alone.
+        groups += [[job] for search, group in by_search.items() if search.sampling and search.seed is not None
+                   for job in group]
+        for group in groups:
+            for call in self._calls(group):
+                await self._decode_call(call)
+
+    def _calls(self, group: list[Job]) -> list[list[tuple[Job, int]]]:
+        """The group's sentences (job, index) in arrival order, cut into calls of <= max_batch_tokens."""
+        calls: list[list[tuple[Job, int]]] = [[]]
+        cost = 0
+        for job in group:
+            for i, sentence_cost in enumerate(job.costs):
+                if calls[-1] and cost + sentence_cost > self.max_batch_tokens:
+                    calls.append([])
+                    cost = 0
+                calls[-1].append((job, i))
+                cost += sentence_cost
+        return calls
+
+    async def _decode_call(self, call: list[tuple[Job, int]]) -> None:
+        # A job whose future is done has no one waiting: timed out, disconnected, or failed already.
+        call = [(job, i) for job, i in call if not job.result.done()]
+        if not call:
+            return
+        jobs = list({id(job): job for job, _ in call}.values())
+        texts = [job.texts[i] for job, i in call]
+        prefixes = [job.prefixes[i] if job.prefixes else "" for job, i in call] if any(j.prefixes for j in jobs) else None
+        constraints = ([job.constraints[i] if job.constraints else [] for job, i in call]
+                       if any(j.constraints for j in jobs) else None)
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.executor, lambda: self.translator.translate_nbest(
+                    texts, jobs[0].search, max_tokens=self.max_tokens, generator=jobs[0].generator, prefixes=prefixes,
+                    constraints=constraints))
+        except Exception as error:  # noqa: BLE001  # every waiting request must hear of it
+            if len(jobs) == 1:
+                if not jobs[0].result.done():
+                    jobs[0].result.set_exception(error)
+                return
+            print(f"error: a decoder call for {len(jobs)} requests failed ({summary(error)}); "
+                  "decoding them one at a time", file=sys.stderr, flush=True)
+            for job in jobs:  # only the request that fails alone gets the error
+                await self._decode_call([(j, i) for j, i in call if j is job])
+            return
+        self.stats.batches += 1
+        self.stats.sentences += len(texts)
+        for (job, i), translations in zip(call, results, strict=True):
+            job.answer(i, translations)
+
+    async def drain(self) -> None:
+        """Decode what is still queued (at shutdown), then stop the worker."""
+        while not self.queue.empty():
+            await self._decode([self.queue.get_nowait() for _ in range(self.queue.qsize())])
+        self.executor.shutdown(wait=True)
