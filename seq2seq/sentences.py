@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import pysbd
 
@@ -70,6 +72,25 @@ def rejoin_all(texts: list[str], spans: list[list[tuple[int, int]]], translation
     return out
 
 
+class Paragraphs:
+    """Plain text (a line, a paragraph, a page) as a document: its sentences (`split` cuts them) and
+    `render`, which puts their translations back with the text's own spacing."""
+
+    needs_alignments = False
+
+    def __init__(self, text: str, *, split: Callable[[str], list[tuple[int, int]]]) -> None:
+        self.text, self.spans = text, split(text)
+        self.sentences = [" ".join(text[start:end].split()) for start, end in self.spans]
+
+    def render(self, translations: Sequence[HasText]) -> str:
+        return rejoin(self.text, self.spans, [t.text for t in translations])
+
+
+class HasText(Protocol):
+    @property
+    def text(self) -> str: ...
+
+
 def split_paragraphs(texts: list[str], *, tokenizer: Tokenizer, language: str,
                      max_positions: int) -> tuple[list[list[tuple[int, int]]], list[str]]:
     """Each text's sentence spans and all their sentences, text after text, as a model is given them:
@@ -77,11 +98,17 @@ def split_paragraphs(texts: list[str], *, tokenizer: Tokenizer, language: str,
     reads (`max_positions` source tokens) is cut at spaces into parts that fit rather than truncated.
     What Translator.translate_paragraphs and the server's /translate translate; `rejoin_all` puts their
     translations back."""
-    spans = [_within_limit(text, sentence_spans(text, language=language), tokenizer=tokenizer,
-                           limit=max_positions - len(tokenizer.source_suffix)) for text in texts]
+    spans = [model_sentence_spans(text, tokenizer=tokenizer, language=language, max_positions=max_positions)
+             for text in texts]
     sentences = [" ".join(text[start:end].split()) for text, text_spans in zip(texts, spans, strict=True)
                  for start, end in text_spans]
     return spans, sentences
+
+
+def model_sentence_spans(text: str, *, tokenizer: Tokenizer, language: str, max_positions: int) -> list[tuple[int, int]]:
+    """sentence_spans, each sentence longer than the model reads cut at spaces into parts that fit."""
+    return _within_limit(text, sentence_spans(text, language=language), tokenizer=tokenizer,
+                         limit=max_positions - len(tokenizer.source_suffix))
 
 
 def _within_limit(text: str, spans: list[tuple[int, int]], *, tokenizer: Tokenizer,

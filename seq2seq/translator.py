@@ -16,23 +16,27 @@ names its line. `translate_stream` does the same over a window of lines at a tim
 file's translations can be written as they are made.
 """
 
+import dataclasses
+import itertools
 import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.constraints import holds
+from seq2seq.markup import HtmlDocument
 from seq2seq.model import Transformer
 from seq2seq.model.numerics import for_inference
 from seq2seq.precision import Precision, resolve_precision
 from seq2seq.scoring import Forced, force_decode
 from seq2seq.search import Hypothesis, SearchConfig, decode
-from seq2seq.sentences import rejoin_all, split_paragraphs
+from seq2seq.sentences import Paragraphs, model_sentence_spans
 from seq2seq.tokenizer import Tokenizer
 
 DEFAULT_SEARCH = SearchConfig()  # beam 5
@@ -52,6 +56,18 @@ class Translation:
     alignment: list[tuple[int, int]] | None = None
     """SearchConfig.alignments: (source word, translation word) pairs, numbered from 0 as `text.split(" ")`
     numbers them (runs of characters other than " "), sorted: Pharaoh's `i-j`. A word may have several partners, or none."""
+
+
+class Document(Protocol):
+    """Text to translate sentence by sentence and put back together: plain paragraphs, HTML, subtitles."""
+
+    sentences: list[str]
+    needs_alignments: bool  # render places markup by the sentences' word alignments
+
+    def render(self, translations: Sequence[Translation]) -> str: ...
+
+
+EMPTY = Translation(text="", score=0.0, tokens=[])  # what an empty sentence translates to
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -119,10 +135,36 @@ class Translator:
         the sentences are translated as one batch, each as it would be alone. A text of one sentence
         translates as `translate` translates it, its surrounding whitespace kept; a sentence longer than
         the model reads is cut at spaces into parts that fit, not truncated."""
-        texts = as_lines(texts)
-        spans, sentences = split_paragraphs(texts, tokenizer=self.tokenizer, language=self.src_lang,
-                                            max_positions=self.model.config.max_positions)
-        return rejoin_all(texts, spans, self.translate(sentences, search, max_tokens=max_tokens, glossary=glossary))
+        return self.translate_documents([Paragraphs(text, split=self.sentence_spans) for text in as_lines(texts)],
+                                        search, max_tokens=max_tokens, glossary=glossary)
+
+    def translate_html(self, texts: Iterable[str], search: SearchConfig | None = None, *,
+                       max_tokens: int = 8192, glossary: Mapping[str, str] | None = None) -> list[str]:
+        """Each HTML text (a page or a fragment) with its text translated and its markup kept
+        (seq2seq/markup.py): word alignments carry the inline elements (<b>, <a href>, ...) to the words
+        of the translation."""
+        return self.translate_documents([HtmlDocument(text, split=self.sentence_spans) for text in texts], search,
+                                        max_tokens=max_tokens, glossary=glossary)
+
+    def translate_documents(self, documents: Sequence[Document], search: SearchConfig | None = None, *,
+                            max_tokens: int = 8192, glossary: Mapping[str, str] | None = None) -> list[str]:
+        """Each document (sentences.Paragraphs, markup.HtmlDocument, subtitles.SrtDocument) rendered with
+        its translation: the sentences of all of them translated as one batch (with word alignments
+        where a document has markup to place), each as it would be alone."""
+        sentences = [sentence for document in documents for sentence in document.sentences]
+        search = search or self.search
+        if any(document.needs_alignments for document in documents):
+            search = dataclasses.replace(search, alignments=True)
+        best = [hyps[0] if hyps else EMPTY
+                for hyps in self.translate_nbest(sentences, search, max_tokens=max_tokens, glossary=glossary)]
+        bounds = list(itertools.accumulate((len(d.sentences) for d in documents), initial=0))
+        return [d.render(best[a:b]) for d, (a, b) in zip(documents, itertools.pairwise(bounds), strict=True)]
+
+    def sentence_spans(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) of each sentence of `text` as it is given to the model (seq2seq/sentences.py: the
+        source language's rules, a sentence too long for the model cut at spaces into parts that fit)."""
+        return model_sentence_spans(text, tokenizer=self.tokenizer, language=self.src_lang,
+                                    max_positions=self.model.config.max_positions)
 
     def translate_nbest(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,

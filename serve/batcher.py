@@ -85,10 +85,14 @@ class Batcher:
     max_queue: int = 1024
     stats: Stats = field(default_factory=Stats)
 
+    # Where decoder calls run (the event loop keeps accepting meanwhile); shared by the models of one
+    # server. None: a thread of its own, shut down by drain().
+    executor: ThreadPoolExecutor | None = None
+
     def __post_init__(self) -> None:
         self.queue: asyncio.Queue[Job] = asyncio.Queue(self.max_queue)
-        # One worker: torch already spreads one batch over the intra-op threads.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
+        self.own_executor = self.executor is None
+        self.pool = self.executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
 
     def costs(self, texts: list[str], search: SearchConfig, *, at_least: list[int] | None = None) -> list[int]:
         """decoding_cost of each text, from the tokenizer's count of its tokens (`at_least`: the target
@@ -169,7 +173,7 @@ class Batcher:
                        if any(j.constraints for j in jobs) else None)
         try:
             results = await asyncio.get_running_loop().run_in_executor(
-                self.executor, lambda: self.translator.translate_nbest(
+                self.pool, lambda: self.translator.translate_nbest(
                     texts, jobs[0].search, max_tokens=self.max_tokens, generator=jobs[0].generator, prefixes=prefixes,
                     constraints=constraints))
         except Exception as error:  # noqa: BLE001  # every waiting request must hear of it
@@ -191,4 +195,5 @@ class Batcher:
         """Decode what is still queued (at shutdown), then stop the worker."""
         while not self.queue.empty():
             await self._decode([self.queue.get_nowait() for _ in range(self.queue.qsize())])
-        self.executor.shutdown(wait=True)
+        if self.own_executor:
+            self.pool.shutdown(wait=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from python_multipart import MultipartParser
@@ -18,6 +19,15 @@ MAX_FORM_FIELDS = 1000  # as Starlette's request.form() allows
 
 class BadRequest(Exception):
     """A client error: answered 400 with this message."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A file part of a multipart form (/translate_file's `file`): its name as the client gave it, and
+    its text."""
+
+    filename: str
+    text: str
 
 
 def shown(value: Any, limit: int = 100) -> str:
@@ -68,7 +78,7 @@ def too_many_fields() -> str:
     return f"the form has more than {MAX_FORM_FIELDS} fields; send fewer sentences per request"
 
 
-async def read_multipart(request: Request) -> dict[str, list[str]]:
+async def read_multipart(request: Request) -> dict[str, list[str | Upload]]:
     """A multipart/form-data body's fields, each name and value UTF-8 (else a BadRequest).
 
     Parsed with python-multipart here rather than by Starlette's request.form(), which reads a field
@@ -80,7 +90,7 @@ async def read_multipart(request: Request) -> dict[str, list[str]]:
     if not boundary:
         raise BadRequest("the multipart body has no boundary in its Content-Type; let the HTTP client build "
                          "the form, or send JSON")
-    parts: list[tuple[bytes, bytearray]] = []
+    parts: list[tuple[bytes, bytearray, bytes | None]] = []  # name, value, file name (of a file part)
     header = [b"", b""]  # name, value of the part header being read
     disposition = [b""]
 
@@ -92,11 +102,12 @@ async def read_multipart(request: Request) -> dict[str, list[str]]:
     def on_headers_finished() -> None:
         if len(parts) >= MAX_FORM_FIELDS:
             raise BadRequest(too_many_fields())
-        name = parse_options_header(disposition[0])[1].get(b"name")
+        options = parse_options_header(disposition[0])[1]
+        name = options.get(b"name")
         if name is None:
             raise BadRequest("a multipart part has no name in its Content-Disposition; send q, source and target "
                              "as named form fields")
-        parts.append((name, bytearray()))
+        parts.append((name, bytearray(), options.get(b"filename")))
         disposition[0] = b""
 
     def add(index: int) -> Callable[[bytes, int, int], None]:
@@ -113,10 +124,19 @@ async def read_multipart(request: Request) -> dict[str, list[str]]:
     except FormParserError as error:
         raise BadRequest(f"the multipart body is malformed ({error}); let the HTTP client build the form, or "
                          "send JSON") from None
-    fields: dict[str, list[str]] = {}
-    for name, value in parts:
+    fields: dict[str, list[str | Upload]] = {}
+    for name, value, filename in parts:
         try:
-            fields.setdefault(name.decode("utf-8"), []).append(value.decode("utf-8"))
+            key = name.decode("utf-8")
+            if filename is None:
+                fields.setdefault(key, []).append(value.decode("utf-8"))
+                continue
+            shown_name = filename.decode("utf-8", errors="replace")
+            try:
+                text = value.decode("utf-8-sig")  # a BOM, as Windows editors write, is not text
+            except UnicodeDecodeError:
+                raise BadRequest(f"the file {shown(shown_name)} is not UTF-8 text; save it as UTF-8") from None
+            fields.setdefault(key, []).append(Upload(filename=shown_name, text=text))
         except UnicodeDecodeError:
             raise BadRequest("the form body is not UTF-8; send UTF-8 text") from None
     return fields

@@ -59,8 +59,9 @@ import itertools
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,24 +69,21 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from seq2seq.cli import add_search_arguments, check_flags, describe, one_line_warnings, open_translator
 from seq2seq.model import ConfigError
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
-from seq2seq.sentences import rejoin_all, split_paragraphs
-from seq2seq.translator import Translation, Translator, check_glossary, glossary_terms
+from seq2seq.translator import EMPTY, Document, Translation, Translator, check_glossary, glossary_terms
 
 # The server's own modules sit beside it (serve/ is on sys.path when it runs as `python serve/server.py`).
 from batcher import MIN_STEPS_CHARGED, Batcher, Busy, decoding_cost, summary
-from bodies import BadRequest, int_field, read_body, shown, texts_of
+from bodies import BadRequest, Upload, int_field, read_body, shown, texts_of
+from documents import FORMATS, FileStore, content_disposition, document, file_format, visible_text
 from guards import FD_RESERVE, AcceptErrors, BodyLimit, BodyTooLarge, open_file_limit, uvicorn_config
-
-LANGUAGE_NAMES = {"cs": "Czech", "de": "German", "en": "English", "fr": "French", "es": "Spanish", "it": "Italian",
-                  "nl": "Dutch", "pt": "Portuguese", "ro": "Romanian", "ru": "Russian", "zh": "Chinese",
-                  "ja": "Japanese", "ar": "Arabic", "pl": "Polish", "tr": "Turkish", "uk": "Ukrainian"}
+from languages import NAMES, Detector
 
 __all__ = ["AcceptErrors", "Batcher", "Busy", "create_app", "decoding_cost", "main", "uvicorn_config"]
 
@@ -118,24 +116,75 @@ def translation_json(translation: Translation) -> dict[str, Any]:
 
 
 @dataclass
-class Server:
-    """The endpoints over one Translator and its Batcher."""
+class Model:
+    """One checkpoint behind the server: its Batcher (and Translator) and its requests' default search
+    (the command line's options over the checkpoint's tuned ones)."""
 
     batcher: Batcher
-    search: SearchConfig  # the defaults: the command line's search options
-    char_limit: int = 5000
-    timeout: float = 60.0
-    max_request_tokens: int = 16384
-    max_beam_size: int = 16
+    search: SearchConfig
 
     @property
     def translator(self) -> Translator:
         return self.batcher.translator
 
-    def check_cost(self, texts: list[str], search: SearchConfig, *, at_least: list[int] | None = None) -> list[int]:
+    @property
+    def pair(self) -> tuple[str, str]:
+        return self.translator.src_lang, self.translator.tgt_lang
+
+
+@dataclass
+class Server:
+    """The endpoints over the models (one per language pair) and their batchers."""
+
+    models: dict[tuple[str, str], Model]
+    detector: Detector
+    char_limit: int = 5000
+    timeout: float = 60.0
+    max_request_tokens: int = 16384
+    max_beam_size: int = 16
+    files: FileStore = field(default_factory=FileStore)
+
+    # -- languages -------------------------------------------------------------------------------
+
+    def pairs(self) -> str:
+        return ", ".join(f"{source} to {target}" for source, target in sorted(self.models))
+
+    def route(self, body: dict[str, Any], texts: list[str], *,
+              format: str = "text") -> tuple[list[Model], list[dict[str, Any]] | None]:
+        """The model for each text (by `source` and `target`; `source: auto` detects each text's language
+        among those the server translates into `target` from), and the detections (None unless auto)."""
+        source, target = body.get("source"), body.get("target")
+        if not isinstance(target, str) or not any(t == target for _, t in self.models):
+            raise BadRequest(f"target {shown(target)} is not one this server translates into; it translates "
+                             f"{self.pairs()} (GET /languages)")
+        if source == "auto":
+            among = sorted(s for s, t in self.models if t == target)
+            found = [self.detector.detect(visible_text(text, format=format), among=among) for text in texts]
+            return ([self.models[(code, target)] for code, _ in found],
+                    [{"confidence": confidence, "language": code} for code, confidence in found])
+        model = self.models.get((source, target)) if isinstance(source, str) else None
+        if model is None:
+            raise BadRequest(f"this server does not translate {shown(source)} to {shown(target)}; it translates "
+                             f"{self.pairs()}, or give source auto (GET /languages)")
+        return [model] * len(texts), None
+
+    def only_model(self, body: dict[str, Any]) -> Model:
+        """/v1's model: by `source` and `target`, which may be left out when the server has one model."""
+        if "source" not in body and "target" not in body and len(self.models) == 1:
+            return next(iter(self.models.values()))
+        model = self.models.get((body.get("source"), body.get("target")))  # type: ignore[arg-type]
+        if model is None:
+            raise BadRequest(f"give source and target, one of the pairs this server translates: {self.pairs()} "
+                             f"(got {shown(body.get('source'))} to {shown(body.get('target'))})")
+        return model
+
+    # -- costs and waiting -----------------------------------------------------------------------
+
+    def check_cost(self, model: Model, texts: list[str], search: SearchConfig, *,
+                   at_least: list[int] | None = None) -> list[int]:
         """Each sentence's decoding_cost; a BadRequest if the request's beam or total is over the limits."""
         try:
-            search.check_vocabulary(self.translator.model.config.vocab_size)
+            search.check_vocabulary(model.translator.model.config.vocab_size)
         except ConfigError as error:
             raise BadRequest(f"{error.field}: {error.problem}") from None
         if not search.sampling and search.beam_size > self.max_beam_size:
@@ -148,7 +197,7 @@ class Server:
         if sentences * rows * MIN_STEPS_CHARGED > self.max_request_tokens:
             raise self.over_budget(sentences * rows * MIN_STEPS_CHARGED, sentences, rows,
                                    f"at least {MIN_STEPS_CHARGED}")
-        costs = self.batcher.costs(texts, search, at_least=at_least)
+        costs = model.batcher.costs(texts, search, at_least=at_least)
         if sum(costs) > self.max_request_tokens:
             raise self.over_budget(sum(costs), sentences, rows, f"up to {max(costs) // rows}")
         return costs
@@ -159,95 +208,151 @@ class Server:
             f"more than this server's limit of {self.max_request_tokens} per request (--max-request-tokens); send "
             "fewer or shorter sentences per request" + (", or ask for a smaller beam" if rows > 1 else ""))
 
-    async def translate(self, request: Request, texts: list[str], search: SearchConfig, *,
-                        prefixes: list[str] | None = None,
-                        constraints: list[list[str]] | None = None) -> list[list[Translation]]:
+    def submit(self, model: Model, texts: list[str], search: SearchConfig, *, prefixes: list[str] | None = None,
+               constraints: list[list[str]] | None = None) -> asyncio.Future[list[list[Translation]]]:
         at_least = None
         if prefixes is not None or constraints is not None:  # the output limit grows to hold them
-            tokenizer = self.translator.tokenizer
+            tokenizer = model.translator.tokenizer
             prefix_tokens = [len(ids) for ids in tokenizer.encode_target(prefixes)] if prefixes else [0] * len(texts)
             phrase_tokens = ([sum(map(len, tokenizer.encode_target(phrases))) if phrases else 0 for phrases in constraints]
                              if constraints else [0] * len(texts))
             at_least = [a + b for a, b in zip(prefix_tokens, phrase_tokens, strict=True)]
-        costs = self.check_cost(texts, search, at_least=at_least)
-        future = self.batcher.submit(texts, search, costs=costs, prefixes=prefixes, constraints=constraints)
+        costs = self.check_cost(model, texts, search, at_least=at_least)
+        return model.batcher.submit(texts, search, costs=costs, prefixes=prefixes, constraints=constraints)
+
+    async def wait(self, request: Request, futures: list[asyncio.Future[list[list[Translation]]]]) -> list[list[list[Translation]]]:
+        """The futures' results, once all are done; a ClientDisconnect if the client goes first, a
+        TimeoutError after --timeout (the batcher then skips what is still queued)."""
+        everything = asyncio.gather(*futures)
         gone = asyncio.ensure_future(until_disconnected(request))
-        waiting: set[asyncio.Future[Any]] = {future, gone}
         try:
-            await asyncio.wait(waiting, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({everything, gone}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if future.done():
-            return future.result()
-        future.cancel()  # the batcher skips a job whose future is done
+        if everything.done():
+            return everything.result()
+        for future in futures:
+            future.cancel()  # the batcher skips a job whose future is done
+        everything.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await everything
         if gone.done() and not gone.cancelled():
             raise ClientDisconnect()
         raise TimeoutError(f"no translation within {self.timeout:g} s; the server is busy, retry later")
 
-    def check_languages(self, body: dict[str, Any]) -> None:
-        source, target = body.get("source"), body.get("target")
-        src, tgt = self.translator.src_lang, self.translator.tgt_lang
-        if source not in (src, "auto") or target != tgt:
-            raise BadRequest(f"this server translates {src} to {tgt} only (source {shown(source)}, target "
-                             f"{shown(target)}); GET /languages lists it")
-        if body.get("format", "text") != "text":
-            raise BadRequest(f"format {shown(body.get('format'))} is not supported; send plain text with format text")
+    async def translate_documents(self, request: Request, routed: list[tuple[Model, list[Document]]], *,
+                                  alternatives: int = 0) -> list[list[list[Translation]]]:
+        """Per group of documents (those of one model), each sentence's n-best list: every group queued
+        at once, each with its model's batcher, then waited for together."""
+        futures = []
+        for model, documents in routed:
+            search = model.search
+            if alternatives:  # n-best: the beam must hold them
+                nbest = alternatives + 1
+                search = dataclasses.replace(search, nbest=nbest, beam_size=max(search.beam_size, nbest), sampling=False)
+            if any(document.needs_alignments for document in documents):
+                search = dataclasses.replace(search, alignments=True)
+            futures.append(self.submit(model, [s for d in documents for s in d.sentences], search))
+        return await self.wait(request, futures)
+
+    # -- endpoints -------------------------------------------------------------------------------
 
     async def libretranslate(self, request: Request) -> JSONResponse:
         body = await read_body(request)
         texts, single = texts_of(body, char_limit=self.char_limit, keep_layout=True)
-        self.check_languages(body)
+        format = body.get("format", "text")
+        if format not in ("text", "html"):
+            raise BadRequest(f"format {shown(format)} is not one this server reads; send text or html")
         alternatives = int_field(body, "alternatives", 0)
         if not 0 <= alternatives <= 9:
             raise BadRequest(f"alternatives must be between 0 and 9, got {alternatives}")
         if alternatives >= self.max_beam_size:
             raise BadRequest(f"alternatives {alternatives} needs a beam of {alternatives + 1}, more than this "
                              f"server's limit of {self.max_beam_size} (--max-beam-size)")
-        search = self.search
-        if alternatives:  # n-best: the beam must hold them
-            nbest = alternatives + 1
-            search = dataclasses.replace(search, nbest=nbest, beam_size=max(search.beam_size, nbest), sampling=False)
-        # A text may be a paragraph: its sentences are translated (all of the request's in one batch) and
-        # put back with the text's own spaces and newlines; alternative i takes each sentence's i-th.
-        spans, sentences = split_paragraphs(texts, tokenizer=self.translator.tokenizer, language=self.translator.src_lang,
-                                            max_positions=self.translator.model.config.max_positions)
-        nbest_lists = await self.translate(request, sentences, search)
-        best = rejoin_all(texts, spans, [hyps[0].text if hyps else "" for hyps in nbest_lists])
-        # Alternative i of a text: its sentences' i-th (their best where they have fewer), or "" where none has one
-        bounds = list(itertools.accumulate((len(text_spans) for text_spans in spans), initial=0))
-        most = [max((len(hyps) for hyps in nbest_lists[a:b]), default=0) for a, b in itertools.pairwise(bounds)]
-        alternative = [rejoin_all(texts, spans, [(hyps[i] if i < len(hyps) else hyps[0]).text if hyps else ""
-                                                 for hyps in nbest_lists]) for i in range(1, alternatives + 1)]
-        others = [[alternative[i - 1][t] if i < most[t] else "" for i in range(1, alternatives + 1)]
-                  for t in range(len(texts))]
+        models, detected = self.route(body, texts, format=format)
+        # Each text may be a paragraph or a page: its sentences are translated (all of a model's in one
+        # batch) and put back with the text's own spacing and markup; alternative i takes each sentence's
+        # i-th (its best where it has fewer), "" where no sentence of the text has an i-th.
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, model in enumerate(models):
+            groups.setdefault(model.pair, []).append(i)
+        routed = [(self.models[pair], [document(texts[i], format=format, translator=self.models[pair].translator)
+                                       for i in indices]) for pair, indices in groups.items()]
+        results = await self.translate_documents(request, routed, alternatives=alternatives)
+        best: list[str] = [""] * len(texts)
+        others: list[list[str]] = [[] for _ in texts]
+        for indices, (model, documents), nbest_lists in zip(groups.values(), routed, results, strict=True):
+            bounds = list(itertools.accumulate((len(d.sentences) for d in documents), initial=0))
+            for i, doc, (a, b) in zip(indices, documents, itertools.pairwise(bounds), strict=True):
+                own = nbest_lists[a:b]
+                best[i] = doc.render([hyps[0] if hyps else EMPTY for hyps in own])
+                most = max((len(hyps) for hyps in own), default=0)
+                others[i] = [document(texts[i], format=format, translator=model.translator).render(
+                    [(hyps[k] if k < len(hyps) else hyps[0]) if hyps else EMPTY for hyps in own]) if k < most else ""
+                    for k in range(1, alternatives + 1)]  # a fresh document each: render fills it in
         response: dict[str, Any] = {"translatedText": best[0] if single else best}
         if alternatives:
             response["alternatives"] = others[0] if single else others
-        if body.get("source") == "auto":
-            detected = {"confidence": 100.0, "language": self.translator.src_lang}
-            response["detectedLanguage"] = detected if single else [detected] * len(texts)
+        if detected is not None:
+            response["detectedLanguage"] = detected[0] if single else detected
         return JSONResponse(response)
+
+    async def translate_file(self, request: Request) -> JSONResponse:
+        body = await read_body(request)
+        upload = body.get("file")
+        if not isinstance(upload, Upload):
+            raise BadRequest("missing file: send the file to translate as the form field file (multipart/form-data), "
+                             f"a {', '.join(FORMATS)} file")
+        format = file_format(upload.filename)
+        (model,), _ = self.route(body, [upload.text], format=format)
+        doc = document(upload.text, format=format, translator=model.translator, name=upload.filename)
+        characters = sum(len(sentence) for sentence in doc.sentences)
+        if characters > self.char_limit:
+            raise BadRequest(f"{shown(upload.filename)} has {characters} characters of text, more than this server's "
+                             f"limit of {self.char_limit}; split the file")
+        (nbest_lists,) = await self.translate_documents(request, [(model, [doc])])
+        name = self.files.put(upload.filename, doc.render([hyps[0] if hyps else EMPTY for hyps in nbest_lists]),
+                              format=format)
+        return JSONResponse({"translatedFileUrl": f"{str(request.base_url).rstrip('/')}/download_file/{name}"})
+
+    async def download_file(self, request: Request) -> Response:
+        stored = self.files.get(request.path_params["name"])
+        if stored is None:
+            return JSONResponse({"error": "no such file: it expired or was never made; translate it again"},
+                                status_code=404)
+        return Response(stored.content, media_type=stored.media_type,
+                        headers={"content-disposition": content_disposition(stored.filename)})
+
+    async def detect(self, request: Request) -> JSONResponse:
+        body = await read_body(request)
+        texts, _ = texts_of(body, char_limit=self.char_limit)
+        among = sorted({source for source, _ in self.models})
+        return JSONResponse([{"confidence": confidence, "language": code}
+                             for code, confidence in self.detector.rank(" ".join(texts), among=among)])
 
     async def v1_translate(self, request: Request) -> JSONResponse:
         body = await read_body(request)
         texts, single = texts_of(body, char_limit=self.char_limit)
-        prefixes = self.target_prefixes(body, texts, single=single)
-        constraints = self.constraints(body, texts, single=single, prefixes=prefixes)
-        options = {k: v for k, v in body.items() if k not in ("q", "target_prefix", "constraints", "glossary")}
+        model = self.only_model(body)
+        prefixes = self.target_prefixes(model, body, texts, single=single)
+        constraints = self.constraints(model, body, texts, single=single, prefixes=prefixes)
+        options = {k: v for k, v in body.items()
+                   if k not in ("q", "target_prefix", "constraints", "glossary", "source", "target")}
         names = {f.name for f in dataclasses.fields(SearchConfig)}
         unknown = sorted(set(options) - names)
         if unknown:
             raise BadRequest(f"unknown option {shown(unknown[0])}; the options are {', '.join(sorted(names))}")
         try:
-            search = dataclasses.replace(self.search, **options)
+            search = dataclasses.replace(model.search, **options)
         except ConfigError as error:
             raise BadRequest(f"{error.field}: {error.problem}"[:300]) from None  # the problem shows the value
         if constraints is not None and search.sampling:
             raise BadRequest("constraints and glossary need a search (beam_size >= 1), not sampling")
-        nbest_lists = await self.translate(request, texts, search, prefixes=prefixes, constraints=constraints)
+        (nbest_lists,) = await self.wait(request, [self.submit(model, texts, search, prefixes=prefixes,
+                                                                constraints=constraints)])
         return JSONResponse({"translations": [[translation_json(h) for h in hyps] for hyps in nbest_lists]})
 
-    def constraints(self, body: dict[str, Any], texts: list[str], *, single: bool,
+    def constraints(self, model: Model, body: dict[str, Any], texts: list[str], *, single: bool,
                     prefixes: list[str] | None) -> list[list[str]] | None:
         """/v1's `constraints` (a list of phrases for a single q, a list of such lists as long as q's) and
         `glossary` (an object, source term -> target term, for every text), as phrases per text; checked
@@ -275,13 +380,14 @@ class Server:
         if sum(len(p) for phrases in per_text for p in phrases) > self.char_limit:
             raise BadRequest(f"the constraints have more than this server's limit of {self.char_limit} characters")
         try:
-            forced = self.translator.tokenizer.encode_target(prefixes) if prefixes is not None else None
-            self.translator.constraint_ids(per_text, len(texts), forced=forced, first_line=1)
+            forced = model.translator.tokenizer.encode_target(prefixes) if prefixes is not None else None
+            model.translator.constraint_ids(per_text, len(texts), forced=forced, first_line=1)
         except ValueError as error:  # it names the text by its line number: here, its place in q (from 1)
             raise BadRequest(str(error).replace("line ", "q item ", 1)) from None
         return per_text
 
-    def target_prefixes(self, body: dict[str, Any], texts: list[str], *, single: bool) -> list[str] | None:
+    def target_prefixes(self, model: Model, body: dict[str, Any], texts: list[str], *,
+                        single: bool) -> list[str] | None:
         """/v1's `target_prefix`: a string for a single q, a list as long as q's for a list ("" for none);
         each within the model's length."""
         if "target_prefix" not in body:
@@ -293,29 +399,33 @@ class Server:
                              "as q is: the start each translation must have (\"\" for none)")
         if sum(len(p) for p in prefixes) > self.char_limit:
             raise BadRequest(f"target_prefix has more than this server's limit of {self.char_limit} characters")
-        limit = self.translator.model.config.max_positions - 1
-        for i, ids in enumerate(self.translator.tokenizer.encode_target([p.strip() for p in prefixes])):
+        limit = model.translator.model.config.max_positions - 1
+        for i, ids in enumerate(model.translator.tokenizer.encode_target([p.strip() for p in prefixes])):
             if len(ids) > limit:
                 raise BadRequest(f"target_prefix[{i}] has {len(ids)} tokens, more than the model writes ({limit})")
         return [" ".join(p.split()) for p in prefixes]
 
     async def languages(self, request: Request) -> JSONResponse:
-        src, tgt = self.translator.src_lang, self.translator.tgt_lang
-        return JSONResponse([{"code": src, "name": LANGUAGE_NAMES.get(src, src), "targets": [tgt]},
-                             {"code": tgt, "name": LANGUAGE_NAMES.get(tgt, tgt), "targets": []}])
+        sources = sorted({source for source, _ in self.models})
+        codes = sources + sorted({target for _, target in self.models} - set(sources))  # sources first
+        return JSONResponse([{"code": code, "name": NAMES.get(code, code),
+                              "targets": sorted(target for source, target in self.models if source == code)}
+                             for code in codes])
 
     async def health(self, request: Request) -> JSONResponse:
-        stats = self.batcher.stats
-        return JSONResponse({"status": "ok", "batches": stats.batches, "requests": stats.requests,
-                             "sentences": stats.sentences, "queued": self.batcher.queue.qsize(),
-                             "precision": self.translator.precision})
+        models = [{"source": source, "target": target, "batches": m.batcher.stats.batches,
+                   "requests": m.batcher.stats.requests, "sentences": m.batcher.stats.sentences,
+                   "queued": m.batcher.queue.qsize(), "precision": m.translator.precision}
+                  for (source, target), m in sorted(self.models.items())]
+        totals = {key: sum(m[key] for m in models) for key in ("batches", "requests", "sentences", "queued")}
+        return JSONResponse({"status": "ok", **totals, "precision": models[0]["precision"], "models": models})
 
 
-def answer_errors(endpoint: Callable[[Request], Awaitable[JSONResponse]]) -> Callable[[Request], Awaitable[JSONResponse]]:
+def answer_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     """Each failure as {"error": ...} with its status; an unexpected one is a 500 (503: out of memory)
     that says nothing of our internals, and one line on stderr that does."""
 
-    async def handle(request: Request) -> JSONResponse:
+    async def handle(request: Request) -> Response:
         try:
             return await endpoint(request)
         except BadRequest as error:
@@ -339,51 +449,77 @@ def answer_errors(endpoint: Callable[[Request], Awaitable[JSONResponse]]) -> Cal
 
 
 
-def create_app(translator: Translator, search: SearchConfig | None = None, *, max_tokens: int = 8192,
+def create_app(translators: Translator | Sequence[Translator],
+               search: SearchConfig | Sequence[SearchConfig] | None = None, *, max_tokens: int = 8192,
                max_wait: float = 0.005, batching: bool = True, max_queue: int = 1024, char_limit: int = 5000,
                timeout: float = 60.0, max_request_tokens: int = 16384, max_batch_tokens: int = 8192,
                max_beam_size: int = 16, max_body_size: int = 1 << 20) -> Starlette:
-    """The ASGI app; its batcher starts and drains with the app's lifespan. `search`: the requests'
-    defaults (the translator's own, tuned on validation where its checkpoint stores them, if None).
-    The limits are the flags of the same names (the module's docstring)."""
-    search = translator.search if search is None else search
-    if not search.sampling and search.beam_size > max_beam_size:
-        raise ValueError(f"the default beam size {search.beam_size} is over --max-beam-size {max_beam_size}; "
-                         "raise --max-beam-size or lower --beam-size")
+    """The ASGI app over one Translator per language pair; their batchers start and drain with the
+    app's lifespan. `search`: the requests' defaults, one for all or one per translator (each
+    translator's own, tuned on validation where its checkpoint stores them, if None). The limits are
+    the flags of the same names (the module's docstring)."""
+    translators = list(translators) if isinstance(translators, (list, tuple)) else [translators]  # type: ignore[list-item]
+    searches = ([t.search for t in translators] if search is None else
+                [search] * len(translators) if isinstance(search, SearchConfig) else list(search))
+    if not translators or len(searches) != len(translators):
+        raise ValueError(f"{len(translators)} translators but {len(searches)} search configurations")
+    pairs: dict[tuple[str, str], int] = {}
+    for i, (translator, defaults) in enumerate(zip(translators, searches, strict=True)):
+        pair = (translator.src_lang, translator.tgt_lang)
+        if pair in pairs:
+            raise ValueError(f"two models translate {pair[0]} to {pair[1]} (the {pairs[pair] + 1}. and {i + 1}. "
+                             "--checkpoint); give one per language pair")
+        pairs[pair] = i
+        if not defaults.sampling and defaults.beam_size > max_beam_size:
+            raise ValueError(f"the default beam size {defaults.beam_size} is over --max-beam-size {max_beam_size}; "
+                             "raise --max-beam-size or lower --beam-size")
+    detector = Detector({t.src_lang for t in translators})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(AcceptErrors(loop.get_exception_handler()))
-        batcher = Batcher(translator, max_tokens=max_tokens, max_batch_tokens=max_batch_tokens, max_wait=max_wait,
-                          batching=batching, max_queue=max_queue)
-        server = Server(batcher, search, char_limit=char_limit, timeout=timeout,
-                        max_request_tokens=max_request_tokens, max_beam_size=max_beam_size)
-        app.state.server = server
-        task = asyncio.create_task(batcher.run())
+        # One decoder thread for every model: torch already spreads one batch over the intra-op threads,
+        # and two decodes at once would fight over the same cores.
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
+        models = {(t.src_lang, t.tgt_lang): Model(Batcher(t, max_tokens=max_tokens, max_batch_tokens=max_batch_tokens,
+                                                          max_wait=max_wait, batching=batching, max_queue=max_queue,
+                                                          executor=executor), defaults)
+                  for t, defaults in zip(translators, searches, strict=True)}
+        app.state.server = Server(models, detector, char_limit=char_limit, timeout=timeout,
+                                  max_request_tokens=max_request_tokens, max_beam_size=max_beam_size)
+        tasks = [asyncio.create_task(model.batcher.run()) for model in models.values()]
         try:
             yield
         finally:  # uvicorn has stopped accepting and waited for the open requests
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await batcher.drain()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for model in models.values():
+                await model.batcher.drain()
+            executor.shutdown(wait=True)
 
     def route(path: str, name: str, methods: list[str]) -> Route:
-        async def endpoint(request: Request) -> JSONResponse:
-            response: JSONResponse = await getattr(request.app.state.server, name)(request)
+        async def endpoint(request: Request) -> Response:
+            response: Response = await getattr(request.app.state.server, name)(request)
             return response
 
         return Route(path, answer_errors(endpoint), methods=methods)
 
-    routes = [route("/translate", "libretranslate", ["POST"]), route("/v1/translate", "v1_translate", ["POST"]),
-              route("/languages", "languages", ["GET"]), route("/health", "health", ["GET"])]
+    routes = [route("/translate", "libretranslate", ["POST"]), route("/translate_file", "translate_file", ["POST"]),
+              route("/download_file/{name}", "download_file", ["GET"]), route("/detect", "detect", ["POST"]),
+              route("/v1/translate", "v1_translate", ["POST"]), route("/languages", "languages", ["GET"]),
+              route("/health", "health", ["GET"])]
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(BodyLimit, max_bytes=max_body_size)])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python serve/server.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
+    parser.add_argument("--checkpoint", required=True, action="append",
+                        help="a .ckpt written by python -m seq2seq.fit (or seq2seq.convert); repeat it to serve several "
+                             "language pairs, one checkpoint each")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--max-wait-ms", type=float, default=5.0,
@@ -429,20 +565,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        translator, search = open_translator(parser, args)
+        loaded = [open_translator(parser, argparse.Namespace(**{**vars(args), "checkpoint": path}))
+                  for path in args.checkpoint]
     except KeyboardInterrupt:  # Ctrl-C while the model loads: one line, as after it starts
         print("\ninterrupted while loading the model; the server was not started", file=sys.stderr)
         raise SystemExit(130) from None
     try:
-        app = create_app(translator, search, max_tokens=args.max_tokens, max_wait=args.max_wait_ms / 1000,
+        app = create_app([t for t, _ in loaded], [search for _, search in loaded], max_tokens=args.max_tokens,
+                         max_wait=args.max_wait_ms / 1000,
                          batching=not args.no_batching, max_queue=args.max_queue, char_limit=args.char_limit,
                          timeout=args.timeout, max_request_tokens=args.max_request_tokens,
                          max_batch_tokens=args.max_batch_tokens, max_beam_size=args.max_beam_size,
                          max_body_size=args.max_body_size)
-    except ValueError as error:  # the checkpoint's tuned beam over --max-beam-size
+    except ValueError as error:  # a checkpoint's tuned beam over --max-beam-size, two models for one pair
         parser.error(str(error))
-    print(f"{translator.src_lang}→{translator.tgt_lang} on http://{args.host}:{args.port} ({translator.precision}, "
-          f"{torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr, flush=True)
+    for translator, search in loaded:
+        print(f"{translator.src_lang}→{translator.tgt_lang} on http://{args.host}:{args.port} ({translator.precision}, "
+              f"{torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr, flush=True)
 
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for the handler
     # that was there before it: these record it, so the process ends with a line and a plain exit

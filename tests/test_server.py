@@ -209,8 +209,10 @@ def test_seeded_sampling_does_not_depend_on_the_other_requests(server: Running):
 
 
 @pytest.mark.parametrize("body,message", [
-    ({"q": "Hello .", "source": "de", "target": "en"}, "translates en to de only"),
-    ({"q": "Hello .", "source": "en", "target": "fr"}, "translates en to de only"),
+    ({"q": "Hello .", "source": "de", "target": "en"}, "target 'en' is not one this server translates into; it translates en to de"),
+    ({"q": "Hello .", "source": "en", "target": "fr"}, "it translates en to de"),
+    ({"q": "Hello .", "source": "de", "target": "de"}, "this server does not translate 'de' to 'de'; it translates en to de, or give source auto"),
+    ({"q": "Hello .", "target": "de"}, "does not translate None to 'de'"),
     ({"q": "", "source": "en", "target": "de"}, "q is empty"),
     ({"q": ["  ", ""], "source": "en", "target": "de"}, "q is empty"),
     ({"q": [], "source": "en", "target": "de"}, "q is empty"),
@@ -218,7 +220,7 @@ def test_seeded_sampling_does_not_depend_on_the_other_requests(server: Running):
     ({"q": 5, "source": "en", "target": "de"}, "q must be a string or a list of strings"),
     ({"q": ["a", 1], "source": "en", "target": "de"}, "q must be a string or a list of strings"),
     ({"source": "en", "target": "de"}, "missing field q"),
-    ({"q": "Hi .", "source": "en", "target": "de", "format": "html"}, "format 'html' is not supported"),
+    ({"q": "Hi .", "source": "en", "target": "de", "format": "xml"}, "format 'xml' is not one this server reads; send text or html"),
     ({"q": "Hi .", "source": "en", "target": "de", "alternatives": "two"}, "alternatives must be a whole number"),
     ({"q": "Hi .", "source": "en", "target": "de", "alternatives": 50}, "alternatives must be between 0 and 9"),
     ({"q": "Hi .", "source": "en", "target": "de", "alternatives": True}, "alternatives must be a whole number"),
@@ -263,6 +265,8 @@ class Blocking:
         self.src_lang, self.tgt_lang = translator.src_lang, translator.tgt_lang
         self.release = threading.Event()
 
+    sentence_spans = Translator.sentence_spans
+
     def translate_nbest(self, texts, search, *, max_tokens, **options):
         self.release.wait(timeout=30)
         return [[] for _ in texts]
@@ -299,7 +303,7 @@ def test_batcher_refuses_beyond_its_queue(translator: Translator):
         batcher.submit(["b"], SEARCH)
         with pytest.raises(Busy):
             batcher.submit(["c"], SEARCH)
-        batcher.executor.shutdown()
+        batcher.pool.shutdown()
 
     asyncio.run(fill())
 
@@ -427,6 +431,8 @@ class Recording:
         self.release = threading.Event()
         if not gated:
             self.release.set()
+
+    sentence_spans = Translator.sentence_spans
 
     def translate_nbest(self, texts, search, **options):
         self.calls.append(list(texts))

@@ -1,0 +1,291 @@
+"""HTML in, HTML out: the text of a page translated, its markup kept.
+
+    document = HtmlDocument(html, split=...)        # parse; document.sentences: what the model reads
+    document.render(translations)                    # one Translation per sentence, with word alignments
+
+What is translated: each run of inline content (text and inline elements such as <b>, <a href>, <i>)
+between block boundaries (<p>, <li>, <td>, <div>, <br>, <img>, ...) is one segment, split into
+sentences as plain text is; and the attributes people read (alt, title, placeholder, aria-label).
+What is kept as it was: every element and attribute, comments, <script>, <style>, <code>, <pre> and
+the like, and whatever is marked translate="no" or class="notranslate" (the HTML standard's and
+Google's conventions).
+
+Inline elements are carried to the words of the translation that the word alignments (SearchConfig
+alignments) tie to the words they held: a translation word takes the inline elements of the source
+word it is aligned to (the most deeply marked one, if several), a word aligned to nothing those
+its two neighbours share. An element whose words the translation spreads apart is written once per
+stretch (its `id` on the first only); one that no translation word takes is placed by position (the
+fallback, also used for a translation without alignments: source word i of n goes to translation
+word i x m / n of m); its text is translated all the same.
+
+The output is well-formed whatever the input: BeautifulSoup (html.parser) builds the tree, closing
+what the input left open, and writes it out with text escaped, so no tag or attribute appears that
+the input lacked (a translation saying "<script>" is text). Entities are read as the characters they
+stand for and written as characters (&lt; &gt; &amp; escaped). LibreTranslate's own HTML support
+(translatehtml) is BeautifulSoup as well; what it lacks is the alignment-guided placement.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from bs4 import BeautifulSoup, Comment, NavigableString, Tag
+from bs4.element import PageElement
+
+from seq2seq.sentences import rejoin
+
+# Elements that flow inside a sentence: their text joins the text around them into one segment.
+INLINE = frozenset({"a", "abbr", "b", "bdi", "bdo", "big", "cite", "data", "del", "dfn", "em", "font", "i", "ins",
+                    "label", "mark", "q", "s", "small", "span", "strike", "strong", "sub", "sup", "time", "tt", "u"})
+# Elements whose content is never translated (code, scripts, raw text, vector graphics and formulas).
+UNTRANSLATED = frozenset({"script", "style", "code", "pre", "kbd", "samp", "var", "template", "textarea", "math",
+                          "svg", "noscript", "iframe", "object", "head"})
+READABLE_ATTRIBUTES = ("alt", "title", "placeholder", "aria-label")
+TITLE = "title"  # inside <head>, which is otherwise left alone: the page's title is read
+
+Stack = tuple[int, ...]  # the inline elements around a character (indices into HtmlDocument.elements), outermost first
+
+
+class Aligned(Protocol):
+    """What render needs of a sentence's translation (seq2seq.translator.Translation has it)."""
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def alignment(self) -> list[tuple[int, int]] | None: ...
+
+
+Splitter = Callable[[str], list[tuple[int, int]]]
+"""A text's sentence spans (start, end), as seq2seq.sentences cuts them for the model."""
+
+
+@dataclass
+class _Run:
+    """A segment: consecutive inline nodes of one parent, their text, and the inline elements around each
+    of its characters."""
+
+    parent: Tag
+    nodes: list[PageElement]
+    text: str
+    marks: list[Stack]
+    spans: list[tuple[int, int]]
+
+
+@dataclass
+class _Attribute:
+    tag: Tag
+    name: str
+    text: str
+    spans: list[tuple[int, int]]
+
+
+class HtmlDocument:
+    """An HTML text (a page or a fragment) split into the sentences to translate; `render` puts their
+    translations back."""
+
+    def __init__(self, html: str, *, split: Splitter) -> None:
+        self.soup = BeautifulSoup(html, "html.parser")
+        self.runs: list[_Run] = []
+        self.attributes: list[_Attribute] = []
+        self.elements: list[Tag] = []  # the inline elements of the runs; Tag's == and hash compare contents
+        self._collect(self.soup, split=split)
+        self.sentences = [" ".join(part.text[a:b].split()) for part in self._parts() for a, b in part.spans]
+        self.needs_alignments = bool(self.elements)  # inline elements to place
+
+    def _parts(self) -> list[_Run | _Attribute]:
+        # Attributes first: a run's inline elements are copied when it is rendered, translated attributes and all.
+        return [*self.attributes, *self.runs]
+
+    def _collect(self, parent: Tag, *, split: Splitter) -> None:
+        pending: list[PageElement] = []
+        for child in [*parent.children, None]:
+            if child is not None and _inline(child):
+                pending.append(child)
+                continue
+            if pending:
+                self._add_run(parent, pending, split=split)
+                pending = []
+            if isinstance(child, Tag) and _translated(child):
+                self._add_attributes(child, split=split)
+                self._collect(child, split=split)
+            elif isinstance(child, Tag) and child.name == "head":
+                for title in child.find_all(TITLE):
+                    self._collect(title, split=split)
+
+    def _add_run(self, parent: Tag, nodes: list[PageElement], *, split: Splitter) -> None:
+        text, marks = "", []
+        for node in nodes:
+            for string, stack in self._strings(node, ()):
+                text += string
+                marks += [stack] * len(string)
+            if isinstance(node, Tag):
+                for tag in [node, *node.find_all(True)]:
+                    self._add_attributes(tag, split=split)
+        if text.strip():
+            self.runs.append(_Run(parent, nodes, text, marks, split(text)))
+
+    def _add_attributes(self, tag: Tag, *, split: Splitter) -> None:
+        for name in READABLE_ATTRIBUTES:
+            value = tag.attrs.get(name)
+            if isinstance(value, str) and value.strip():
+                self.attributes.append(_Attribute(tag, name, value, split(value)))
+
+    def _strings(self, node: PageElement, stack: Stack) -> list[tuple[str, Stack]]:
+        """The text in `node`, each string with the inline elements around it."""
+        if isinstance(node, NavigableString):
+            return [(str(node), stack)]
+        assert isinstance(node, Tag)
+        self.elements.append(node)
+        inner = (*stack, len(self.elements) - 1)
+        return [item for child in node.children for item in self._strings(child, inner)]
+
+    def render(self, translations: Sequence[Aligned]) -> str:
+        """The document with each sentence replaced by its translation (in the order of `sentences`)."""
+        if len(translations) != len(self.sentences):
+            raise ValueError(f"{len(self.sentences)} sentences but {len(translations)} translations")
+        at = 0
+        for part in self._parts():
+            own = translations[at : at + len(part.spans)]
+            at += len(part.spans)
+            if isinstance(part, _Attribute):
+                part.tag[part.name] = rejoin(part.text, part.spans, [t.text for t in own])
+            else:
+                self._replace(part, own)
+        return str(self.soup)
+
+    def _replace(self, run: _Run, translations: Sequence[Aligned]) -> None:
+        pieces: list[tuple[str, Stack]] = []
+        cursor = 0
+        for (start, end), translation in zip(run.spans, translations, strict=True):
+            pieces += _original(run, cursor, start)
+            pieces += _placed(run, start, end, translation)
+            cursor = end
+        pieces += _original(run, cursor, len(run.text))
+        anchor = run.nodes[0]
+        built = _build(self.soup, self.elements, pieces, depth=0, copies=Counter())
+        for node in built:
+            anchor.insert_before(node)
+        for node in run.nodes:
+            node.extract()
+
+
+def _inline(node: PageElement) -> bool:
+    """Text, or an inline element holding only text and inline elements (nothing kept untranslated)."""
+    if isinstance(node, Comment) or (isinstance(node, NavigableString) and type(node) is not NavigableString):
+        return False  # comments, CDATA, doctypes, processing instructions: kept where they are, as boundaries
+    if isinstance(node, NavigableString):
+        return True
+    return (isinstance(node, Tag) and node.name in INLINE and _translated(node)
+            and all(_inline(child) for child in node.children))
+
+
+def _translated(tag: Tag) -> bool:
+    classes: list[str] | str = tag.get("class") or []
+    return (tag.name not in UNTRANSLATED and str(tag.get("translate", "")).lower() != "no"
+            and "notranslate" not in classes)
+
+
+def _original(run: _Run, start: int, end: int) -> list[tuple[str, Stack]]:
+    """The run's characters start..end (the space between sentences) as they were, with their elements."""
+    return [(run.text[i], run.marks[i]) for i in range(start, end)]
+
+
+def _placed(run: _Run, start: int, end: int, translation: Aligned) -> list[tuple[str, Stack]]:
+    """The translation of the sentence at run.text[start:end] as (word or space, elements) pieces."""
+    words = [(m.start(), m.end()) for m in re.finditer(r"\S+", run.text[start:end])]
+    source = [_stack_of(run.marks[start + a : start + b]) for a, b in words]
+    target = translation.text.split(" ")
+    if not any(source):  # no markup in this sentence: nothing to place
+        return [(translation.text, source[0] if source else ())] if translation.text else []
+    base = _common(source)
+    stacks: list[Stack | None] = [None] * len(target)
+    for i, j in translation.alignment or []:
+        if i < len(source) and j < len(target) and (stacks[j] is None or len(source[i]) > len(stacks[j] or ())):
+            stacks[j] = source[i]
+    for j, stack in enumerate(stacks):  # a word aligned to nothing: what its aligned neighbours share
+        if stack is None:
+            before = next((s for s in reversed(stacks[:j]) if s is not None), base)
+            after = next((s for s in stacks[j + 1 :] if s is not None), base)
+            stacks[j] = _common([before, after])
+    placed: list[Stack] = [s if s is not None else base for s in stacks]
+    _place_missing(source, placed)
+    pieces: list[tuple[str, Stack]] = []
+    for j, (word, stack) in enumerate(zip(target, placed, strict=True)):
+        before = placed[j - 1] if j else base
+        after = placed[j + 1] if j + 1 < len(placed) else base
+        if j:
+            pieces.append((" ", _common([before, stack])))
+        # Punctuation at a word's edges stays inside an element only if the word beside it is inside too:
+        # "<i>soccer</i>." gives "<i>Fußball</i>.", not "<i>Fußball.</i>".
+        lead, core, tail = re.fullmatch(r"([^\w]*)(.*?)([^\w]*)", word, flags=re.DOTALL).groups()  # type: ignore[union-attr]
+        if not core:
+            lead, core, tail = "", word, ""
+        pieces += [(lead, _common([before, stack])), (core, stack), (tail, _common([stack, after]))]
+    return [(text, stack) for text, stack in pieces if text]
+
+
+def _place_missing(source: list[Stack], placed: list[Stack]) -> None:
+    """An element of the source that no translation word took goes, by position, on the word where its
+    first word would be in a translation as long, if that word sits in its parent elements."""
+    kept = {element for stack in placed for element in stack}
+    for i, stack in enumerate(source):
+        for depth, element in enumerate(stack):
+            if element in kept:
+                continue
+            j = min(len(placed) - 1, i * len(placed) // len(source))
+            if placed[j][:depth] == stack[:depth]:
+                placed[j] = stack[: depth + 1]
+                kept.add(element)
+
+
+def _stack_of(marks: list[Stack]) -> Stack:
+    """A word's elements: those around most of its characters (the first such, on a tie)."""
+    return Counter(marks).most_common(1)[0][0] if marks else ()
+
+
+def _common(stacks: Sequence[Stack]) -> Stack:
+    """The elements every stack starts with, outermost first."""
+    out: list[int] = []
+    for elements in zip(*stacks, strict=False):
+        if any(element != elements[0] for element in elements):
+            break
+        out.append(elements[0])
+    return tuple(out)
+
+
+def _build(soup: BeautifulSoup, elements: list[Tag], pieces: list[tuple[str, Stack]], *, depth: int,
+           copies: Counter[int]) -> list[PageElement]:
+    """Nodes for the pieces: a run of pieces inside the same element (at `depth`) becomes a copy of it."""
+    out: list[PageElement] = []
+    text = ""
+    i = 0
+    while i < len(pieces):
+        string, stack = pieces[i]
+        if len(stack) <= depth:
+            text += string
+            i += 1
+            continue
+        if text:
+            out.append(NavigableString(text))
+            text = ""
+        index = stack[depth]
+        element = elements[index]
+        j = i
+        while j < len(pieces) and len(pieces[j][1]) > depth and pieces[j][1][depth] == index:
+            j += 1
+        attrs = {name: list(value) if isinstance(value, list) else value for name, value in element.attrs.items()
+                 if not (copies[index] and name in ("id", "name"))}  # the same id twice would not be one
+        copies[index] += 1
+        copy = soup.new_tag(element.name, attrs=attrs)  # type: ignore[arg-type]  # bs4 keeps class as a list
+        for node in _build(soup, elements, pieces[i:j], depth=depth + 1, copies=copies):
+            copy.append(node)
+        out.append(copy)
+        i = j
+    if text:
+        out.append(NavigableString(text))
+    return out
