@@ -89,6 +89,7 @@ class HtmlDocument:
     translations back."""
 
     def __init__(self, html: str, *, split: Splitter) -> None:
+        self.html, self.split, self.rendered = html, split, False
         self.soup = BeautifulSoup(html, "html.parser")
         self.runs: list[_Run] = []
         self.attributes: list[_Attribute] = []
@@ -148,6 +149,9 @@ class HtmlDocument:
         """The document with each sentence replaced by its translation (in the order of `sentences`)."""
         if len(translations) != len(self.sentences):
             raise ValueError(f"{len(self.sentences)} sentences but {len(translations)} translations")
+        if self.rendered:  # rendering fills the tree in: a second rendering (an alternative) starts afresh
+            return HtmlDocument(self.html, split=self.split).render(translations)
+        self.rendered = True
         at = 0
         for part in self._parts():
             own = translations[at : at + len(part.spans)]

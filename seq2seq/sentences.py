@@ -61,17 +61,6 @@ def rejoin(text: str, spans: list[tuple[int, int]], translations: list[str]) -> 
     return "".join(out)
 
 
-def rejoin_all(texts: list[str], spans: list[list[tuple[int, int]]], translations: list[str]) -> list[str]:
-    """`rejoin` for each text, the translations of all their sentences given in order, text after text."""
-    if len(translations) != sum(map(len, spans)):
-        raise ValueError(f"{sum(map(len, spans))} sentences but {len(translations)} translations")
-    out, at = [], 0
-    for text, text_spans in zip(texts, spans, strict=True):
-        out.append(rejoin(text, text_spans, translations[at : at + len(text_spans)]))
-        at += len(text_spans)
-    return out
-
-
 class Paragraphs:
     """Plain text (a line, a paragraph, a page) as a document: its sentences (`split` cuts them) and
     `render`, which puts their translations back with the text's own spacing."""
@@ -91,22 +80,10 @@ class HasText(Protocol):
     def text(self) -> str: ...
 
 
-def split_paragraphs(texts: list[str], *, tokenizer: Tokenizer, language: str,
-                     max_positions: int) -> tuple[list[list[tuple[int, int]]], list[str]]:
-    """Each text's sentence spans and all their sentences, text after text, as a model is given them:
-    tabs, newlines and runs of spaces inside one are one space, and a sentence longer than the model
-    reads (`max_positions` source tokens) is cut at spaces into parts that fit rather than truncated.
-    What Translator.translate_paragraphs and the server's /translate translate; `rejoin_all` puts their
-    translations back."""
-    spans = [model_sentence_spans(text, tokenizer=tokenizer, language=language, max_positions=max_positions)
-             for text in texts]
-    sentences = [" ".join(text[start:end].split()) for text, text_spans in zip(texts, spans, strict=True)
-                 for start, end in text_spans]
-    return spans, sentences
-
-
 def model_sentence_spans(text: str, *, tokenizer: Tokenizer, language: str, max_positions: int) -> list[tuple[int, int]]:
-    """sentence_spans, each sentence longer than the model reads cut at spaces into parts that fit."""
+    """sentence_spans as a model is given them: a sentence longer than the model reads (`max_positions`
+    source tokens) is cut at spaces into parts that fit rather than truncated. (Tabs, newlines and runs
+    of spaces inside a sentence are one space to the model: Paragraphs.sentences.)"""
     return _within_limit(text, sentence_spans(text, language=language), tokenizer=tokenizer,
                          limit=max_positions - len(tokenizer.source_suffix))
 

@@ -37,9 +37,12 @@ class SrtDocument:
         try:
             subtitles = list(srt.parse(text))
         except srt.SRTParseError as error:
-            line = text.count("\n", 0, error.actual_start) + 1
-            raise ValueError(f"line {line} is not where an SRT cue (number, start --> end, text) should be: "
-                             f"{text[error.actual_start:].splitlines()[0][:60]!r}") from None
+            unmatched = text[error.expected_start : error.actual_start]  # what lies where a cue should start
+            skipped = len(unmatched) - len(unmatched.lstrip())
+            line = text.count("\n", 0, error.expected_start + skipped) + 1
+            first = unmatched.strip().splitlines()[0][:60] if unmatched.strip() else ""
+            raise ValueError(f"line {line} is not an SRT cue (a number, then start --> end, then text): "
+                             f"{first!r}") from None
         self.cues = []
         for subtitle in subtitles:
             lines = subtitle.content.split("\n")

@@ -78,6 +78,27 @@ def read_lines(path: str, *, option: str = "--input") -> list[str]:
         raise SystemExit(f"error: {error}") from None
 
 
+def read_text(path: str, *, option: str = "--input", limit: int = 64 << 20) -> str:
+    """A whole UTF-8 file (or stdin for "-") as one text, newlines kept (a document: HTML, subtitles);
+    InputError naming the line of a byte that is not UTF-8, or a file over `limit` bytes."""
+    name = "stdin" if path == "-" else path
+    try:
+        stream = stdin_bytes() if path == "-" else open(path, "rb")  # noqa: SIM115  # closed below
+    except FileNotFoundError:
+        raise SystemExit(f"error: {option} {path} does not exist") from None
+    except OSError as error:
+        raise SystemExit(f"error: {option} {path} cannot be read ({error.strerror})") from None
+    with stream:
+        data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise InputError(f"{name} is over {limit >> 20} MiB: too big to translate as one document; split it")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise InputError(f"{name} line {line} is not UTF-8 text (byte {data[error.start]:#04x}); save it as UTF-8") from None
+
+
 def count_lines(path: str, *, option: str = "--input") -> int | None:
     """How many lines a regular file has, every one checked as it will be read (so that a bad line
     stops the run before anything is translated); None for stdin, a pipe or a device, read only once."""

@@ -39,8 +39,10 @@ from seq2seq.cli import (
     open_translator,
     with_extras,
 )
+from seq2seq.markup import HtmlDocument
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
+from seq2seq.subtitles import SrtDocument
 from seq2seq.textio import (
     InputError,
     Output,
@@ -50,10 +52,12 @@ from seq2seq.textio import (
     count_lines,
     iter_lines,
     read_lines,
+    read_text,
     where,
 )
 from seq2seq.translator import Translation, Translator
 
+FORMATS = {".html": "html", ".htm": "html", ".srt": "srt"}  # --format by --input's extension (else lines)
 WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
 
 
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split-sentences", action="store_true",
                         help="split each line into sentences, translate them, and put the line back together with "
                              "its own spacing (still one output line per input line)")
+    parser.add_argument("--format", choices=["lines", "html", "srt"], default=None,
+                        help="lines: one sentence (or paragraph, with --split-sentences) per line; html: a page or "
+                             "fragment, markup kept; srt: SubRip subtitles, timings kept (default: by --input's "
+                             "extension, .html/.htm html, .srt srt, else lines)")
     parser.add_argument("--glossary", default=None, metavar="FILE",
                         help="`source term<TAB>target term` lines: where a source term occurs (a whole word), its "
                              "target term must be in the translation")
@@ -78,6 +86,15 @@ def main(argv: list[str] | None = None) -> None:
     search = check_flags(parser, args)
     if search.sampling and (args.constraints or args.glossary):
         parser.error("--constraints and --glossary need a search (--beam), not --sampling")
+    args.format = args.format or FORMATS.get(Path(args.input).suffix.lower(), "lines")
+    if args.format != "lines":
+        given = [flag for flag, on in (("--nbest", search.nbest > 1), ("--alignments", search.alignments),
+                                       ("--token-scores", search.token_scores), ("--target-prefix", args.target_prefix),
+                                       ("--constraints", args.constraints), ("--ref", args.ref),
+                                       ("--split-sentences", args.split_sentences), ("--sampling", search.sampling)) if on]
+        if given:
+            parser.error(f"--format {args.format} translates a whole document (sentences split, the rest kept); "
+                         f"{given[0]} is for --format lines")
     if args.split_sentences:
         given = [flag for flag, on in (("--nbest", search.nbest > 1), ("--alignments", search.alignments),
                                        ("--token-scores", search.token_scores), ("--target-prefix", args.target_prefix),
@@ -107,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.format != "lines":
+        return translate_document(parser, args, glossary=read_glossary(args.glossary) if args.glossary else None)
     total = count_lines(args.input)
     references = read_lines(args.ref, option="--ref") if args.ref else None
     source_name = "stdin" if args.input == "-" else args.input
@@ -171,6 +190,33 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
         print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
+
+
+def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+                       glossary: dict[str, str] | None) -> None:
+    """--format html or srt: the whole input as one document, its sentences translated as one batch and
+    put back (seq2seq/markup.py, seq2seq/subtitles.py); the output is written when all is done."""
+    try:
+        text = read_text(args.input)
+    except InputError as error:
+        raise SystemExit(f"error: {error}") from None
+    translator, search = open_translator(parser, args)
+    start = time.perf_counter()
+    split = translator.sentence_spans
+    try:
+        document = HtmlDocument(text, split=split) if args.format == "html" else SrtDocument(text, split=split)
+    except ValueError as error:  # subtitles that are not SubRip: the line
+        raise SystemExit(f"error: {'stdin' if args.input == '-' else args.input} {error}") from None
+    [translated] = translator.translate_documents([document], search, max_tokens=args.max_tokens, glossary=glossary)
+    output = Output(args.output)
+    try:
+        output.write(translated)
+        output.close()
+    except OSError as error:
+        output.cut_to_whole_lines()
+        raise SystemExit(f"error: cannot write {where(args.output)} ({error.strerror})") from None
+    print(f"translated {len(document.sentences)} sentences of {args.format} in {time.perf_counter() - start:.1f}s "
+          f"({translator.precision}, {torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr)
 
 
 def paragraphs(translator: Translator, lines: Iterable[str], search: SearchConfig, *, max_tokens: int,

@@ -9,7 +9,7 @@ import pytest
 from conftest import DEMO_DATA, MULTI30K
 
 from seq2seq.search import SearchConfig
-from seq2seq.sentences import rejoin, sentence_spans, split_paragraphs
+from seq2seq.sentences import model_sentence_spans, rejoin, sentence_spans
 from seq2seq.translator import Translator
 
 SEPARATORS = [" ", "  ", "\n", "\n\n", "\t", " \n "]
@@ -102,7 +102,7 @@ def test_a_line_longer_than_the_model_reads_is_split_not_truncated(translator: T
     line = " ".join(words)
     limit = translator.model.config.max_positions
     assert len(translator.tokenizer.encode_source([line])[0]) > 2 * limit
-    [spans], _ = split_paragraphs([line], tokenizer=translator.tokenizer, language="en", max_positions=limit)
+    spans = model_sentence_spans(line, tokenizer=translator.tokenizer, language="en", max_positions=limit)
     assert len(spans) >= 3 and rejoin(line, spans, [line[a:b] for a, b in spans]) == line
     assert all(len(translator.tokenizer.encode_source([line[a:b]])[0]) <= limit for a, b in spans)
     with warnings.catch_warnings():

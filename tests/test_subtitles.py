@@ -1,0 +1,106 @@
+"""seq2seq/subtitles.py and the document formats of python -m seq2seq.translate (--format, by extension):
+SubRip files keep their numbers, timings and line counts; HTML files their markup."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import srt
+from bs4 import BeautifulSoup
+
+from seq2seq.search import SearchConfig
+from seq2seq.sentences import sentence_spans
+from seq2seq.subtitles import SrtDocument, wrap
+from seq2seq.translator import Translation, Translator
+
+SUBTITLES = """1
+00:00:01,000 --> 00:00:03,500
+A man in a blue shirt
+is climbing a rock wall.
+
+2
+00:00:04,000 --> 00:00:06,000 X1:100 X2:200 Y1:10 Y2:20
+<i>Two dogs play.</i> A child watches.
+
+3
+01:02:03,004 --> 01:02:05,006
+People stand outside.
+Two men play football.
+A woman reads.
+
+"""
+
+
+def split(text: str) -> list[tuple[int, int]]:
+    return sentence_spans(text, language="en")
+
+
+def said(text: str, alignment: list[tuple[int, int]] | None = None) -> Translation:
+    return Translation(text=text, score=0.0, tokens=[], alignment=alignment)
+
+
+def test_the_identity_translation_gives_the_file_back_with_its_lines_rebalanced():
+    document = SrtDocument(SUBTITLES, split=split)
+    assert document.sentences == ["A man in a blue shirt is climbing a rock wall.", "Two dogs play.", "A child watches.",
+                                  "People stand outside.", "Two men play football.", "A woman reads."]
+    out = document.render([said(s, [(i, i) for i in range(len(s.split()))]) for s in document.sentences])
+    before, after = list(srt.parse(SUBTITLES)), list(srt.parse(out))
+    assert [(c.index, c.start, c.end, c.proprietary) for c in after] == [
+        (c.index, c.start, c.end, c.proprietary) for c in before]
+    assert [len(c.content.split("\n")) for c in after] == [2, 1, 3]  # as many lines as each cue had
+    assert [" ".join(c.content.split()) for c in after] == [" ".join(c.content.split()) for c in before]
+    assert after[1].content == "<i>Two dogs play.</i> A child watches."  # the cue's tag carried by alignment
+
+
+def test_a_translation_is_broken_into_even_lines_at_spaces_outside_tags():
+    assert wrap("one two three four", lines=2) == "one two\nthree four"
+    assert wrap("a verylongword b", lines=2) in ("a verylongword\nb", "a\nverylongword b")
+    assert wrap("single", lines=3) == "single"
+    assert wrap("x y", lines=3) == "x\ny"
+    assert wrap('<font color="red">one two</font> three four', lines=2) == '<font color="red">one two</font>\nthree four'
+    for n in range(1, 6):
+        text = " ".join(f"w{i}" for i in range(9))
+        lines = wrap(text, lines=n).split("\n")
+        assert len(lines) == n and " ".join(lines) == text
+        assert max(map(len, lines)) - min(map(len, lines)) <= 6
+
+
+@pytest.mark.parametrize("text, line", [("garbage\n\nmore\n", 1), (SUBTITLES + "4\n00:00:0x --> 1\nA.\n", 16),
+                                         ("\n\n1\nA dog without a timing.\n", 3)])
+def test_what_is_not_subrip_is_an_error_naming_its_line(text: str, line: int):
+    with pytest.raises(ValueError, match=rf"^line {line} is not an SRT cue"):
+        SrtDocument(text, split=split)
+
+
+def test_the_cli_translates_subtitles_and_pages_by_extension(trained: Path, translator: Translator, tmp_path: Path):
+    search = SearchConfig(beam_size=2)
+    (tmp_path / "in.srt").write_text(SUBTITLES, encoding="utf-8")
+    page = "<html><head><title>A dog.</title></head><body><p>A <b>big</b> dog runs. Two men play.</p></body></html>\n"
+    (tmp_path / "in.html").write_text(page, encoding="utf-8")
+    (tmp_path / "in.txt").write_text("A dog runs. Two men play.\n", encoding="utf-8")
+    for name in ("in.srt", "in.html"):
+        done = subprocess.run([sys.executable, "-m", "seq2seq.translate", "--checkpoint", str(trained), "--input",
+                               str(tmp_path / name), "--output", str(tmp_path / f"out-{name}"), "--beam", "2",
+                               "--precision", "fp32"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    cues = list(srt.parse((tmp_path / "out-in.srt").read_text(encoding="utf-8")))
+    alone = translator.translate(SrtDocument(SUBTITLES, split=split).sentences, search)
+    assert [" ".join(c.content.split()) for c in cues] == [alone[0], f"<i>{alone[1]}</i> {alone[2]}" if
+                                                           BeautifulSoup(cues[1].content, "html.parser").i else "",
+                                                           " ".join(alone[3:])]
+    assert (tmp_path / "out-in.html").read_text(encoding="utf-8") == translator.translate_html([page], search)[0]
+    refused = subprocess.run([sys.executable, "-m", "seq2seq.translate", "--checkpoint", str(trained), "--input",
+                              str(tmp_path / "in.html"), "--nbest", "2"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--nbest is for --format lines" in refused.stderr
+    bad = tmp_path / "bad.srt"
+    bad.write_bytes(b"1\n00:00:01,000 --> 00:00:02,000\nA \xff dog.\n")
+    failed = subprocess.run([sys.executable, "-m", "seq2seq.translate", "--checkpoint", str(trained), "--input",
+                             str(bad)], capture_output=True, text=True)
+    assert failed.returncode == 1 and failed.stderr.strip() == (
+        f"error: {bad} line 3 is not UTF-8 text (byte 0xff); save it as UTF-8")
+
+
+@pytest.fixture(scope="module")
+def translator(trained: Path) -> Translator:
+    return Translator.from_checkpoint(trained, precision="fp32")
