@@ -1,6 +1,13 @@
 """The HTTP server under load: dynamic batching against the same server decoding one request at a time.
 
     python bench/serve_load.py --checkpoint checkpoints/multi30k/best.ckpt [--clients 1 8 32] [--requests 200]
+    python bench/serve_load.py --checkpoint ... --paragraphs 4 [--clients 8]
+
+With --paragraphs K each request is a paragraph of K consecutive Multi30k test sentences instead,
+sent twice over: to /translate, which splits it into sentences and puts it back, and to
+/v1/translate, which gives the model the whole paragraph as one sequence (what the server did before
+it split); sentences/s counts source sentences, and BLEU (sacreBLEU, against the K references joined)
+shows what each gives. The server runs with batching for both.
 
 Starts serve/server.py twice on loopback (a port of its own each time), once with batching and
 once with --no-batching, and for each number of concurrent clients sends a fixed number of
@@ -22,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+import sacrebleu
 from decode_vs_ct2 import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,19 +58,25 @@ def start_server(checkpoint: str, extra: list[str]) -> tuple[subprocess.Popen, s
             time.sleep(0.2)
 
 
-async def load(url: str, sentences: list[str], *, clients: int, requests: int) -> tuple[float, list[float]]:
-    """(wall seconds, per-request latencies) of `requests` single-sentence requests from `clients` clients."""
+async def load(url: str, sentences: list[str], *, clients: int, requests: int, target: str = "en",
+               endpoint: str = "/translate", outputs: dict[int, str] | None = None) -> tuple[float, list[float]]:
+    """(wall seconds, per-request latencies) of `requests` requests of one text each (a sentence, or a
+    paragraph) from `clients` clients; `outputs` collects the translations by request number."""
     latencies: list[float] = []
     next_sentence = iter(range(requests))
 
     async def client(http: httpx.AsyncClient) -> None:
         for i in next_sentence:
-            body = {"q": sentences[i % len(sentences)], "source": "auto", "target": "en"}
+            text = sentences[i % len(sentences)]
+            body = ({"q": text, "source": "auto", "target": target} if endpoint == "/translate" else {"q": [text]})
             start = time.perf_counter()
-            reply = await http.post(url + "/translate", json=body)
+            reply = await http.post(url + endpoint, json=body)
             latencies.append(time.perf_counter() - start)
             if reply.status_code != 200:
                 raise SystemExit(f"request {i}: {reply.status_code} {reply.text}")
+            if outputs is not None:
+                answer = reply.json()
+                outputs[i] = answer["translatedText"] if "translatedText" in answer else answer["translations"][0][0]["text"]
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
@@ -84,7 +98,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="requests per client count")
     parser.add_argument("--beam-size", default="5")
     parser.add_argument("--threads", default="2", help="the server's torch threads")
+    parser.add_argument("--paragraphs", type=int, default=0, metavar="K",
+                        help="requests of K sentences each: split by the server against decoded whole")
     args = parser.parse_args()
+    if args.paragraphs:
+        return paragraphs(args)
     with gzip.open(Path(args.data) / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
         sentences = [line for line in f.read().split("\n") if line.strip()]
     print(f"{cpu_model()}; {args.requests} requests per row, beam {args.beam_size}, server with {args.threads} threads")
@@ -110,6 +128,43 @@ def main() -> None:
     for clients in args.clients:
         ratio = throughput[clients, "batching"] / throughput[clients, "no batching"]
         print(f"{clients} clients: batching / no batching = {ratio:.2f}x")
+
+
+def paragraphs(args: argparse.Namespace) -> None:
+    process, url = start_server(args.checkpoint, ["--beam-size", args.beam_size, "--threads", args.threads,
+                                                  "--precision", "auto"])
+    try:
+        [pair] = [(lang["code"], target) for lang in httpx.get(url + "/languages").json() for target in lang["targets"]]
+        texts = {}
+        for language in pair:
+            with gzip.open(Path(args.data) / f"test_2016_flickr.{language}.gz", "rt", encoding="utf-8") as f:
+                texts[language] = [line.strip() for line in f if line.strip()]
+        k = args.paragraphs
+        count = min(args.requests, len(texts[pair[0]]) // k)
+        sources = [" ".join(texts[pair[0]][i * k : (i + 1) * k]) for i in range(count)]
+        references = [" ".join(texts[pair[1]][i * k : (i + 1) * k]) for i in range(count)]
+        print(f"{cpu_model()}; {pair[0]}→{pair[1]}, {count} requests of {k} sentences per row, beam {args.beam_size}, "
+              f"server with {args.threads} threads, batching")
+        print("| clients | request | source sentences/s | p50 latency | p95 latency | BLEU |")
+        print("|---|---|---|---|---|---|")
+        asyncio.run(load(url, sources, clients=2, requests=4, target=pair[1]))  # warm-up
+        speed = {}
+        for clients in args.clients:
+            for name, endpoint in (("split (/translate)", "/translate"), ("whole (/v1/translate)", "/v1/translate")):
+                outputs: dict[int, str] = {}
+                seconds, latencies = asyncio.run(load(url, sources, clients=clients, requests=count, target=pair[1],
+                                                      endpoint=endpoint, outputs=outputs))
+                bleu = sacrebleu.corpus_bleu([outputs[i] for i in range(count)], [references]).score
+                speed[clients, endpoint] = count * k / seconds
+                print(f"| {clients} | {name} | {count * k / seconds:.1f} | {percentile(latencies, 0.5) * 1000:.0f} ms "
+                      f"| {percentile(latencies, 0.95) * 1000:.0f} ms | {bleu:.2f} |", flush=True)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    print()
+    for clients in args.clients:
+        print(f"{clients} clients: split / whole = {speed[clients, '/translate'] / speed[clients, '/v1/translate']:.2f}x "
+              "source sentences/s")
 
 
 if __name__ == "__main__":
