@@ -1,6 +1,7 @@
 """What N models behind one server cost in memory: the server (serve/server.py's app, in this process)
 with 1, 2, ... N copies of one checkpoint, each given a pair of its own, after each has translated a
-batch of Multi30k test sentences; the resident memory (RSS) per step, and its growth per model.
+batch of Multi30k test sentences; the resident memory (RSS) per step, its growth per model (noisy: the
+allocator reuses what loading one model freed for the next), and each model's weights.
 
     python bench/server_memory.py --checkpoint checkpoints/multi30k-ende/best.ckpt [--models 3]
 
@@ -33,8 +34,8 @@ def main() -> None:
     with gzip.open(Path(args.data) / f"test_2016_flickr.{base.src_lang}.gz", "rt", encoding="utf-8") as f:
         sentences = [line.strip() for line in f if line.strip()][:64]
     print(f"{cpu_model()}; {args.checkpoint} ({base.precision}), 64 sentences translated per model")
-    print("| models | RSS | growth |")
-    print("|---|---|---|")
+    print("| models | RSS | growth | the new model's weights |")
+    print("|---|---|---|---|")
     del base
     previous = rss_mib()
     print(f"| 0 (torch, the code) | {previous:.0f} MiB | |")
@@ -48,7 +49,8 @@ def main() -> None:
                 reply = client.post("/translate", json={"q": sentences, "source": t.src_lang, "target": t.tgt_lang})
                 assert reply.status_code == 200, reply.text
             now = rss_mib()
-        print(f"| {k} | {now:.0f} MiB | +{now - previous:.0f} MiB |", flush=True)
+        weights = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values()) / 2**20
+        print(f"| {k} | {now:.0f} MiB | +{now - previous:.0f} MiB | {weights:.0f} MiB |", flush=True)
         previous = now
 
 
