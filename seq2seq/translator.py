@@ -20,7 +20,9 @@ import dataclasses
 import itertools
 import re
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -93,11 +95,29 @@ class Translator:
         device: str | torch.device = "cpu",
         precision: Precision = "auto",
         search: SearchConfig = DEFAULT_SEARCH,
+        workers: int = 1,
+        threads: int | None = None,
     ):
         """`precision` (seq2seq/precision.py): auto picks bf16 where bf16 matmuls are fast (a GPU from
         Ampere on, a CPU with AMX or AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
         slightly. The model is converted in place; `self.precision` says what auto chose. `search`
-        is what the translate methods use when given none."""
+        is what the translate methods use when given none.
+
+        `workers` > 1 decodes that many batches at once, each in a thread of its own with `threads`
+        intra-op threads (default: torch's thread count / workers), as CTranslate2's inter_threads do
+        (with one worker and `threads` given, its one thread has that many; with neither, the caller's
+        thread decodes with the caller's count):
+        a decoding step's parallel regions are too small for several threads to pay, several batches
+        are not. The batches are those of one worker (outputs do not depend on `workers`); seeded
+        sampling, whose draws run through one generator, decodes one batch at a time."""
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be a positive number of threads per worker, got {threads!r}")
+        self.workers = workers
+        self.threads = threads if threads is not None else max(1, torch.get_num_threads() // workers)
+        self._own_threads = threads is not None  # else one worker decodes on the caller's thread, with its threads
+        self._pool: ThreadPoolExecutor | None = None
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
@@ -109,7 +129,8 @@ class Translator:
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, *, device: str | torch.device = "cpu", precision: Precision = "auto"
+        cls, path: str | Path, *, device: str | torch.device = "cpu", precision: Precision = "auto", workers: int = 1,
+        threads: int | None = None,
     ) -> "Translator":
         """Raises CheckpointError (one line naming the file) for any checkpoint it cannot trust."""
         loaded = read_inference(path, load_checkpoint(path))
@@ -117,7 +138,7 @@ class Translator:
         model.load_state_dict(loaded.weights)  # names and shapes were checked against the config
         tokenizer = Tokenizer.from_bytes(loaded.tokenizer)  # read_inference loaded it once: it loads
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
-                   device=device, precision=precision, search=loaded.search)
+                   device=device, precision=precision, search=loaded.search, workers=workers, threads=threads)
 
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                   prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
@@ -232,16 +253,46 @@ class Translator:
         for i in empty:
             ids[i] = []
         yield from ((i, []) for i in empty)
-        for batch in length_sorted_batches(ids, max_tokens=max_tokens):
+        continuing = self.continuing_ids() if phrases is not None else frozenset()
+
+        def translate_batch(batch: list[int]) -> list[tuple[int, list[Translation]]]:
             src = pad_batch([ids[i] for i in batch], pad=tokenizer.pad_id, device=self.device)  # (B, S)
             prefix = [forced[i] for i in batch] if forced is not None else None
             bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
             nbest = decode(self.model, src, search, bos=bos, eos=eos, pad=pad, generator=generator, prefix=prefix,
                            constraints=[phrases[i][1] for i in batch] if phrases is not None else None,
-                           continuing=self.continuing_ids() if phrases is not None else frozenset())
-            for i, sentence_hyps in zip(batch, nbest, strict=True):
-                yield i, self._detokenize(sentence_hyps, source=ids[i],
-                                          phrases=phrases[i] if phrases is not None else None)
+                           continuing=continuing)
+            return [(i, self._detokenize(sentence_hyps, source=ids[i], phrases=phrases[i] if phrases is not None else None))
+                    for i, sentence_hyps in zip(batch, nbest, strict=True)]
+
+        batches = length_sorted_batches(ids, max_tokens=max_tokens)
+        if generator is not None or (self.workers == 1 and not self._own_threads):
+            for batch in batches:
+                yield from translate_batch(batch)
+        else:
+            yield from self._in_parallel(translate_batch, batches)
+
+    def _in_parallel(self, translate_batch: Callable[[list[int]], list[tuple[int, list[Translation]]]],
+                     batches: list[list[int]]) -> Iterator[tuple[int, list[Translation]]]:
+        """translate_batch over the batches on the workers, two per worker in flight (the next is ready
+        when one finishes), the results given in the batches' order."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="decoder",
+                                            initializer=_start_worker, initargs=(self.threads,))
+        pending: deque[Future[list[tuple[int, list[Translation]]]]] = deque()
+        remaining = iter(batches)
+        try:
+            for batch in islice(remaining, 2 * self.workers):
+                pending.append(self._pool.submit(translate_batch, batch))
+            while pending:
+                done = pending.popleft().result()
+                following = next(remaining, None)
+                if following is not None:
+                    pending.append(self._pool.submit(translate_batch, following))
+                yield from done
+        finally:  # a caller that stops early (or an error) leaves nothing running for it
+            for future in pending:
+                future.cancel()
 
     def translate_stream(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
@@ -413,6 +464,13 @@ class Translator:
                 )
                 ids[i] = self.tokenizer.cut_source(sentence, limit)
         return ids
+
+
+def _start_worker(threads: int) -> None:
+    """A decoder worker thread's set-up: its own intra-op thread count (torch keeps it per thread), and
+    denormals flushed (a per-thread CPU flag, as Translator.__init__ sets for the caller's)."""
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
 
 
 def check_glossary(glossary: Mapping[str, str]) -> dict[str, str]:
