@@ -33,8 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from bs4 import BeautifulSoup, Comment, NavigableString, Tag
+from bs4 import BeautifulSoup, Comment, NavigableString, ParserRejectedMarkup, Tag
 from bs4.element import PageElement
+from bs4.formatter import HTMLFormatter
 
 from seq2seq.sentences import rejoin
 
@@ -43,10 +44,11 @@ INLINE = frozenset({"a", "abbr", "b", "bdi", "bdo", "big", "cite", "data", "del"
                     "label", "mark", "q", "s", "small", "span", "strike", "strong", "sub", "sup", "time", "tt", "u"})
 # Elements whose content is never translated (code, scripts, raw text, vector graphics and formulas).
 UNTRANSLATED = frozenset({"script", "style", "code", "pre", "kbd", "samp", "var", "template", "textarea", "math",
-                          "svg", "noscript", "iframe", "object", "head"})
+                          "svg", "noscript", "iframe", "object"})
 READABLE_ATTRIBUTES = ("alt", "title", "placeholder", "aria-label")
-TITLE = "title"  # inside <head>, which is otherwise left alone: the page's title is read
 
+AS_IS = HTMLFormatter(entity_substitution=None)  # text written as it is: "&", "<" too (for subtitles)
+MAX_DEPTH = 256  # elements inside elements: the tree is walked recursively (and a page is not that deep)
 Stack = tuple[int, ...]  # the inline elements around a character (indices into HtmlDocument.elements), outermost first
 
 
@@ -90,11 +92,16 @@ class HtmlDocument:
 
     def __init__(self, html: str, *, split: Splitter) -> None:
         self.html, self.split, self.rendered = html, split, False
-        self.soup = BeautifulSoup(html, "html.parser")
         self.runs: list[_Run] = []
         self.attributes: list[_Attribute] = []
         self.elements: list[Tag] = []  # the inline elements of the runs; Tag's == and hash compare contents
-        self._collect(self.soup, split=split)
+        try:
+            self.soup = BeautifulSoup(html, "html.parser")
+            if _depth(self.soup) > MAX_DEPTH:
+                raise ValueError(f"the HTML nests elements more than {MAX_DEPTH} deep; flatten it")
+            self._collect(self.soup, split=split)
+        except ParserRejectedMarkup as error:
+            raise ValueError(f"the HTML parser cannot read this markup ({str(error).splitlines()[0][:80]})") from None
         self.sentences = [" ".join(part.text[a:b].split()) for part in self._parts() for a, b in part.spans]
         self.needs_alignments = bool(self.elements)  # inline elements to place
 
@@ -114,9 +121,6 @@ class HtmlDocument:
             if isinstance(child, Tag) and _translated(child):
                 self._add_attributes(child, split=split)
                 self._collect(child, split=split)
-            elif isinstance(child, Tag) and child.name == "head":
-                for title in child.find_all(TITLE):
-                    self._collect(title, split=split)
 
     def _add_run(self, parent: Tag, nodes: list[PageElement], *, split: Splitter) -> None:
         text, marks = "", []
@@ -145,12 +149,13 @@ class HtmlDocument:
         inner = (*stack, len(self.elements) - 1)
         return [item for child in node.children for item in self._strings(child, inner)]
 
-    def render(self, translations: Sequence[Aligned]) -> str:
-        """The document with each sentence replaced by its translation (in the order of `sentences`)."""
+    def render(self, translations: Sequence[Aligned], *, escape: bool = True) -> str:
+        """The document with each sentence replaced by its translation (in the order of `sentences`);
+        `escape` False writes text as it is, "&" and "<" too (subtitles, which are not HTML)."""
         if len(translations) != len(self.sentences):
             raise ValueError(f"{len(self.sentences)} sentences but {len(translations)} translations")
         if self.rendered:  # rendering fills the tree in: a second rendering (an alternative) starts afresh
-            return HtmlDocument(self.html, split=self.split).render(translations)
+            return HtmlDocument(self.html, split=self.split).render(translations, escape=escape)
         self.rendered = True
         at = 0
         for part in self._parts():
@@ -160,7 +165,7 @@ class HtmlDocument:
                 part.tag[part.name] = rejoin(part.text, part.spans, [t.text for t in own])
             else:
                 self._replace(part, own)
-        return str(self.soup)
+        return self.soup.decode(formatter="minimal" if escape else AS_IS)
 
     def _replace(self, run: _Run, translations: Sequence[Aligned]) -> None:
         pieces: list[tuple[str, Stack]] = []
@@ -172,8 +177,7 @@ class HtmlDocument:
         pieces += _original(run, cursor, len(run.text))
         anchor = run.nodes[0]
         built = _build(self.soup, self.elements, pieces, depth=0, copies=Counter())
-        for node in built:
-            anchor.insert_before(node)
+        anchor.insert_before(*built)
         for node in run.nodes:
             node.extract()
 
@@ -184,8 +188,19 @@ def _inline(node: PageElement) -> bool:
         return False  # comments, CDATA, doctypes, processing instructions: kept where they are, as boundaries
     if isinstance(node, NavigableString):
         return True
-    return (isinstance(node, Tag) and node.name in INLINE and _translated(node)
+    # An inline element without text (an anchor, an icon) has no words to follow: it stays where it is.
+    return (isinstance(node, Tag) and node.name in INLINE and _translated(node) and bool(node.get_text().strip())
             and all(_inline(child) for child in node.children))
+
+
+def _depth(root: Tag) -> int:
+    """How deep elements nest under `root`, counted without recursion."""
+    deepest, todo = 0, [(root, 0)]
+    while todo:
+        node, depth = todo.pop()
+        deepest = max(deepest, depth)
+        todo += [(child, depth + 1) for child in node.children if isinstance(child, Tag)]
+    return deepest
 
 
 def _translated(tag: Tag) -> bool:
@@ -199,57 +214,125 @@ def _original(run: _Run, start: int, end: int) -> list[tuple[str, Stack]]:
     return [(run.text[i], run.marks[i]) for i in range(start, end)]
 
 
+@dataclass
+class _Word:
+    """A source word: the elements around its letters, and the segments at its edges that hold no letter
+    and sit in other elements (a footnote link "city<sup>[1]</sup>", brackets "(<a>link</a>)"), which
+    keep their own elements beside the translation of the word."""
+
+    stack: Stack
+    prefix: list[tuple[str, Stack]]
+    suffix: list[tuple[str, Stack]]
+    stacks: list[Stack]  # the elements around each of its characters, each chain once
+
+    @property
+    def elements(self) -> set[int]:
+        return {element for stack in self.stacks for element in stack}
+
+
+def _word(text: str, marks: list[Stack]) -> _Word:
+    segments: list[tuple[str, Stack]] = []
+    for char, stack in zip(text, marks, strict=True):
+        if segments and segments[-1][1] == stack:
+            segments[-1] = (segments[-1][0] + char, stack)
+        else:
+            segments.append((char, stack))
+    letters = [stack for char, stack in zip(text, marks, strict=True) if char.isalpha()]
+    stack = Counter(letters or marks).most_common(1)[0][0]  # the first such, on a tie
+    first = next(k for k, (string, s) in enumerate(segments) if s == stack)
+    last = max(k for k, (string, s) in enumerate(segments) if s == stack)
+    prefix = segments[:first] if not any(c.isalpha() for string, _ in segments[:first] for c in string) else []
+    suffix = segments[last + 1 :] if not any(c.isalpha() for string, _ in segments[last + 1 :] for c in string) else []
+    return _Word(stack, prefix, suffix, list(dict.fromkeys(marks)))
+
+
 def _placed(run: _Run, start: int, end: int, translation: Aligned) -> list[tuple[str, Stack]]:
     """The translation of the sentence at run.text[start:end] as (word or space, elements) pieces."""
-    words = [(m.start(), m.end()) for m in re.finditer(r"\S+", run.text[start:end])]
-    source = [_stack_of(run.marks[start + a : start + b]) for a, b in words]
+    spans = [(start + m.start(), start + m.end()) for m in re.finditer(r"\S+", run.text[start:end])]
+    source = [_word(run.text[a:b], run.marks[a:b]) for a, b in spans]
     target = translation.text.split(" ")
-    if not any(source):  # no markup in this sentence: nothing to place
-        return [(translation.text, source[0] if source else ())] if translation.text else []
-    base = _common(source)
-    stacks: list[Stack | None] = [None] * len(target)
+    if not any(word.elements for word in source):  # no markup in this sentence: nothing to place
+        return [(translation.text, ())] if translation.text else []
+    base = _common([stack for a, b in spans for stack in run.marks[a:b]])  # around every character of it
+    origin: list[int | None] = [None] * len(target)  # the source word each translation word takes its elements from
     for i, j in translation.alignment or []:
-        if i < len(source) and j < len(target) and (stacks[j] is None or len(source[i]) > len(stacks[j] or ())):
-            stacks[j] = source[i]
+        if i < len(source) and j < len(target) and (
+                origin[j] is None or len(source[i].stack) > len(source[origin[j]].stack)):  # type: ignore[index]
+            origin[j] = i
+    stacks: list[Stack | None] = [source[i].stack if i is not None else None for i in origin]
     for j, stack in enumerate(stacks):  # a word aligned to nothing: what its aligned neighbours share
         if stack is None:
             before = next((s for s in reversed(stacks[:j]) if s is not None), base)
             after = next((s for s in stacks[j + 1 :] if s is not None), base)
             stacks[j] = _common([before, after])
     placed: list[Stack] = [s if s is not None else base for s in stacks]
-    _place_missing(source, placed)
+    alignment = translation.alignment if translation.alignment is not None else []
+    _place_missing(source, placed, alignment)
+    # Each source word's edge segments go beside the first and the last translation word taking its
+    # elements, or (none does) the word where it would be in a translation as long.
+    first = {i: j for j, i in reversed(list(enumerate(origin))) if i is not None}
+    last = {i: j for j, i in enumerate(origin) if i is not None}
+    leads: dict[int, list[tuple[str, Stack]]] = {}
+    tails: dict[int, list[tuple[str, Stack]]] = {}
+    for i, held in enumerate(source):
+        where = min(len(target) - 1, i * len(target) // len(source))
+        leads.setdefault(first.get(i, where), []).extend(held.prefix)
+        tails.setdefault(last.get(i, where), []).extend(held.suffix)
     pieces: list[tuple[str, Stack]] = []
     for j, (word, stack) in enumerate(zip(target, placed, strict=True)):
         before = placed[j - 1] if j else base
         after = placed[j + 1] if j + 1 < len(placed) else base
         if j:
             pieces.append((" ", _common([before, stack])))
+        lead = _edge(word, leads.get(j, []), stack, at_start=True)
+        tail = _edge(word, tails.get(j, []), stack, at_start=False)
+        if lead is not None:
+            word = word[len(lead[1]):]
+        if tail is not None:
+            word = word[: len(word) - len(tail[1])]
         # Punctuation at a word's edges stays inside an element only if the word beside it is inside too:
         # "<i>soccer</i>." gives "<i>Fußball</i>.", not "<i>Fußball.</i>".
-        lead, core, tail = re.fullmatch(r"([^\w]*)(.*?)([^\w]*)", word, flags=re.DOTALL).groups()  # type: ignore[union-attr]
+        opening, core, closing = re.fullmatch(r"([^\w]*)(.*?)([^\w]*)", word, flags=re.DOTALL).groups()  # type: ignore[union-attr]
         if not core:
-            lead, core, tail = "", word, ""
-        pieces += [(lead, _common([before, stack])), (core, stack), (tail, _common([stack, after]))]
+            opening, core, closing = "", word, ""
+        pieces += [*(lead[0] if lead else []), (opening, _common([before, stack])), (core, stack),
+                   (closing, _common([stack, after])), *(tail[0] if tail else [])]
     return [(text, stack) for text, stack in pieces if text]
 
 
-def _place_missing(source: list[Stack], placed: list[Stack]) -> None:
-    """An element of the source that no translation word took goes, by position, on the word where its
-    first word would be in a translation as long, if that word sits in its parent elements."""
+def _edge(word: str, segments: list[tuple[str, Stack]], stack: Stack, *,
+          at_start: bool) -> tuple[list[tuple[str, Stack]], str] | None:
+    """A source word's edge segments for its translation `word`: (the pieces to write, the part of
+    `word` they replace). Where the translation has the same characters there ("[1]", ")"), they take
+    the segments' elements; where it lacks them, segments inside an element the word is not in (a
+    footnote link) are written as they were, and the rest (plain punctuation) is left to the word."""
+    text = "".join(string for string, _ in segments)
+    if not text:
+        return None
+    if word.startswith(text) if at_start else word.endswith(text):
+        return segments, text
+    if any(len(s) > len(stack) for _, s in segments):
+        return segments, ""
+    return None
+
+
+def _place_missing(source: list[_Word], placed: list[Stack], alignment: list[tuple[int, int]]) -> None:
+    """An element of the source that no translation word took (it held part of a word, or the words it
+    held were aligned elsewhere) goes on a translation word aligned to the first word it held, or where
+    that word would be in a translation as long, if that word is not inside other elements there."""
     kept = {element for stack in placed for element in stack}
-    for i, stack in enumerate(source):
-        for depth, element in enumerate(stack):
-            if element in kept:
-                continue
-            j = min(len(placed) - 1, i * len(placed) // len(source))
-            if placed[j][:depth] == stack[:depth]:
-                placed[j] = stack[: depth + 1]
-                kept.add(element)
-
-
-def _stack_of(marks: list[Stack]) -> Stack:
-    """A word's elements: those around most of its characters (the first such, on a tie)."""
-    return Counter(marks).most_common(1)[0][0] if marks else ()
+    kept |= {element for word in source for segments in (word.prefix, word.suffix) for _, s in segments for element in s}
+    for i, word in enumerate(source):
+        for element in sorted(word.elements - kept):
+            # the element's own chain: the stack of a character of this word that holds it
+            chain = next(s for s in word.stacks if element in s)
+            chain = chain[: chain.index(element) + 1]
+            aligned = [j for a, j in alignment if a == i and j < len(placed)]
+            for j in [*aligned, min(len(placed) - 1, i * len(placed) // len(source))]:
+                if chain[: len(placed[j])] == placed[j]:  # the word sits in the element's parents, or outside
+                    placed[j] = chain
+                    kept.update(chain)
+                    break
 
 
 def _common(stacks: Sequence[Stack]) -> Stack:

@@ -205,8 +205,9 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
     split = translator.sentence_spans
     try:
         document = HtmlDocument(text, split=split) if args.format == "html" else SrtDocument(text, split=split)
-    except ValueError as error:  # subtitles that are not SubRip: the line
-        raise SystemExit(f"error: {'stdin' if args.input == '-' else args.input} {error}") from None
+    except ValueError as error:  # subtitles that are not SubRip ("line N is not ..."), markup that cannot be read
+        name = "stdin" if args.input == "-" else args.input
+        raise SystemExit(f"error: {name}{'' if str(error).startswith('line ') else ':'} {error}") from None
     [translated] = translator.translate_documents([document], search, max_tokens=args.max_tokens, glossary=glossary)
     output = Output(args.output)
     try:

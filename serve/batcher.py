@@ -106,7 +106,11 @@ class Batcher:
                prefixes: list[str] | None = None,
                constraints: list[list[str]] | None = None) -> asyncio.Future[list[list[Translation]]]:
         """Queue the texts (with the start each translation must have, if `prefixes`); raises Busy when
-        the queue is full."""
+        the queue is full. No texts: answered at once (a job of none would never be taken)."""
+        if not texts:
+            done: asyncio.Future[list[list[Translation]]] = asyncio.get_running_loop().create_future()
+            done.set_result([])
+            return done
         costs = self.costs(texts, search) if costs is None else costs
         generator = None
         if search.sampling and search.seed is not None:

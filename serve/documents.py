@@ -11,7 +11,7 @@ import urllib.parse
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from seq2seq.markup import HtmlDocument
+from seq2seq.markup import HtmlDocument, Splitter
 from seq2seq.sentences import Paragraphs
 from seq2seq.subtitles import SrtDocument
 from seq2seq.translator import Document, Translator
@@ -32,29 +32,29 @@ def file_format(filename: str) -> str:
 
 
 def document(text: str, *, format: str, translator: Translator, name: str = "q") -> Document:
-    """`text` as a document of `format` (text, html, srt), split into sentences as `translator` reads them."""
-    split = translator.sentence_spans
-    if format == "html":
-        return HtmlDocument(text, split=split)
-    if format == "srt":
-        try:
+    """`text` as a document of `format` (text, html, srt), split into sentences as `translator` reads
+    them; a BadRequest naming `name` for markup or subtitles that cannot be read."""
+    return _document(text, format=format, split=translator.sentence_spans, name=name)
+
+
+def visible_text(text: str, *, format: str, name: str = "q") -> str:
+    """What a reader sees of `text` (for language detection and the character limit): HTML without its
+    markup, subtitles without their numbers and timings."""
+    if format == "text":
+        return text
+    return " ".join(_document(text, format=format, split=lambda t: [(0, len(t))] if t.strip() else [],
+                              name=name).sentences)
+
+
+def _document(text: str, *, format: str, split: Splitter, name: str) -> Document:
+    try:
+        if format == "html":
+            return HtmlDocument(text, split=split)
+        if format == "srt":
             return SrtDocument(text, split=split)
-        except ValueError as error:
-            raise BadRequest(f"{name}: {error}") from None
+    except ValueError as error:
+        raise BadRequest(f"{name}: {error}") from None
     return Paragraphs(text, split=split)
-
-
-def visible_text(text: str, *, format: str) -> str:
-    """What a reader sees of `text` (for language detection): HTML without its markup, subtitles
-    without their numbers and timings."""
-    if format == "html":
-        return " ".join(HtmlDocument(text, split=lambda t: [(0, len(t))]).sentences)
-    if format == "srt":
-        try:
-            return " ".join(SrtDocument(text, split=lambda t: [(0, len(t))]).sentences)
-        except ValueError:
-            return text
-    return text
 
 
 @dataclass
@@ -75,14 +75,16 @@ class FileStore:
     files: OrderedDict[str, Stored] = field(default_factory=OrderedDict)
 
     def put(self, filename: str, text: str, *, format: str) -> str:
-        """Keep a translated file; its name in /download_file/<name>."""
+        """Keep a translated file; its name in /download_file/<name> (the token, then the file's own name
+        without any folders)."""
         self.expire()
+        filename = filename.replace("\\", "/").rsplit("/", 1)[-1] or "file"
         content = text.encode("utf-8")
         token = secrets.token_urlsafe(16)
         self.files[token] = Stored(filename, content, MEDIA_TYPES[format], time.monotonic() + self.keep)
         while sum(len(s.content) for s in self.files.values()) > self.max_bytes and len(self.files) > 1:
             self.files.popitem(last=False)
-        return f"{token}.{urllib.parse.quote(filename, safe='')}"
+        return f"{token}.{urllib.parse.quote(filename, safe='')}"  # a basename: no "/" for the route to trip on
 
     def get(self, name: str) -> Stored | None:
         self.expire()

@@ -62,7 +62,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import uvicorn
@@ -85,7 +85,15 @@ from documents import FORMATS, FileStore, content_disposition, document, file_fo
 from guards import FD_RESERVE, AcceptErrors, BodyLimit, BodyTooLarge, open_file_limit, uvicorn_config
 from languages import NAMES, Detector
 
+T = TypeVar("T")
+
 __all__ = ["AcceptErrors", "Batcher", "Busy", "create_app", "decoding_cost", "main", "uvicorn_config"]
+
+
+async def off_loop(work: Callable[[], T]) -> T:
+    """`work` in a thread of asyncio's default pool, so that the event loop keeps serving meanwhile
+    (parsing and rendering a document take time in proportion to it; decoding has its own thread)."""
+    return await asyncio.get_running_loop().run_in_executor(None, work)
 
 
 def out_of_memory(error: BaseException) -> bool:
@@ -276,20 +284,24 @@ class Server:
         groups: dict[tuple[str, str], list[int]] = {}
         for i, model in enumerate(models):
             groups.setdefault(model.pair, []).append(i)
-        routed = [(self.models[pair], [document(texts[i], format=format, translator=self.models[pair].translator)
-                                       for i in indices]) for pair, indices in groups.items()]
+        routed = [(self.models[pair], await off_loop(lambda pair=pair, indices=indices: [
+            document(texts[i], format=format, translator=self.models[pair].translator) for i in indices]))
+            for pair, indices in groups.items()]
         results = await self.translate_documents(request, routed, alternatives=alternatives)
         best: list[str] = [""] * len(texts)
         others: list[list[str]] = [[] for _ in texts]
-        for indices, (model, documents), nbest_lists in zip(groups.values(), routed, results, strict=True):
+        for indices, (_, documents), nbest_lists in zip(groups.values(), routed, results, strict=True):
             bounds = list(itertools.accumulate((len(d.sentences) for d in documents), initial=0))
             for i, doc, (a, b) in zip(indices, documents, itertools.pairwise(bounds), strict=True):
                 own = nbest_lists[a:b]
-                best[i] = doc.render([hyps[0] if hyps else EMPTY for hyps in own])
                 most = max((len(hyps) for hyps in own), default=0)
-                others[i] = [document(texts[i], format=format, translator=model.translator).render(
-                    [(hyps[k] if k < len(hyps) else hyps[0]) if hyps else EMPTY for hyps in own]) if k < most else ""
-                    for k in range(1, alternatives + 1)]  # a fresh document each: render fills it in
+                # Alternative k of a text: each sentence's k-th (its best where it has fewer); rendering
+                # fills a document in, so each rendering after the first starts from a fresh one.
+                renderings = [[(hyps[k] if k < len(hyps) else hyps[0]) if hyps else EMPTY for hyps in own]
+                              for k in range(min(most, alternatives + 1) or 1)]
+                rendered = await off_loop(lambda doc=doc, renderings=renderings: [doc.render(r) for r in renderings])
+                best[i] = rendered[0]
+                others[i] = [rendered[k] if k < len(rendered) else "" for k in range(1, alternatives + 1)]
         response: dict[str, Any] = {"translatedText": best[0] if single else best}
         if alternatives:
             response["alternatives"] = others[0] if single else others
@@ -300,19 +312,24 @@ class Server:
     async def translate_file(self, request: Request) -> JSONResponse:
         body = await read_body(request)
         upload = body.get("file")
+        if isinstance(upload, list):
+            raise BadRequest("the form has several files; send one file per request")
         if not isinstance(upload, Upload):
             raise BadRequest("missing file: send the file to translate as the form field file (multipart/form-data), "
                              f"a {', '.join(FORMATS)} file")
         format = file_format(upload.filename)
-        (model,), _ = self.route(body, [upload.text], format=format)
-        doc = document(upload.text, format=format, translator=model.translator, name=upload.filename)
-        characters = sum(len(sentence) for sentence in doc.sentences)
+        # The text a reader sees is counted before the file is split into sentences (splitting takes
+        # time that grows faster than the text), and both happen off the event loop.
+        characters = len(await off_loop(lambda: visible_text(upload.text, format=format, name=upload.filename)))
         if characters > self.char_limit:
             raise BadRequest(f"{shown(upload.filename)} has {characters} characters of text, more than this server's "
                              f"limit of {self.char_limit}; split the file")
+        (model,), _ = self.route(body, [upload.text], format=format)
+        doc = await off_loop(lambda: document(upload.text, format=format, translator=model.translator,
+                                              name=upload.filename))
         (nbest_lists,) = await self.translate_documents(request, [(model, [doc])])
-        name = self.files.put(upload.filename, doc.render([hyps[0] if hyps else EMPTY for hyps in nbest_lists]),
-                              format=format)
+        translated = await off_loop(lambda: doc.render([hyps[0] if hyps else EMPTY for hyps in nbest_lists]))
+        name = self.files.put(upload.filename, translated, format=format)
         return JSONResponse({"translatedFileUrl": f"{str(request.base_url).rstrip('/')}/download_file/{name}"})
 
     async def download_file(self, request: Request) -> Response:

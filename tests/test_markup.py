@@ -186,3 +186,60 @@ def test_the_demo_model_translates_pages_as_it_translates_their_sentences(transl
 @pytest.fixture(scope="module")
 def translator(trained: Path) -> Translator:
     return Translator.from_checkpoint(trained, precision="fp32")
+
+
+def test_elements_without_text_stay_where_they_are():
+    for html in ['<h2><a id="intro"></a>Introduction here.</h2>', '<p><a href="/"><i class="fa fa-home"></i> Home page</a></p>',
+                 '<p>Save <span class="icon-save"></span> it.</p><a name="bottom"></a>']:
+        document = HtmlDocument(html, split=split)
+        assert markup(document.render([said(s.upper()) for s in document.sentences])) == markup(html)
+
+
+def test_marks_inside_a_word_keep_their_elements():
+    """A footnote link after a word, brackets around a link, an element over part of a word: none is lost,
+    aligned or not."""
+    footnote = '<p>The city<sup class="ref"><a href="#n1">[1]</a></sup> is large.</p>'
+    for alignment in (None, [], [(0, 0), (1, 1), (2, 2), (3, 3)]):
+        assert HtmlDocument(footnote, split=split).render([said("Die Stadt ist groß.", alignment)]) == (
+            '<p>Die Stadt<sup class="ref"><a href="#n1">[1]</a></sup> ist groß.</p>')
+    echoed = HtmlDocument(footnote, split=split).render([said("Die Stadt[1] ist groß.", [(1, 1)])])
+    assert echoed == '<p>Die Stadt<sup class="ref"><a href="#n1">[1]</a></sup> ist groß.</p>'  # not twice
+    assert HtmlDocument("(<a href=x>link</a>)", split=split).render([said("(Verweis)")]) == '(<a href="x">Verweis</a>)'
+    assert HtmlDocument("<p><b>un</b>believable</p>", split=split).render([said("unglaublich", [(0, 0)])]) == (
+        "<p><b>unglaublich</b></p>")  # the element cannot cover part of a word it does not know: the word
+
+
+def test_a_nested_element_no_word_takes_is_placed_by_position():
+    document = HtmlDocument("<p>one <b>two <a href=u>three</a></b></p>", split=split)
+    for alignment in (None, [(0, 0), (1, 0), (2, 0)]):
+        assert markup(document.render([said("EINS ZWEI DREI", alignment)])) == markup(document.html)
+
+
+def test_a_body_the_parser_puts_inside_an_unclosed_head_is_translated():
+    document = HtmlDocument("<html><head><title>A dog</title><body><p>A man rides a bike.</p>", split=split)
+    assert document.sentences == ["A dog", "A man rides a bike."]
+
+
+@pytest.mark.parametrize("html, message", [("<p>a <![ b</p>", "the HTML parser cannot read this markup"),
+                                           ("<b>" * 400 + "Hello", "nests elements more than 256 deep")])
+def test_markup_that_cannot_be_read_is_a_value_error(html: str, message: str):
+    with pytest.raises(ValueError, match=message):
+        HtmlDocument(html, split=split)
+
+
+def test_random_documents_keep_every_element_even_without_alignments():
+    """With no alignments, a translation with a word for each source word (or more) holds every element
+    (one shorter may not: two words with elements of their own cannot both sit on one word)."""
+    rnd = random.Random(1)
+    tags = ["b", "i", "a", "span", "em"]
+    for _ in range(200):
+        parts = []
+        for k in range(rnd.randint(2, 8)):
+            opened = [rnd.choice(tags) for _ in range(rnd.randint(0, 3))]
+            parts.append("".join(f'<{t} class="c{k}{d}">' for d, t in enumerate(opened)) + f"w{k}"
+                         + "".join(f"</{t}>" for t in reversed(opened)))
+        html = "<p>" + " ".join(parts) + "</p>"
+        document = HtmlDocument(html, split=split)
+        n = len(document.sentences[0].split(" "))
+        out = document.render([said(" ".join(f"x{k}" for k in range(n + rnd.randint(0, 2))), rnd.choice([None, []]))])
+        assert markup(out) == markup(html), (html, out)

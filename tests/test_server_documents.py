@@ -192,3 +192,36 @@ def test_language_detection_on_multi30k():
             sentences = [line.strip() for line in f][:200]
         wrong[language] = sum(detector.detect(s, among=["cs", "de", "en", "fr"])[0] != language for s in sentences)
     assert sum(wrong.values()) <= 4, wrong
+
+
+@pytest.mark.parametrize("name, content", [("a.txt", b""), ("a.txt", b"  \n\n"), ("a.html", b""),
+                                           ("a.html", b"<p></p><img src=x>"), ("a.srt", b""),
+                                           ("a.srt", b"1\n00:00:01,000 --> 00:00:02,000\n<i></i>\n\n")])
+def test_a_file_without_text_comes_back_as_it_was_at_once(server: Running, name: str, content: bytes):
+    reply = httpx.post(server.url + "/translate_file", files={"file": (name, content)},
+                       data={"source": "en", "target": "de"}, timeout=10)
+    assert reply.status_code == 200, reply.text
+    assert httpx.get(reply.json()["translatedFileUrl"]).status_code == 200
+
+
+def test_requests_without_sentences_for_a_model_are_answered_at_once(server: Running, models):
+    for body in ({"q": "<p> </p>", "source": "en", "target": "de", "format": "html"},
+                 {"q": "<p translate=no>Keep</p>", "source": "auto", "target": "en", "format": "html"},
+                 {"q": ["", FRENCH[0]], "source": "auto", "target": "en"}):
+        reply = httpx.post(server.url + "/translate", json=body, timeout=10)
+        assert reply.status_code == 200, reply.text
+    assert reply.json()["translatedText"] == ["", models[("fr", "en")].translate(FRENCH[:1], SEARCH)[0]]
+
+
+def test_file_names_with_folders_two_files_and_unreadable_markup(server: Running):
+    reply = web_ui_file(server, "../../etc/passwd.txt", SENTENCES[0].encode())
+    url = reply.json()["translatedFileUrl"]
+    assert url.endswith(".passwd.txt") and httpx.get(url).status_code == 200
+    two = httpx.post(server.url + "/translate_file", files=[("file", ("a.txt", b"A dog.")), ("file", ("b.txt", b"x"))],
+                     data={"source": "en", "target": "de"})
+    assert two.status_code == 400 and "several files" in two.json()["error"]
+    broken = httpx.post(server.url + "/translate", json={"q": "<p>a <![ b</p>", "source": "en", "target": "de",
+                                                         "format": "html"})
+    assert broken.status_code == 400 and "q: the HTML parser cannot read this markup" in broken.json()["error"]
+    deep = web_ui_file(server, "deep.html", ("<b>" * 400 + "Hello").encode())
+    assert deep.status_code == 400 and "deep.html: the HTML nests elements" in deep.json()["error"]

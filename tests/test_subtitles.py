@@ -104,3 +104,15 @@ def test_the_cli_translates_subtitles_and_pages_by_extension(trained: Path, tran
 @pytest.fixture(scope="module")
 def translator(trained: Path) -> Translator:
     return Translator.from_checkpoint(trained, precision="fp32")
+
+
+def test_subtitle_text_is_not_html_and_its_formatting_is_kept():
+    text = ("1\r\n00:00:01,000 --> 00:00:02,000\r\n<i>Tom & Jerry</i> say \"hi\".\r\n\r\n"
+            "2\r\n00:00:03,000 --> 00:00:04,000\r\nif x<y and y>z then.\r\n\r\n"
+            "3\r\n00:00:05,000 --> 00:00:06,000\r\n{\\an8}A man rides.\r\n\r\n"
+            "4\r\n00:00:07,000 --> 00:00:08,000\r\n- A dog runs.\r\n- A cat sleeps.\r\n\r\n")
+    document = SrtDocument(text, split=split)
+    assert document.sentences == ['Tom & Jerry say "hi".', "if x<y and y>z then.", "A man rides.", "A dog runs.",
+                                  "A cat sleeps."]
+    out = document.render([said(s, [(i, i) for i in range(len(s.split()))]) for s in document.sentences])
+    assert out == text  # the identity gives the file back: CRLF, "&" and "<", {\an8}, the dialogue's dashes
