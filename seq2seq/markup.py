@@ -100,8 +100,9 @@ class HtmlDocument:
             if _depth(self.soup) > MAX_DEPTH:
                 raise ValueError(f"the HTML nests elements more than {MAX_DEPTH} deep; flatten it")
             self._collect(self.soup, split=split)
-        except ParserRejectedMarkup as error:
-            raise ValueError(f"the HTML parser cannot read this markup ({str(error).splitlines()[0][:80]})") from None
+        except ParserRejectedMarkup:  # bs4's message suggests other parsers, which we do not offer
+            raise ValueError("the HTML parser cannot read this markup (a stray \"<![\" or \"<!\" is the usual "
+                             "cause); fix or escape it") from None
         self.sentences = [" ".join(part.text[a:b].split()) for part in self._parts() for a, b in part.spans]
         self.needs_alignments = bool(self.elements)  # inline elements to place
 
