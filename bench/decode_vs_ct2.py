@@ -1,4 +1,4 @@
-"""Our decoder against CTranslate2 (fp32 and int8) on the same exported weights, in one run.
+"""Our decoder against CTranslate2 (fp32 and int8) on the same exported weights and the same cores, in one run.
 
     python bench/decode_vs_ct2.py --checkpoint checkpoints/multi30k/best.ckpt [--beams 5 1] [--threads 1 2]
     python bench/decode_vs_ct2.py --base [--sentences 300]     # a random transformer-base, 32k vocabulary
@@ -9,15 +9,20 @@ running the same checkpoint exported by seq2seq.export, fp32 and int8. Equal wor
 same sentences, beam, length limit (a fixed number of tokens, as CTranslate2 has no per-sentence
 a * length + b), ranking by raw log-probability (length penalty 0: CTranslate2's normalisation is
 not GNMT's), PAD and BOS never generated, batches of at most --max-tokens source tokens sorted by
-length. For each thread count and beam the engines take turns, --repeats times, and the fastest run
-of each counts, so a burst of load hits all alike.
+length. Equal hardware: for each core count in --threads every engine runs in every configuration
+that uses those cores (ours: workers x threads per worker; CTranslate2: inter_threads x
+intra_threads), and its fastest counts. For each core count and beam the engines and configurations
+take turns, --repeats times, and the fastest run of each counts, so a burst of load hits all alike.
 
 --base builds a random-weight transformer-base (d_model 512, 8 heads, d_ff 2048, 6+6 layers) with a
 32,000-piece BPE model trained on Multi30k's four languages (~1 min, kept in --cache); random
 weights rarely choose EOS, so every output runs --max-len (20) steps, as the issue's table did.
 
-Prints target tokens per second (tokens + EOS of the best hypotheses), each engine's ratio to the
-fastest CTranslate2, and how many outputs equal ours (fp32) token for token. Run by hand, not in CI.
+Prints per engine its fastest configuration, target tokens per second (tokens + EOS of the best
+hypotheses), the ratio to the fastest CTranslate2, how far the process's resident memory rose during
+its run (peak RSS over what was there before), the median latency of 100 one-sentence calls (the
+interactive case: the best over the thread counts per worker), and how many outputs equal ours in
+fp32 token for token. Run by hand, not in CI.
 """
 
 import argparse
@@ -26,7 +31,10 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from train_throughput import time_alternating
@@ -103,67 +111,142 @@ def base_checkpoint(cache: Path, data: Path) -> Path:
     return path
 
 
+def configurations(cores: int) -> list[tuple[int, int]]:
+    """(workers, threads each) that use `cores` cores: one worker on all of them, one per core, and
+    the splits between."""
+    return [(workers, cores // workers) for workers in range(1, cores + 1) if cores % workers == 0]
+
+
+def peak_rss_during(work: Callable[[], None]) -> float:
+    """MiB the process's resident memory rose to above where it was, while `work` ran (Linux: the
+    high-water mark is reset first)."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        work()
+        return float("nan")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+
+    def kib(field: str) -> int:
+        return next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith(field))
+
+    before = kib("VmRSS:")
+    work()
+    return (kib("VmHWM:") - before) / 1024
+
+
 def run(args: argparse.Namespace, translator: Translator, sources: list[str], source_pieces: list[list[str]],
         max_len: int, scratch: Path) -> None:
     import ctranslate2
 
-    folders = {"ct2 fp32": export_ctranslate2(args.checkpoint, scratch / "fp32"),
-               "ct2 int8": export_ctranslate2(args.checkpoint, scratch / "int8", quantization="int8")}
-    ours = {"ours " + translator.precision: translator}  # fp32: the reference the others are compared with
-    auto = Translator.from_checkpoint(args.checkpoint)  # what a user gets on this machine
-    if auto.precision != translator.precision:
-        ours[f"ours {auto.precision} (auto)"] = auto
-    else:
-        ours = {f"ours {translator.precision} (auto)": translator}
-    ours["ours int8"] = Translator.from_checkpoint(args.checkpoint, precision="int8")
+    folders = {"fp32": export_ctranslate2(args.checkpoint, scratch / "fp32"),
+               "int8": export_ctranslate2(args.checkpoint, scratch / "int8", quantization="int8")}
+    auto = Translator.from_checkpoint(args.checkpoint).precision  # what a user gets on this machine
+    precisions = list(dict.fromkeys([auto, "int8", *(["fp32"] if auto != "fp32" else [])]))
     print(f"{cpu_model()}; torch {torch.__version__}, ctranslate2 {ctranslate2.__version__}; "
           f"{len(sources)} sentences, max {max_len} tokens, batches <= {args.max_tokens} source tokens; "
-          f"{'random transformer-base' if args.base else args.checkpoint}; auto chose {auto.precision}")
-    print("| threads | search | engine | tgt tok/s | vs fastest CTranslate2 | identical to ours fp32 |")
-    print("|---|---|---|---|---|---|")
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        engines = {name: ctranslate2.Translator(str(folder), device="cpu", intra_threads=threads, inter_threads=1)
-                   for name, folder in folders.items()}
+          f"{'random transformer-base' if args.base else args.checkpoint}; auto chose {auto}")
+    print("| cores | search | engine | best configuration | tgt tok/s | vs best CTranslate2 | peak RSS rise | "
+          "1-sentence p50 | identical to ours fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for cores in args.threads:
+        engines: dict[str, dict[tuple[int, int], Engine]] = {}
+        for precision in precisions:
+            label = f"ours {precision}" + (" (auto)" if precision == auto else "")
+            engines[label] = {(w, t): Ours(Translator.from_checkpoint(args.checkpoint, precision=precision, workers=w,
+                                                                      threads=t)) for w, t in configurations(cores)}
+        for compute, folder in folders.items():
+            engines[f"ct2 {compute}"] = {(w, t): Theirs(ctranslate2.Translator(str(folder), device="cpu",
+                                                                               intra_threads=t, inter_threads=w))
+                                         for w, t in configurations(cores)}
         for beam in args.beams:
-            compare(ours, engines, sources, source_pieces, beam=beam, threads=threads, max_len=max_len,
+            compare(engines, sources, source_pieces, translator.tokenizer, beam=beam, cores=cores, max_len=max_len,
                     max_tokens=args.max_tokens, repeats=args.repeats)
 
 
-def compare(ours: dict[str, Translator], engines: dict, sources: list[str], source_pieces: list[list[str]], *,
-            beam: int, threads: int, max_len: int, max_tokens: int, repeats: int) -> None:
-    """One table row per engine: the engines take turns `repeats` times; the fastest run of each counts."""
+class Ours:
+    def __init__(self, translator: Translator) -> None:
+        self.translator = translator
+
+    def translate(self, sources: list[str], pieces: list[list[str]], search: SearchConfig, *,
+                  max_tokens: int) -> list[list[int]]:
+        return [hyps[0].tokens for hyps in self.translator.translate_nbest(sources, search, max_tokens=max_tokens)]
+
+
+class Theirs:
+    def __init__(self, translator: Any) -> None:
+        self.translator = translator
+
+    def translate(self, sources: list[str], pieces: list[list[str]], search: SearchConfig, *,
+                  max_tokens: int) -> list[list[int]]:
+        results = self.translator.translate_batch(
+            pieces, beam_size=search.beam_size, length_penalty=0.0, max_decoding_length=int(search.max_len_b) + 1,
+            max_batch_size=max_tokens, batch_type="tokens", suppress_sequences=[["<pad>"], ["<s>"]])
+        # CTranslate2 does not force EOS at the limit: a hypothesis that reaches it has max_len + 1
+        # tokens where ours has max_len and EOS; count and compare the same max_len.
+        return [[self.index[p] for p in r.hypotheses[0] if p != "</s>"][: int(search.max_len_b)] for r in results]
+
+    index: dict[str, int] = {}
+
+
+Engine = Ours | Theirs
+
+
+def compare(engines: dict[str, dict[tuple[int, int], Engine]], sources: list[str], source_pieces: list[list[str]],
+            tokenizer: Any, *, beam: int, cores: int, max_len: int, max_tokens: int, repeats: int) -> None:
+    """One row per engine, in its fastest configuration (workers x threads for ours, inter x intra threads
+    for CTranslate2, on `cores` cores): every engine and configuration takes turns `repeats` times, the
+    fastest run counts."""
     search = SearchConfig(beam_size=beam, length_penalty=0.0, max_len_a=0.0, max_len_b=max_len)
-    reference = next(iter(ours))
-    tokenizer = ours[reference].tokenizer
-    index = {piece: i for i, piece in enumerate(tokenizer.pieces())}
-    outputs: dict[str, list[list[int]]] = {}
+    Theirs.index = {piece: i for i, piece in enumerate(tokenizer.pieces())}
+    outputs: dict[tuple[str, tuple[int, int]], list[list[int]]] = {}
+    rss: dict[tuple[str, tuple[int, int]], float] = {}
 
-    def translate(name: str):
+    def step(name: str, config: tuple[int, int]) -> Callable[[object], None]:
         def run(_: object) -> None:
-            nbest = ours[name].translate_nbest(sources, search, max_tokens=max_tokens)
-            outputs[name] = [hyps[0].tokens for hyps in nbest]
+            def work() -> None:
+                outputs[name, config] = engines[name][config].translate(sources, source_pieces, search,
+                                                                        max_tokens=max_tokens)
+            rss[name, config] = max(rss.get((name, config), 0.0), peak_rss_during(work))
         return run
 
-    def ct2(name: str):
-        def run(_: object) -> None:
-            results = engines[name].translate_batch(
-                source_pieces, beam_size=beam, length_penalty=0.0, max_decoding_length=max_len + 1,
-                max_batch_size=max_tokens, batch_type="tokens", suppress_sequences=[["<pad>"], ["<s>"]])
-            # CTranslate2 does not force EOS at the limit: a hypothesis that reaches it has max_len + 1
-            # tokens where ours has max_len and EOS; count and compare the same max_len.
-            outputs[name] = [[index[p] for p in r.hypotheses[0] if p != "</s>"][:max_len] for r in results]
-        return run
-
-    steps = {**{name: translate(name) for name in ours}, **{name: ct2(name) for name in engines}}
+    for name in engines:  # warm-up: first calls allocate, pick kernels and start threads
+        for engine in engines[name].values():
+            engine.translate(sources[:64], source_pieces[:64], search, max_tokens=max_tokens)
+    steps = {f"{name} {config}": step(name, config) for name in engines for config in engines[name]}
     times = time_alternating(steps, [None] * repeats)
-    speed = {name: sum(len(tokens) + 1 for tokens in outputs[name]) / min(seconds) for name, seconds in times.items()}
-    fastest = max(speed["ct2 fp32"], speed["ct2 int8"])
-    for name in steps:
-        same = sum(a == b for a, b in zip(outputs[name], outputs[reference], strict=True))
-        label = "greedy" if beam == 1 else f"beam {beam}"
-        print(f"| {threads} | {label} | {name} | {speed[name]:,.0f} | {speed[name] / fastest:.2f}x | "
-              f"{same}/{len(sources)} |", flush=True)
+    tokens = {key: sum(len(t) + 1 for t in out) for key, out in outputs.items()}
+    speed = {(name, config): tokens[name, config] / min(times[f"{name} {config}"])
+             for name in engines for config in engines[name]}
+    best = {name: max(engines[name], key=lambda config, name=name: speed[name, config]) for name in engines}
+    fastest = max(speed[name, best[name]] for name in engines if name.startswith("ct2"))
+    reference = next((name for name in engines if name.startswith("ours fp32")), next(iter(engines)))
+    label = "greedy" if beam == 1 else f"beam {beam}"
+    for name in engines:
+        config = best[name]
+        same = sum(a == b for a, b in zip(outputs[name, config], outputs[reference, best[reference]], strict=True))
+        kind = "workers x threads" if name.startswith("ours") else "inter x intra"
+        latency, threads = one_sentence_p50(engines[name], sources, source_pieces, search)
+        print(f"| {cores} | {label} | {name} | {config[0]} x {config[1]} ({kind}) | {speed[name, config]:,.0f} | "
+              f"{speed[name, config] / fastest:.2f}x | {rss[name, config]:.0f} MiB | {latency * 1000:.1f} ms "
+              f"({threads} thread{'s' if threads > 1 else ''}) | {same}/{len(sources)} |", flush=True)
+
+
+def one_sentence_p50(configs: dict[tuple[int, int], Engine], sources: list[str], source_pieces: list[list[str]],
+                     search: SearchConfig, calls: int = 100) -> tuple[float, int]:
+    """The median seconds of `calls` one-sentence calls (the interactive case), and the threads per
+    worker that gave it: each distinct thread count is tried (one sentence is one batch, so more
+    workers cannot help), the lowest median counts."""
+    best: tuple[float, int] = (float("inf"), 0)
+    for threads in sorted({config[1] for config in configs}):
+        engine = configs[next(config for config in configs if config[1] == threads)]
+        seconds = []
+        for i in range(calls):
+            start = time.perf_counter()
+            engine.translate(sources[i % len(sources) : i % len(sources) + 1],
+                             source_pieces[i % len(sources) : i % len(sources) + 1], search, max_tokens=8192)
+            seconds.append(time.perf_counter() - start)
+        best = min(best, (sorted(seconds)[len(seconds) // 2], threads))
+    return best
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=200, help="requests per client count")
     parser.add_argument("--beam-size", default="5")
-    parser.add_argument("--threads", default="2", help="the server's torch threads")
+    parser.add_argument("--threads", default="2", help="the server's intra-op threads per decoder thread")
+    parser.add_argument("--workers", default="1", help="the server's decoder threads (--workers)")
     parser.add_argument("--paragraphs", type=int, default=0, metavar="K",
                         help="requests of K sentences each: split by the server against decoded whole")
     args = parser.parse_args()
@@ -105,13 +106,14 @@ def main() -> None:
         return paragraphs(args)
     with gzip.open(Path(args.data) / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
         sentences = [line for line in f.read().split("\n") if line.strip()]
-    print(f"{cpu_model()}; {args.requests} requests per row, beam {args.beam_size}, server with {args.threads} threads")
+    print(f"{cpu_model()}; {args.requests} requests per row, beam {args.beam_size}, server with {args.workers} decoder "
+          f"threads x {args.threads} threads")
     print("| clients | server | sentences/s | p50 latency | p95 latency | decoder batches |")
     print("|---|---|---|---|---|---|")
     throughput: dict[tuple[int, str], float] = {}
     for mode, extra in (("batching", []), ("no batching", ["--no-batching"])):
         process, url = start_server(args.checkpoint, ["--beam-size", args.beam_size, "--threads", args.threads,
-                                                      "--precision", "auto", *extra])
+                                                      "--workers", args.workers, "--precision", "auto", *extra])
         try:
             asyncio.run(load(url, sentences, clients=2, requests=10))  # warm-up
             for clients in args.clients:
@@ -132,7 +134,7 @@ def main() -> None:
 
 def paragraphs(args: argparse.Namespace) -> None:
     process, url = start_server(args.checkpoint, ["--beam-size", args.beam_size, "--threads", args.threads,
-                                                  "--precision", "auto"])
+                                                  "--workers", args.workers, "--precision", "auto"])
     try:
         [pair] = [(lang["code"], target) for lang in httpx.get(url + "/languages").json() for target in lang["targets"]]
         texts = {}
@@ -144,7 +146,7 @@ def paragraphs(args: argparse.Namespace) -> None:
         sources = [" ".join(texts[pair[0]][i * k : (i + 1) * k]) for i in range(count)]
         references = [" ".join(texts[pair[1]][i * k : (i + 1) * k]) for i in range(count)]
         print(f"{cpu_model()}; {pair[0]}→{pair[1]}, {count} requests of {k} sentences per row, beam {args.beam_size}, "
-              f"server with {args.threads} threads, batching")
+              f"server with {args.workers} decoder threads x {args.threads} threads, batching")
         print("| clients | request | source sentences/s | p50 latency | p95 latency | BLEU |")
         print("|---|---|---|---|---|---|")
         asyncio.run(load(url, sources, clients=2, requests=4, target=pair[1]))  # warm-up

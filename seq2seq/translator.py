@@ -278,7 +278,7 @@ class Translator:
         when one finishes), the results given in the batches' order."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="decoder",
-                                            initializer=_start_worker, initargs=(self.threads,))
+                                            initializer=start_decoder_thread, initargs=(self.threads,))
         pending: deque[Future[list[tuple[int, list[Translation]]]]] = deque()
         remaining = iter(batches)
         try:
@@ -466,8 +466,8 @@ class Translator:
         return ids
 
 
-def _start_worker(threads: int) -> None:
-    """A decoder worker thread's set-up: its own intra-op thread count (torch keeps it per thread), and
+def start_decoder_thread(threads: int) -> None:
+    """A decoder worker thread's set-up (the Translator's workers, the server's decoder threads): its own intra-op thread count (torch keeps it per thread), and
     denormals flushed (a per-thread CPU flag, as Translator.__init__ sets for the caller's)."""
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)

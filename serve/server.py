@@ -1,6 +1,7 @@
 """HTTP translation server: LibreTranslate's API, with requests batched together as they arrive.
 
     python serve/server.py --checkpoint checkpoints/multi30k/best.ckpt --port 5000 [--beam-size 5]
+    python serve/server.py --checkpoint de-en.ckpt --checkpoint fr-en.ckpt ...   # one per language pair
     curl -s localhost:5000/translate -H 'Content-Type: application/json' \
          -d '{"q": "Ein Hund läuft.", "source": "de", "target": "en"}'
     {"translatedText":"A dog is running."}
@@ -8,19 +9,26 @@
 Endpoints (JSON or form bodies, as LibreTranslate takes them; errors are `{"error": "..."}`):
 
     POST /translate      q (a string or a list; each split into sentences, put back with its own
-                         spacing), source, target, format (text), alternatives (n-best)
-                         -> {"translatedText": ..., "alternatives": [...]}    LibreTranslate's
+                         spacing), source (or auto), target, format (text or html), alternatives
+                         -> {"translatedText": ..., "alternatives": [...], "detectedLanguage": ...}
+    POST /translate_file file (.txt, .html, .srt), source, target -> {"translatedFileUrl": ...}
+    GET  /download_file/NAME  the translated file
+    POST /detect         q -> [{"confidence": ..., "language": ...}, ...]    (all LibreTranslate's)
     GET  /languages      [{"code": "de", "name": "German", "targets": ["en"]}, ...]
-    GET  /health         {"status": "ok", "batches": ..., "requests": ..., "sentences": ..., "queued": ...}
-    POST /v1/translate   {"q": [...], "beam_size": 5, "nbest": 2, ...any SearchConfig field}
+    GET  /health         {"status": "ok", "batches": ..., "requests": ..., "sentences": ..., "queued": ...,
+                          "models": [the same per model]}
+    POST /v1/translate   {"q": [...], "beam_size": 5, "nbest": 2, ...any SearchConfig field, and source and
+                          target where the server has several models}
                          -> {"translations": [[{"text": ..., "score": ...}, ...], ...]}; with
                          "alignments": true each also has "alignment": [[i, j], ...], with
                          "token_scores": true "token_scores": [...]; "target_prefix": the start of
                          each translation (a string, or a list as long as q)
 
-Dynamic batching: a request's sentences join one queue; a batcher task takes whatever has arrived
-within --max-wait-ms of the first, decodes it in a worker thread (the event loop keeps accepting) in
-calls of at most --max-batch-tokens, and hands each request its own results. Requests with different
+Dynamic batching: a request's sentences join its model's queue; a batcher task takes whatever has
+arrived within --max-wait-ms of the first, decodes it in a decoder thread (the event loop keeps
+accepting) in calls of at most --max-batch-tokens, and hands each request its own results. There are
+--workers decoder threads (default: one per core), each with --threads intra-op threads (default: 1),
+shared by the models, and as many batcher tasks per model, so that several batches decode at once. Requests with different
 search options are decoded in separate calls, and seeded sampling requests one at a time (a draw
 must not depend on what else arrived). When a call fails, its requests are decoded again one at a
 time, so that only the one that fails alone gets the error. A request whose client has gone (timed
@@ -64,7 +72,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -72,11 +79,26 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from seq2seq.cli import add_search_arguments, check_flags, describe, one_line_warnings, open_translator
+from seq2seq.cli import (
+    add_search_arguments,
+    check_flags,
+    describe,
+    one_line_warnings,
+    open_translator,
+    parallelism,
+)
 from seq2seq.model import ConfigError
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
-from seq2seq.translator import EMPTY, Document, Translation, Translator, check_glossary, glossary_terms
+from seq2seq.translator import (
+    EMPTY,
+    Document,
+    Translation,
+    Translator,
+    check_glossary,
+    glossary_terms,
+    start_decoder_thread,
+)
 
 # The server's own modules sit beside it (serve/ is on sys.path when it runs as `python serve/server.py`).
 from batcher import MIN_STEPS_CHARGED, Batcher, Busy, decoding_cost, summary
@@ -470,11 +492,14 @@ def create_app(translators: Translator | Sequence[Translator],
                search: SearchConfig | Sequence[SearchConfig] | None = None, *, max_tokens: int = 8192,
                max_wait: float = 0.005, batching: bool = True, max_queue: int = 1024, char_limit: int = 5000,
                timeout: float = 60.0, max_request_tokens: int = 16384, max_batch_tokens: int = 8192,
-               max_beam_size: int = 16, max_body_size: int = 1 << 20) -> Starlette:
+               max_beam_size: int = 16, max_body_size: int = 1 << 20, workers: int = 1,
+               threads: int | None = None) -> Starlette:
     """The ASGI app over one Translator per language pair; their batchers start and drain with the
     app's lifespan. `search`: the requests' defaults, one for all or one per translator (each
-    translator's own, tuned on validation where its checkpoint stores them, if None). The limits are
-    the flags of the same names (the module's docstring)."""
+    translator's own, tuned on validation where its checkpoint stores them, if None). `workers` decoder
+    calls run at once (each model's batcher gathers that many batches), each on a thread with `threads`
+    intra-op threads (None: torch's count). The limits are the flags of the same names (the module's
+    docstring)."""
     translators = list(translators) if isinstance(translators, (list, tuple)) else [translators]  # type: ignore[list-item]
     searches = ([t.search for t in translators] if search is None else
                 [search] * len(translators) if isinstance(search, SearchConfig) else list(search))
@@ -496,16 +521,17 @@ def create_app(translators: Translator | Sequence[Translator],
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(AcceptErrors(loop.get_exception_handler()))
-        # One decoder thread for every model: torch already spreads one batch over the intra-op threads,
-        # and two decodes at once would fight over the same cores.
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
+        # The decoder threads serve every model: W threads of T intra-op threads each use the cores W x T
+        # the flags give, however many models there are.
+        executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decoder",
+                                      **({"initializer": start_decoder_thread, "initargs": (threads,)} if threads else {}))
         models = {(t.src_lang, t.tgt_lang): Model(Batcher(t, max_tokens=max_tokens, max_batch_tokens=max_batch_tokens,
                                                           max_wait=max_wait, batching=batching, max_queue=max_queue,
                                                           executor=executor), defaults)
                   for t, defaults in zip(translators, searches, strict=True)}
         app.state.server = Server(models, detector, char_limit=char_limit, timeout=timeout,
                                   max_request_tokens=max_request_tokens, max_beam_size=max_beam_size)
-        tasks = [asyncio.create_task(model.batcher.run()) for model in models.values()]
+        tasks = [asyncio.create_task(model.batcher.run()) for model in models.values() for _ in range(workers)]
         try:
             yield
         finally:  # uvicorn has stopped accepting and waited for the open requests
@@ -557,7 +583,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds a client has to send a whole request; then 408 and closed (default: 10)")
     parser.add_argument("--max-connections", type=int, default=512,
                         help="open connections at most; idle ones are closed first, then 503 (default: 512)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
     search = check_flags(parser, args)
@@ -565,8 +590,6 @@ def main(argv: list[str] | None = None) -> None:
                  "max_body_size", "max_connections"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be at least 1, got {args.threads}")
     if args.max_wait_ms < 0 or args.timeout <= 0 or args.read_timeout <= 0:
         parser.error("--max-wait-ms must be >= 0, --timeout and --read-timeout > 0")
     if args.beam_size is not None and not search.sampling and search.beam_size > args.max_beam_size:  # before loading
@@ -579,10 +602,9 @@ def main(argv: list[str] | None = None) -> None:
               f"open {files} files (ulimit -n); raise it to allow more", file=sys.stderr)
         args.max_connections = files - FD_RESERVE
     one_line_warnings()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    workers, threads = parallelism(args)
     try:
-        loaded = [open_translator(parser, argparse.Namespace(**{**vars(args), "checkpoint": path}))
+        loaded = [open_translator(parser, argparse.Namespace(**{**vars(args), "checkpoint": path}), parallel=False)
                   for path in args.checkpoint]
     except KeyboardInterrupt:  # Ctrl-C while the model loads: one line, as after it starts
         print("\ninterrupted while loading the model; the server was not started", file=sys.stderr)
@@ -593,12 +615,12 @@ def main(argv: list[str] | None = None) -> None:
                          batching=not args.no_batching, max_queue=args.max_queue, char_limit=args.char_limit,
                          timeout=args.timeout, max_request_tokens=args.max_request_tokens,
                          max_batch_tokens=args.max_batch_tokens, max_beam_size=args.max_beam_size,
-                         max_body_size=args.max_body_size)
+                         max_body_size=args.max_body_size, workers=workers, threads=threads)
     except ValueError as error:  # a checkpoint's tuned beam over --max-beam-size, two models for one pair
         parser.error(str(error))
     for translator, search in loaded:
         print(f"{translator.src_lang}→{translator.tgt_lang} on http://{args.host}:{args.port} ({translator.precision}, "
-              f"{torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr, flush=True)
+              f"{workers} decoder threads x {threads} threads, {describe(search)})", file=sys.stderr, flush=True)
 
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for the handler
     # that was there before it: these record it, so the process ends with a line and a plain exit

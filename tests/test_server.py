@@ -687,3 +687,17 @@ def test_hostile_bodies_get_400_not_500(server: Running, content: bytes, content
     good = multipart([(b"q", "Caf\u00e9 ?".encode()), (b"source", b"en"), (b"target", b"de")])
     reply = httpx.post(server.url + "/translate", content=good, headers={"Content-Type": "multipart/form-data; boundary=x"})
     assert reply.status_code == 200  # UTF-8 is read as before
+
+
+def test_several_decoder_threads_answer_as_one(translator: Translator):
+    """--workers 2 --threads 1: two decoder calls at once, each request answered as alone."""
+    running = Running(create_app(translator, SEARCH, max_wait=0.02, workers=2, threads=1, max_batch_tokens=200))
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda s: httpx.post(running.url + "/translate", timeout=60,
+                                                         json={"q": s, "source": "en", "target": "de"}).json(),
+                                    SENTENCES))
+        assert [r["translatedText"] for r in replies] == [alone(translator, s) for s in SENTENCES]
+        assert httpx.get(running.url + "/health").json()["requests"] == len(SENTENCES)
+    finally:
+        running.stop()

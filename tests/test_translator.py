@@ -876,3 +876,36 @@ def test_the_cli_reads_target_prefixes_line_by_line(checkpoint: Path, translator
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'in'} has 3 lines but --target-prefix {tmp_path / 'prefix'} has 1; give one line per "
         "input line (an empty line for none)")
+
+
+def test_workers_decode_the_same_batches_at_once(checkpoint: Path):
+    """Two workers of one thread each: every output, score and order as one worker's, for searches and
+    streams alike (the batches are one worker's); seeded sampling draws as one worker does."""
+    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
+        texts = [line.strip() for line in f][:80] + ["", "  "]
+    one = float64(Translator.from_checkpoint(checkpoint, precision="fp32"))
+    two = Translator(model=one.model, tokenizer=one.tokenizer, precision="fp32", workers=2, threads=1)
+    assert (two.workers, two.threads) == (2, 1)
+    for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=3, nbest=2),
+                   SearchConfig(sampling=True, seed=7, top_k=5)):
+        assert two.translate_nbest(texts, search, max_tokens=96) == one.translate_nbest(texts, search, max_tokens=96)
+        assert list(two.translate_stream(texts, search, max_tokens=96, window=17)) == list(
+            one.translate_stream(texts, search, max_tokens=96, window=17))
+    stream = two.translate_stream(texts, SearchConfig(beam_size=2), max_tokens=32)
+    next(stream)
+    stream.close()  # a reader that stops early: what was queued for it is cancelled
+    for bad in ({"workers": 0}, {"workers": True}, {"threads": 0}):
+        with pytest.raises(ValueError, match="workers|threads"):
+            Translator(model=one.model, tokenizer=one.tokenizer, precision="fp32", **bad)
+
+
+@pytest.mark.parametrize("workers, threads, cores, expected", [(None, None, 4, (4, 1)), (None, 2, 4, (2, 2)),
+                                                               (2, None, 4, (2, 2)), (3, 2, 4, (3, 2)),
+                                                               (None, 8, 4, (1, 8))])
+def test_workers_and_threads_fill_the_cores(workers, threads, cores, expected, monkeypatch: pytest.MonkeyPatch):
+    from argparse import Namespace
+
+    from seq2seq.cli import parallelism
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert parallelism(Namespace(workers=workers, threads=threads)) == expected
