@@ -69,6 +69,7 @@ class Document(Protocol):
     def render(self, translations: Sequence[Translation]) -> str: ...
 
 
+WIDE_WORK = 5e8  # see Translator._wide
 EMPTY = Translation(text="", score=0.0, tokens=[])  # what an empty sentence translates to
 
 
@@ -108,8 +109,9 @@ class Translator:
         (with one worker and `threads` given, its one thread has that many; with neither, the caller's
         thread decodes with the caller's count):
         a decoding step's parallel regions are too small for several threads to pay, several batches
-        are not. The batches are those of one worker (outputs do not depend on `workers`); seeded
-        sampling, whose draws run through one generator, decodes one batch at a time."""
+        are not. The batches are those of one worker (outputs do not depend on `workers`); a lone batch
+        big enough (_wide) decodes on all the workers' cores; seeded sampling, whose draws run through one
+        generator, decodes one batch at a time."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -117,7 +119,7 @@ class Translator:
         self.workers = workers
         self.threads = threads if threads is not None else max(1, torch.get_num_threads() // workers)
         self._own_threads = threads is not None  # else one worker decodes on the caller's thread, with its threads
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
@@ -269,26 +271,41 @@ class Translator:
         if generator is not None or (self.workers == 1 and not self._own_threads):
             for batch in batches:
                 yield from translate_batch(batch)
+        elif len(batches) == 1 and self.workers > 1 and self._wide(len(batches[0]), search):
+            yield from self._pool_of("wide", 1, self.workers * self.threads).submit(translate_batch, batches[0]).result()
         else:
             yield from self._in_parallel(translate_batch, batches)
+
+    def _wide(self, sentences: int, search: SearchConfig) -> bool:
+        """Whether a lone batch of `sentences` pays for all the workers' cores on it: the other workers
+        would idle, and a step's matmuls are big enough for several threads past about WIDE_WORK
+        multiply-adds in the output projection (rows x d_model x vocabulary; measured: README, "Every core")."""
+        rows = sentences * (1 if search.sampling else search.beam_size)
+        config = self.model.config
+        return rows * config.d_model * config.vocab_size >= WIDE_WORK
+
+    def _pool_of(self, name: str, workers: int, threads: int) -> ThreadPoolExecutor:
+        """The decoder threads `name` (made on first use): `workers` threads of `threads` intra-op threads."""
+        if name not in self._pools:
+            self._pools[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"decoder-{name}",
+                                                   initializer=start_decoder_thread, initargs=(threads,))
+        return self._pools[name]
 
     def _in_parallel(self, translate_batch: Callable[[list[int]], list[tuple[int, list[Translation]]]],
                      batches: list[list[int]]) -> Iterator[tuple[int, list[Translation]]]:
         """translate_batch over the batches on the workers, two per worker in flight (the next is ready
         when one finishes), the results given in the batches' order."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="decoder",
-                                            initializer=start_decoder_thread, initargs=(self.threads,))
+        pool = self._pool_of("workers", self.workers, self.threads)
         pending: deque[Future[list[tuple[int, list[Translation]]]]] = deque()
         remaining = iter(batches)
         try:
             for batch in islice(remaining, 2 * self.workers):
-                pending.append(self._pool.submit(translate_batch, batch))
+                pending.append(pool.submit(translate_batch, batch))
             while pending:
                 done = pending.popleft().result()
                 following = next(remaining, None)
                 if following is not None:
-                    pending.append(self._pool.submit(translate_batch, following))
+                    pending.append(pool.submit(translate_batch, following))
                 yield from done
         finally:  # a caller that stops early (or an error) leaves nothing running for it
             for future in pending:

@@ -878,7 +878,7 @@ def test_the_cli_reads_target_prefixes_line_by_line(checkpoint: Path, translator
         "input line (an empty line for none)")
 
 
-def test_workers_decode_the_same_batches_at_once(checkpoint: Path):
+def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: pytest.MonkeyPatch):
     """Two workers of one thread each: every output, score and order as one worker's, for searches and
     streams alike (the batches are one worker's); seeded sampling draws as one worker does."""
     with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
@@ -891,6 +891,9 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path):
         assert two.translate_nbest(texts, search, max_tokens=96) == one.translate_nbest(texts, search, max_tokens=96)
         assert list(two.translate_stream(texts, search, max_tokens=96, window=17)) == list(
             one.translate_stream(texts, search, max_tokens=96, window=17))
+    monkeypatch.setattr("seq2seq.translator.WIDE_WORK", 0)  # a lone batch decodes on all the workers' cores
+    assert two.translate_nbest(texts, SearchConfig(beam_size=3)) == one.translate_nbest(texts, SearchConfig(beam_size=3))
+    assert "wide" in two._pools
     stream = two.translate_stream(texts, SearchConfig(beam_size=2), max_tokens=32)
     next(stream)
     stream.close()  # a reader that stops early: what was queued for it is cancelled
