@@ -112,10 +112,15 @@ T = TypeVar("T")
 __all__ = ["AcceptErrors", "Batcher", "Busy", "create_app", "decoding_cost", "main", "uvicorn_config"]
 
 
+DOCUMENTS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="documents")
+
+
 async def off_loop(work: Callable[[], T]) -> T:
-    """`work` in a thread of asyncio's default pool, so that the event loop keeps serving meanwhile
-    (parsing and rendering a document take time in proportion to it; decoding has its own thread)."""
-    return await asyncio.get_running_loop().run_in_executor(None, work)
+    """`work` in the documents thread, so that the event loop keeps serving meanwhile (parsing and
+    rendering a document take time in proportion to it; decoding has threads of its own). One thread,
+    not asyncio's default pool of up to cores + 4: the work holds the GIL anyway, and every thread
+    that allocates grows a malloc arena of its own that is kept (keep_freed_memory)."""
+    return await asyncio.get_running_loop().run_in_executor(DOCUMENTS, work)
 
 
 def out_of_memory(error: BaseException) -> bool:
