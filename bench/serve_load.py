@@ -11,7 +11,8 @@ shows what each gives. The server runs with batching for both.
 
 Starts serve/server.py twice on loopback (a port of its own each time), once with batching and
 once with --no-batching, and for each number of concurrent clients sends a fixed number of
-requests (--requests in all, spread over the clients), each one Multi30k test sentence, every
+requests (--requests in all, spread over the clients), each one Multi30k test sentence (in the
+checkpoint's source language, source auto), every
 client waiting for its answer before its next request. Prints sentences per second, p50 and p95
 latency, the decoder batches the server ran (from /health), and the throughput ratio batching /
 no batching per client count. Same machine, same process for the load, servers run one after the
@@ -104,8 +105,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.paragraphs:
         return paragraphs(args)
-    with gzip.open(Path(args.data) / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
-        sentences = [line for line in f.read().split("\n") if line.strip()]
     print(f"{cpu_model()}; {args.requests} requests per row, beam {args.beam_size}, server with {args.workers} decoder "
           f"threads x {args.threads} threads")
     print("| clients | server | sentences/s | p50 latency | p95 latency | decoder batches |")
@@ -115,10 +114,14 @@ def main() -> None:
         process, url = start_server(args.checkpoint, ["--beam-size", args.beam_size, "--threads", args.threads,
                                                       "--workers", args.workers, "--precision", "auto", *extra])
         try:
-            asyncio.run(load(url, sentences, clients=2, requests=10))  # warm-up
+            [(source, target)] = [(lang["code"], t) for lang in httpx.get(url + "/languages").json() for t in lang["targets"]]
+            with gzip.open(Path(args.data) / f"test_2016_flickr.{source}.gz", "rt", encoding="utf-8") as f:
+                sentences = [line for line in f.read().split("\n") if line.strip()]
+            asyncio.run(load(url, sentences, clients=2, requests=10, target=target))  # warm-up
             for clients in args.clients:
                 before = httpx.get(url + "/health").json()["batches"]
-                seconds, latencies = asyncio.run(load(url, sentences, clients=clients, requests=args.requests))
+                seconds, latencies = asyncio.run(load(url, sentences, clients=clients, requests=args.requests,
+                                                      target=target))
                 batches = httpx.get(url + "/health").json()["batches"] - before
                 throughput[clients, mode] = args.requests / seconds
                 print(f"| {clients} | {mode} | {args.requests / seconds:.1f} | {percentile(latencies, 0.5) * 1000:.0f} ms "
