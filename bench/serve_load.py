@@ -21,12 +21,14 @@ other. Run by hand, not in CI.
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -57,6 +59,25 @@ def start_server(checkpoint: str, extra: list[str]) -> tuple[subprocess.Popen, s
             if process.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the server did not start: {process.stderr.read() if process.stderr else ''}") from None
             time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def serving(args: argparse.Namespace, extra: list[str]) -> Iterator[tuple[str, str, str]]:
+    """serve/server.py with the run's options (and `extra`) for as long as the block runs: its URL and
+    the language pair its checkpoint translates; stopped by SIGTERM as an operator would."""
+    process, url = start_server(args.checkpoint, ["--beam-size", args.beam_size, "--threads", args.threads,
+                                                  "--workers", args.workers, "--precision", "auto", *extra])
+    try:
+        [(source, target)] = [(lang["code"], t) for lang in httpx.get(url + "/languages").json() for t in lang["targets"]]
+        yield url, source, target
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def multi30k_test(args: argparse.Namespace, language: str) -> list[str]:
+    with gzip.open(Path(args.data) / f"test_2016_flickr.{language}.gz", "rt", encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
 
 
 async def load(url: str, sentences: list[str], *, clients: int, requests: int, target: str = "en",
@@ -111,12 +132,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     throughput: dict[tuple[int, str], float] = {}
     for mode, extra in (("batching", []), ("no batching", ["--no-batching"])):
-        process, url = start_server(args.checkpoint, ["--beam-size", args.beam_size, "--threads", args.threads,
-                                                      "--workers", args.workers, "--precision", "auto", *extra])
-        try:
-            [(source, target)] = [(lang["code"], t) for lang in httpx.get(url + "/languages").json() for t in lang["targets"]]
-            with gzip.open(Path(args.data) / f"test_2016_flickr.{source}.gz", "rt", encoding="utf-8") as f:
-                sentences = [line for line in f.read().split("\n") if line.strip()]
+        with serving(args, extra) as (url, source, target):
+            sentences = multi30k_test(args, source)
             asyncio.run(load(url, sentences, clients=2, requests=10, target=target))  # warm-up
             for clients in args.clients:
                 before = httpx.get(url + "/health").json()["batches"]
@@ -126,9 +143,6 @@ def main() -> None:
                 throughput[clients, mode] = args.requests / seconds
                 print(f"| {clients} | {mode} | {args.requests / seconds:.1f} | {percentile(latencies, 0.5) * 1000:.0f} ms "
                       f"| {percentile(latencies, 0.95) * 1000:.0f} ms | {batches} |", flush=True)
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=60)
     print()
     for clients in args.clients:
         ratio = throughput[clients, "batching"] / throughput[clients, "no batching"]
@@ -136,36 +150,27 @@ def main() -> None:
 
 
 def paragraphs(args: argparse.Namespace) -> None:
-    process, url = start_server(args.checkpoint, ["--beam-size", args.beam_size, "--threads", args.threads,
-                                                  "--workers", args.workers, "--precision", "auto"])
-    try:
-        [pair] = [(lang["code"], target) for lang in httpx.get(url + "/languages").json() for target in lang["targets"]]
-        texts = {}
-        for language in pair:
-            with gzip.open(Path(args.data) / f"test_2016_flickr.{language}.gz", "rt", encoding="utf-8") as f:
-                texts[language] = [line.strip() for line in f if line.strip()]
+    with serving(args, []) as (url, source, target):
         k = args.paragraphs
-        count = min(args.requests, len(texts[pair[0]]) // k)
-        sources = [" ".join(texts[pair[0]][i * k : (i + 1) * k]) for i in range(count)]
-        references = [" ".join(texts[pair[1]][i * k : (i + 1) * k]) for i in range(count)]
-        print(f"{cpu_model()}; {pair[0]}→{pair[1]}, {count} requests of {k} sentences per row, beam {args.beam_size}, "
+        sentences, translations = multi30k_test(args, source), multi30k_test(args, target)
+        count = min(args.requests, len(sentences) // k)
+        sources = [" ".join(sentences[i * k : (i + 1) * k]) for i in range(count)]
+        references = [" ".join(translations[i * k : (i + 1) * k]) for i in range(count)]
+        print(f"{cpu_model()}; {source}→{target}, {count} requests of {k} sentences per row, beam {args.beam_size}, "
               f"server with {args.workers} decoder threads x {args.threads} threads, batching")
         print("| clients | request | source sentences/s | p50 latency | p95 latency | BLEU |")
         print("|---|---|---|---|---|---|")
-        asyncio.run(load(url, sources, clients=2, requests=4, target=pair[1]))  # warm-up
+        asyncio.run(load(url, sources, clients=2, requests=4, target=target))  # warm-up
         speed = {}
         for clients in args.clients:
             for name, endpoint in (("split (/translate)", "/translate"), ("whole (/v1/translate)", "/v1/translate")):
                 outputs: dict[int, str] = {}
-                seconds, latencies = asyncio.run(load(url, sources, clients=clients, requests=count, target=pair[1],
+                seconds, latencies = asyncio.run(load(url, sources, clients=clients, requests=count, target=target,
                                                       endpoint=endpoint, outputs=outputs))
                 bleu = sacrebleu.corpus_bleu([outputs[i] for i in range(count)], [references]).score
                 speed[clients, endpoint] = count * k / seconds
                 print(f"| {clients} | {name} | {count * k / seconds:.1f} | {percentile(latencies, 0.5) * 1000:.0f} ms "
                       f"| {percentile(latencies, 0.95) * 1000:.0f} ms | {bleu:.2f} |", flush=True)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
     print()
     for clients in args.clients:
         print(f"{clients} clients: split / whole = {speed[clients, '/translate'] / speed[clients, '/v1/translate']:.2f}x "

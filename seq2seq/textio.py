@@ -43,12 +43,7 @@ def iter_lines(path: str, *, option: str = "--input") -> Iterator[str]:
     part of the first sentence. Raises InputError (a missing file: SystemExit, before anything is read).
     """
     name = "stdin" if path == "-" else path
-    try:
-        stream = stdin_bytes() if path == "-" else open(path, "rb")  # noqa: SIM115  # closed below
-    except FileNotFoundError:
-        raise SystemExit(f"error: {option} {path} does not exist") from None
-    except OSError as error:
-        raise SystemExit(f"error: {option}: cannot read {path}: {error.strerror}") from None
+    stream = open_input(path, option=option)
     with contextlib.nullcontext(stream) if path == "-" else stream:  # stdin stays open
         number = 0
         while True:
@@ -78,17 +73,22 @@ def read_lines(path: str, *, option: str = "--input") -> list[str]:
         raise SystemExit(f"error: {error}") from None
 
 
+def open_input(path: str, *, option: str) -> BinaryIO:
+    """The file (or stdin for "-") to read bytes from; a missing or unreadable one is one line and an exit."""
+    try:
+        return stdin_bytes() if path == "-" else open(path, "rb")  # noqa: SIM115  # the caller closes it
+    except FileNotFoundError:
+        raise SystemExit(f"error: {option} {path} does not exist") from None
+    except OSError as error:
+        raise SystemExit(f"error: {option}: cannot read {path}: {error.strerror}") from None
+
+
 def read_text(path: str, *, option: str = "--input", limit: int = 64 << 20) -> str:
     """A whole UTF-8 file (or stdin for "-") as one text, newlines kept (a document: HTML, subtitles);
     InputError naming the line of a byte that is not UTF-8, or a file over `limit` bytes."""
     name = "stdin" if path == "-" else path
-    try:
-        stream = stdin_bytes() if path == "-" else open(path, "rb")  # noqa: SIM115  # closed below
-    except FileNotFoundError:
-        raise SystemExit(f"error: {option} {path} does not exist") from None
-    except OSError as error:
-        raise SystemExit(f"error: {option} {path} cannot be read ({error.strerror})") from None
-    with stream:
+    stream = open_input(path, option=option)
+    with contextlib.nullcontext(stream) if path == "-" else stream:  # stdin stays open
         data = stream.read(limit + 1)
     if len(data) > limit:
         raise InputError(f"{name} is over {limit >> 20} MiB: too big to translate as one document; split it")
