@@ -287,6 +287,8 @@ def _placed(run: _Run, start: int, end: int, translation: Aligned) -> list[tuple
             pieces.append((" ", _common([before, stack])))
         lead = _edge(word, leads.get(j, []), stack, at_start=True)
         tail = _edge(word, tails.get(j, []), stack, at_start=False)
+        if lead is not None and tail is not None and len(lead[1]) + len(tail[1]) > len(word):
+            tail = (tail[0], "") if any(len(s) > len(stack) for _, s in tail[0]) else None  # they would overlap
         if lead is not None:
             word = word[len(lead[1]):]
         if tail is not None:
