@@ -71,7 +71,6 @@ class _Run:
     """A segment: consecutive inline nodes of one parent, their text, and the inline elements around each
     of its characters."""
 
-    parent: Tag
     nodes: list[PageElement]
     text: str
     marks: list[Stack]
@@ -117,13 +116,13 @@ class HtmlDocument:
                 pending.append(child)
                 continue
             if pending:
-                self._add_run(parent, pending, split=split)
+                self._add_run(pending, split=split)
                 pending = []
             if isinstance(child, Tag) and _translated(child):
                 self._add_attributes(child, split=split)
                 self._collect(child, split=split)
 
-    def _add_run(self, parent: Tag, nodes: list[PageElement], *, split: Splitter) -> None:
+    def _add_run(self, nodes: list[PageElement], *, split: Splitter) -> None:
         text, marks = "", []
         for node in nodes:
             for string, stack in self._strings(node, ()):
@@ -133,7 +132,7 @@ class HtmlDocument:
                 for tag in [node, *node.find_all(True)]:
                     self._add_attributes(tag, split=split)
         if text.strip():
-            self.runs.append(_Run(parent, nodes, text, marks, split(text)))
+            self.runs.append(_Run(nodes, text, marks, split(text)))
 
     def _add_attributes(self, tag: Tag, *, split: Splitter) -> None:
         for name in READABLE_ATTRIBUTES:

@@ -39,10 +39,8 @@ from seq2seq.cli import (
     open_translator,
     with_extras,
 )
-from seq2seq.markup import HtmlDocument
 from seq2seq.precision import tune_process_memory
 from seq2seq.search import SearchConfig
-from seq2seq.subtitles import SrtDocument
 from seq2seq.textio import (
     InputError,
     Output,
@@ -55,7 +53,7 @@ from seq2seq.textio import (
     read_text,
     where,
 )
-from seq2seq.translator import Translation, Translator
+from seq2seq.translator import Translation, Translator, document_of
 
 FORMATS = {".html": "html", ".htm": "html", ".srt": "srt"}  # --format by --input's extension (else lines)
 WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
@@ -204,7 +202,7 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
     start = time.perf_counter()
     split = translator.sentence_spans
     try:
-        document = HtmlDocument(text, split=split) if args.format == "html" else SrtDocument(text, split=split)
+        document = document_of(text, format=args.format, split=split)
     except ValueError as error:  # subtitles that are not SubRip ("line N is not ..."), markup that cannot be read
         name = "stdin" if args.input == "-" else args.input
         raise SystemExit(f"error: {name}{'' if str(error).startswith('line ') else ':'} {error}") from None

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -39,6 +39,7 @@ from seq2seq.precision import Precision, resolve_precision
 from seq2seq.scoring import Forced, force_decode
 from seq2seq.search import Hypothesis, SearchConfig, decode
 from seq2seq.sentences import Paragraphs, model_sentence_spans
+from seq2seq.subtitles import SrtDocument
 from seq2seq.tokenizer import Tokenizer
 
 DEFAULT_SEARCH = SearchConfig()  # beam 5
@@ -69,6 +70,7 @@ class Document(Protocol):
     def render(self, translations: Sequence[Translation]) -> str: ...
 
 
+T = TypeVar("T")
 WIDE_WORK = 5e8  # see Translator._wide
 EMPTY = Translation(text="", score=0.0, tokens=[])  # what an empty sentence translates to
 
@@ -175,13 +177,9 @@ class Translator:
         its translation: the sentences of all of them translated as one batch (with word alignments
         where a document has markup to place), each as it would be alone."""
         sentences = [sentence for document in documents for sentence in document.sentences]
-        search = search or self.search
-        if any(document.needs_alignments for document in documents):
-            search = dataclasses.replace(search, alignments=True)
-        best = [hyps[0] if hyps else EMPTY
-                for hyps in self.translate_nbest(sentences, search, max_tokens=max_tokens, glossary=glossary)]
-        bounds = list(itertools.accumulate((len(d.sentences) for d in documents), initial=0))
-        return [d.render(best[a:b]) for d, (a, b) in zip(documents, itertools.pairwise(bounds), strict=True)]
+        best = [hyps[0] if hyps else EMPTY for hyps in self.translate_nbest(
+            sentences, search_for(documents, search or self.search), max_tokens=max_tokens, glossary=glossary)]
+        return [d.render(own) for d, own in zip(documents, per_document(documents, best), strict=True)]
 
     def sentence_spans(self, text: str) -> list[tuple[int, int]]:
         """(start, end) of each sentence of `text` as it is given to the model (seq2seq/sentences.py: the
@@ -481,6 +479,27 @@ class Translator:
                 )
                 ids[i] = self.tokenizer.cut_source(sentence, limit)
         return ids
+
+
+def document_of(text: str, *, format: str, split: Callable[[str], list[tuple[int, int]]]) -> Document:
+    """`text` as a document of `format`: "text" (paragraphs), "html" or "srt"; a ValueError for markup or
+    subtitles that cannot be read."""
+    if format == "html":
+        return HtmlDocument(text, split=split)
+    if format == "srt":
+        return SrtDocument(text, split=split)
+    return Paragraphs(text, split=split)
+
+
+def search_for(documents: Sequence[Document], search: SearchConfig) -> SearchConfig:
+    """`search`, with word alignments if any of `documents` places markup by them."""
+    return dataclasses.replace(search, alignments=True) if any(d.needs_alignments for d in documents) else search
+
+
+def per_document(documents: Sequence[Document], items: Sequence[T]) -> list[Sequence[T]]:
+    """`items`, one per sentence of the documents in order, cut into each document's."""
+    bounds = list(itertools.accumulate((len(d.sentences) for d in documents), initial=0))
+    return [items[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def start_decoder_thread(threads: int) -> None:

@@ -11,10 +11,8 @@ import urllib.parse
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from seq2seq.markup import HtmlDocument, Splitter
-from seq2seq.sentences import Paragraphs
-from seq2seq.subtitles import SrtDocument
-from seq2seq.translator import Document, Translator
+from seq2seq.markup import Splitter
+from seq2seq.translator import Document, Translator, document_of
 
 from bodies import BadRequest, shown
 
@@ -48,13 +46,9 @@ def visible_text(text: str, *, format: str, name: str = "q") -> str:
 
 def _document(text: str, *, format: str, split: Splitter, name: str) -> Document:
     try:
-        if format == "html":
-            return HtmlDocument(text, split=split)
-        if format == "srt":
-            return SrtDocument(text, split=split)
+        return document_of(text, format=format, split=split)
     except ValueError as error:
         raise BadRequest(f"{name}: {error}") from None
-    return Paragraphs(text, split=split)
 
 
 @dataclass

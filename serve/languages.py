@@ -42,9 +42,8 @@ class Detector:
         if self.detector is None:
             return [(code, 100.0 if len(among) == 1 else 0.0) for code in among]
         values = {value.language: value.value for value in self.detector.compute_language_confidence_values(text)}
-        scores = [(code, round(100.0 * values.get(self.known[code], 0.0), 2) if code in self.known else 0.0)
-                  for code in among]
-        return sorted(scores, key=lambda item: -item[1])
+        scores = [(code, values.get(self.known[code], 0.0) if code in self.known else 0.0) for code in among]
+        return [(code, round(100.0 * score, 2)) for code, score in sorted(scores, key=lambda item: -item[1])]
 
     def detect(self, text: str, *, among: list[str]) -> tuple[str, float]:
         """The language of `text` among the codes `among` (not empty), and lingua's confidence (0-100)
@@ -53,7 +52,4 @@ class Detector:
         candidates = [code for code in among if code in self.known]
         if self.detector is None or not candidates:
             return among[0], 100.0 if len(among) == 1 else 0.0
-        values = {value.language: value.value for value in self.detector.compute_language_confidence_values(text)}
-        scores = {code: values.get(self.known[code], 0.0) for code in candidates}
-        best = max(candidates, key=lambda code: scores[code])
-        return best, round(100.0 * scores[best], 2)
+        return self.rank(text, among=candidates)[0]

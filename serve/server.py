@@ -63,7 +63,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import signal
 import sys
 import time
@@ -97,6 +96,8 @@ from seq2seq.translator import (
     Translator,
     check_glossary,
     glossary_terms,
+    per_document,
+    search_for,
     start_decoder_thread,
 )
 
@@ -285,9 +286,7 @@ class Server:
             if alternatives:  # n-best: the beam must hold them
                 nbest = alternatives + 1
                 search = dataclasses.replace(search, nbest=nbest, beam_size=max(search.beam_size, nbest), sampling=False)
-            if any(document.needs_alignments for document in documents):
-                search = dataclasses.replace(search, alignments=True)
-            futures.append(self.submit(model, [s for d in documents for s in d.sentences], search))
+            futures.append(self.submit(model, [s for d in documents for s in d.sentences], search_for(documents, search)))
         return await self.wait(request, futures)
 
     # -- endpoints -------------------------------------------------------------------------------
@@ -318,9 +317,7 @@ class Server:
         best: list[str] = [""] * len(texts)
         others: list[list[str]] = [[] for _ in texts]
         for indices, (_, documents), nbest_lists in zip(groups.values(), routed, results, strict=True):
-            bounds = list(itertools.accumulate((len(d.sentences) for d in documents), initial=0))
-            for i, doc, (a, b) in zip(indices, documents, itertools.pairwise(bounds), strict=True):
-                own = nbest_lists[a:b]
+            for i, doc, own in zip(indices, documents, per_document(documents, nbest_lists), strict=True):
                 most = max((len(hyps) for hyps in own), default=0)
                 # Alternative k of a text: each sentence's k-th (its best where it has fewer); rendering
                 # fills a document in, so each rendering after the first starts from a fresh one.
