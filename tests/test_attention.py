@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from seq2seq.model import MultiHeadAttention, causal_mask, padding_mask
+from seq2seq.model.attention import attend_by_matmul
 from seq2seq.model.positions import RelativePositionBias, Rotary, relative_position_bucket, sinusoidal_table
 
 
@@ -203,3 +204,63 @@ def test_attention_under_autocast_runs_in_the_precision_chosen(fp32: bool, kind:
     seen.clear()
     attention(x, keys=keys.float(), values=values.float(), mask=mask)  # no autocast: as given, whatever the flag
     assert seen[0][:3] == (torch.float32,) * 3 and not seen[0][4]
+
+
+@pytest.mark.parametrize("queries_per_row", [1, 4])
+def test_attend_by_matmul_matches_float64_reference(queries_per_row: int):
+    """The decoding steps' attention (two batched matmuls) on keys that are strided views of a cache,
+    a padding mask and several queries per key row (beams folded): float64 reference and SDPA alike."""
+    torch.manual_seed(2)
+    rows, heads, length, head_dim = 5, 3, 9, 8
+    cache = torch.randn(2, 2, rows + 2, heads, length + 7, head_dim)  # (layers, k|v, rows, H, capacity, Dh)
+    keys, values = cache[1, 0, :rows, :, :length], cache[1, 1, :rows, :, :length]
+    queries = torch.randn(rows, heads, queries_per_row, head_dim)
+    tokens = torch.randint(4, 20, (rows, length))
+    tokens[1, 4:] = 0
+    tokens[3, 1:] = 0
+    mask = padding_mask(tokens, pad_id=0)
+    out = attend_by_matmul(queries, keys, values, mask=mask)
+    scores = torch.einsum("bhqd,bhkd->bhqk", queries.double(), keys.double()) / math.sqrt(head_dim)
+    expected = torch.einsum("bhqk,bhkd->bhqd", scores.masked_fill(~mask, float("-inf")).softmax(-1), values.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask))
+    torch.testing.assert_close(attend_by_matmul(queries, keys, values, mask=None).double(),
+                               torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), values.double()),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bf16_decoding_steps_attend_by_matmul_and_stay_close(dtype, monkeypatch):
+    """On CPU, a bf16 decoding step with enough (sentence, head) matrices takes attend_by_matmul
+    (cross-attention with folded beams included), and lands as close to float64 as SDPA does; float32,
+    a longer query, and gradients keep SDPA."""
+    attention = random_attention()
+    taken = []
+    monkeypatch.setattr("seq2seq.model.attention.attend_by_matmul",
+                        lambda *args, **kwargs: taken.append(1) or attend_by_matmul(*args, **kwargs))
+    monkeypatch.setattr("seq2seq.model.attention.MATMUL_ATTENTION_MATRICES", 6)  # 2 sentences x 3 heads
+    torch.manual_seed(3)
+    sentences, beams = 2, 3
+    x = torch.randn(sentences * beams, 1, 24)
+    memory = torch.randn(sentences, 5, 24)
+    tokens = torch.randint(4, 20, (sentences, 5))
+    tokens[1, 2:] = 0
+    mask = padding_mask(tokens, pad_id=0)
+    expected = naive_attention(attention, x, memory.repeat_interleave(beams, dim=0),
+                               mask.repeat_interleave(beams, dim=0))
+    low = attention.to(dtype)
+    with torch.no_grad():
+        keys, values = low.keys_values(memory.to(dtype))
+        out = low(x.to(dtype), keys=keys, values=values, mask=mask)
+        assert len(taken) == (1 if dtype == torch.bfloat16 else 0)
+        monkeypatch.setattr("seq2seq.model.attention.MATMUL_ATTENTION_MATRICES", 10**9)
+        by_sdpa = low(x.to(dtype), keys=keys, values=values, mask=mask)
+    error, sdpa_error = ((y.double() - expected).abs().max().item() for y in (out, by_sdpa))
+    assert error <= 2 * sdpa_error + 1e-6
+    assert error < (0.05 if dtype == torch.bfloat16 else 1e-5) * expected.abs().max().item()
+    monkeypatch.setattr("seq2seq.model.attention.MATMUL_ATTENTION_MATRICES", 6)
+    taken.clear()
+    with torch.no_grad():
+        low(torch.randn(sentences, 2, 24, dtype=dtype), keys=keys, values=values, mask=mask)  # two queries per row
+    low(x.to(dtype), keys=keys, values=values, mask=mask)  # gradients on
+    assert not taken

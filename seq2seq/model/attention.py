@@ -115,14 +115,18 @@ class MultiHeadAttention(nn.Module):
             attn_mask = position_bias.to(queries.dtype)
             if mask is not None:
                 attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
-        with torch.autocast(device, enabled=False) if in_fp32 else nullcontext():
-            out = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=attn_mask,
-                dropout_p=self.attention_dropout if self.training else 0.0,
-            )  # (N, H, K*Tq, Dh)
+        if (length == 1 and attn_mask is mask and queries.dtype == torch.bfloat16 and device == "cpu"
+                and not torch.is_grad_enabled() and keys.size(0) * self.num_heads >= MATMUL_ATTENTION_MATRICES):
+            out = attend_by_matmul(queries, keys, values, mask=mask)  # (N, H, K, Dh)
+        else:
+            with torch.autocast(device, enabled=False) if in_fp32 else nullcontext():
+                out = F.scaled_dot_product_attention(
+                    queries,
+                    keys,
+                    values,
+                    attn_mask=attn_mask,
+                    dropout_p=self.attention_dropout if self.training else 0.0,
+                )  # (N, H, K*Tq, Dh)
         if beams != 1:
             out = unfold_beams(out, beams=beams)  # (R, H, Tq, Dh)
         return self.out_proj(out.transpose(1, 2).reshape(rows, length, -1))  # (R, Tq, D)
@@ -138,6 +142,26 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         return scores.softmax(dim=-1)
+
+
+MATMUL_ATTENTION_MATRICES = 64
+"""A bf16 decoding step on CPU (one query per row, beams folded) attends by `attend_by_matmul` rather
+than SDPA from this many (sentence, head) matrices on: torch's bf16 SDPA kernel for CPU is slow at one
+query per row, and from about 16 sentences of 4 heads two batched matmuls win (README, "Every core").
+float32 keeps SDPA: there the two are even, and its outputs stay what they were."""
+
+
+def attend_by_matmul(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor | None) -> Tensor:
+    """softmax(q k^T / sqrt(Dh)) v as two batched matmuls, without gradients: (N, H, Tq, Dh) from
+    queries (N, H, Tq, Dh), keys and values (N, H, Tk, Dh) and a boolean mask broadcastable to
+    (N, H, Tq, Tk). Every query row must see at least one key (a fully masked row would be NaN where
+    SDPA gives 0). The matmuls read the cache's strided views as they are, with no copy; scores
+    and probabilities stay in the inputs' dtype (bf16 matmuls accumulate in float32, softmax computes
+    in float32), as SDPA's do."""
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(queries.size(-1) ** -0.5)  # (N, H, Tq, Tk)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), values)
 
 
 def fold_beams(queries: Tensor, *, sentences: int) -> Tensor:

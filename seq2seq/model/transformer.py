@@ -131,6 +131,9 @@ class Decoder(nn.Module):
             if first_call:
                 cross_kv = layer.cross_attn.keys_values(memory)  # (N, H, S, Dh) each
                 if state is not None:
+                    # Contiguous once, read at every step: a head's keys are strided views of the
+                    # projection's output, which batched matmuls would copy each time (attend_by_matmul).
+                    cross_kv = (cross_kv[0].contiguous(), cross_kv[1].contiguous())
                     state.cross_keys.append(cross_kv[0])
                     state.cross_values.append(cross_kv[1])
             else:
