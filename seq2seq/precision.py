@@ -40,6 +40,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from seq2seq.model.numerics import PackedLinear
+
 Precision = Literal["auto", "fp32", "bf16", "int8"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8")
 # Training's `precision: auto` as decided by the process the user started ("cpu=32-true"): the DDP
@@ -130,6 +132,18 @@ def bf16_attention(device: torch.device, *, dropout: bool) -> Verdict:
                          what="bf16 attention")
 
 
+def onednn_linears(device: torch.device, precision: str) -> Verdict:
+    """Whether translation's linear layers run faster on oneDNN with packed weights (numerics.PackedLinear)
+    than on torch's own linear, in a resolved `precision`: timed once per machine and precision, at a
+    decoding step's shapes, and chosen only MARGIN times faster (`Verdict.bf16` means "yes" here)."""
+    if device.type != "cpu" or precision not in ("fp32", "bf16"):
+        return Verdict(False, f"oneDNN packing is for fp32 and bf16 on a CPU, not {precision} on {device.type}")
+    if not torch.backends.mkldnn.is_available():
+        return Verdict(False, "this torch has no oneDNN")
+    return timed_verdict(f"linear-onednn-{precision}", lambda packed: _fastest_decoding_linears(precision, packed),
+                         what="oneDNN's packed linear layers", candidates=(True, False))
+
+
 def resolve_precision(precision: str, device: torch.device) -> Literal["fp32", "bf16", "int8"]:
     """Translation's `auto` made concrete for this device; a ValueError naming the choices for anything else."""
     if precision not in PRECISIONS:
@@ -147,8 +161,10 @@ def resolve_precision(precision: str, device: torch.device) -> Literal["fp32", "
 # ---- timing, once per machine ------------------------------------------------------------------
 
 
-def timed_verdict(key: str, seconds: Callable[[torch.dtype], float], *, what: str) -> Verdict:
-    """bf16 if it is MARGIN times faster than float32, timed once per machine and kept in its cache file.
+def timed_verdict(key: str, seconds: Callable[[Any], float], *, what: str,
+                  candidates: tuple[Any, Any] = (torch.bfloat16, torch.float32)) -> Verdict:
+    """The first candidate (bf16) if it is MARGIN times faster than the second (float32), timed once per
+    machine and kept in its cache file.
 
     The first verdict written is the machine's: a process that timed at the same moment as another
     takes the verdict the other wrote first, so that both decide alike.
@@ -157,10 +173,11 @@ def timed_verdict(key: str, seconds: Callable[[torch.dtype], float], *, what: st
     measured = read_verdict(path)
     if measured is None:
         with torch.random.fork_rng(devices=[]):  # a seeded run draws the same numbers, timed or not
-            bf16, fp32 = seconds(torch.bfloat16), seconds(torch.float32)
-        measured = keep_first_verdict(path, {"bf16": fp32 > MARGIN * bf16, "speed-up": round(fp32 / bf16, 2)})
+            new, old = seconds(candidates[0]), seconds(candidates[1])
+        measured = keep_first_verdict(path, {"bf16": old > MARGIN * new, "speed-up": round(old / new, 2)})
     speed_up = measured.get("speed-up", "?")
-    return Verdict(measured["bf16"], f"{what} timed at {speed_up}x the speed of fp32 here, "
+    baseline = "fp32" if candidates[1] is torch.float32 else "torch's own"
+    return Verdict(measured["bf16"], f"{what} timed at {speed_up}x the speed of {baseline} here, "
                                      f"{'over' if measured['bf16'] else 'under'} the {MARGIN}x asked; kept in {path}")
 
 
@@ -233,6 +250,22 @@ def _fastest_linear(dtype: torch.dtype, device: torch.device, *, training: bool)
             y.backward(grad)
 
     with torch.inference_mode(not training):
+        return _fastest(run)
+
+
+def _fastest_decoding_linears(precision: str, packed: bool) -> float:
+    """Seconds of a decoding step's linear layers, a projection inside a layer and an output projection
+    over a vocabulary, in `precision` (fp32 or bf16) on torch's own linear or oneDNN's packed one."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    layers = [(torch.randn(rows, 256).to(dtype), torch.nn.Linear(256, d_out).to(dtype))
+              for rows, d_out in ((128, 512), (16, 8192))]
+    modules = [PackedLinear(linear) if packed else linear for _, linear in layers]
+
+    def run() -> None:
+        for (x, _), module in zip(layers, modules, strict=True):
+            module(x)
+
+    with torch.inference_mode():
         return _fastest(run)
 
 

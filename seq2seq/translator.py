@@ -35,7 +35,7 @@ from seq2seq.constraints import holds
 from seq2seq.markup import HtmlDocument
 from seq2seq.model import Transformer
 from seq2seq.model.numerics import for_inference
-from seq2seq.precision import Precision, resolve_precision
+from seq2seq.precision import Precision, onednn_linears, resolve_precision
 from seq2seq.scoring import Forced, force_decode
 from seq2seq.search import Hypothesis, SearchConfig, decode
 from seq2seq.sentences import Paragraphs, model_sentence_spans
@@ -125,7 +125,8 @@ class Translator:
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
-        self.model = for_inference(model.to(self.device), self.precision)
+        packed = onednn_linears(self.device, self.precision).bf16
+        self.model = for_inference(model.to(self.device), self.precision, packed=packed)
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.search = search

@@ -9,8 +9,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from machines import pretend_machine  # noqa: E402
 
+from seq2seq.precision import Verdict  # noqa: E402
 from seq2seq.tokenizer import Tokenizer  # noqa: E402
 
 # CI clones the project next to shared/, as the working copy is: ../shared/data/multi30k.
@@ -22,11 +24,19 @@ DEMO_DATA = Path(__file__).resolve().parents[1] / "seq2seq/demo/data"
 def an_avx2_machine_by_default(tmp_path_factory: pytest.TempPathFactory):
     """Every test runs on a pretended AVX2-only x86 CPU unless it pretends otherwise: `auto` then picks fp32
     by the rule (no bf16 units), outputs do not depend on the CPU, and no timing decides. The verdict
-    cache goes to a folder of the session's (XDG_CACHE_HOME, inherited by subprocesses)."""
+    cache goes to a folder of the session's (XDG_CACHE_HOME, inherited by subprocesses). A Translator
+    packs its linear layers for oneDNN wherever this torch has oneDNN, as it does on most x86 CPUs
+    (tests/test_translator.py runs both kinds), instead of by this machine's timing."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
         pretend_machine(patch, "avx2")
+        patch.setattr("seq2seq.translator.onednn_linears", pinned_onednn_linears)
         yield
+
+
+def pinned_onednn_linears(device, precision: str) -> Verdict:
+    packs = device.type == "cpu" and precision in ("fp32", "bf16") and torch.backends.mkldnn.is_available()
+    return Verdict(packs, "pinned by the tests")
 
 
 def _multi30k_lines(stem: str, lang: str, limit: int | None = None) -> list[str]:

@@ -200,12 +200,12 @@ def test_beams_sharing_one_memory_row_equal_copied_memory(placement, positions, 
 
 
 def test_cache_grows_past_its_capacity_and_follows_reorders_of_any_size():
-    """The preallocated cache doubles when full and is gathered into its spare buffer on a reorder;
+    """The preallocated cache grows when full and is gathered into its spare buffer on a reorder;
     rows that open (1 -> 3 beams), shrink (a sentence done) and shuffle must all keep their prefixes."""
     model = tiny_model()
     gen = torch.Generator().manual_seed(9)
     src = pad_rows(random_tokens(2, 6, generator=gen), [6, 4])
-    tgt_in = random_tokens(6, 40, generator=gen)  # 40 positions: beyond the first capacity (32)
+    tgt_in = random_tokens(6, 40, generator=gen)  # 40 positions: the capacity grows several times
     with torch.no_grad():
         memory, src_mask = model.encode(src), model.src_mask(src)
         state = model.new_state()
@@ -223,6 +223,56 @@ def test_cache_grows_past_its_capacity_and_follows_reorders_of_any_size():
         reference = model(src[[1, 1, 1]], torch.cat((done_prefix, tgt_in[rows, 30:]), dim=1))
     assert_relative_close(out, reference[:, 30:])
     assert (state.length, state.rows) == (40, 3)
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_bf16_steps_by_matmul_over_the_whole_cache_match_float64(positions, monkeypatch):
+    """A bf16 decoding step on CPU with enough rows attends by batched matmuls over the cache's whole
+    capacity (dense views, unfilled positions masked): through growth, opening beams, dropped and
+    shuffled rows it stays as close to the float64 model as SDPA over the filled part does."""
+    import seq2seq.model.attention as attention_module
+
+    calls = {"whole": 0, "part": 0}
+    extend = attention_module.DecoderState.extend
+
+    def spy(self, *args, whole=False, **kwargs):
+        calls["whole" if whole else "part"] += 1
+        return extend(self, *args, whole=whole, **kwargs)
+
+    monkeypatch.setattr(attention_module.DecoderState, "extend", spy)
+    model = tiny_model(positions=positions)
+    reference_model = tiny_model(positions=positions).double()
+    gen = torch.Generator().manual_seed(9)
+    src = pad_rows(random_tokens(2, 6, generator=gen), [6, 4])
+    tgt_in = random_tokens(6, 21, generator=gen)
+
+    def run(threshold: int) -> torch.Tensor:
+        monkeypatch.setattr(attention_module, "MATMUL_ATTENTION_MATRICES", threshold)
+        low = model.to(torch.bfloat16)
+        with torch.no_grad():
+            memory, src_mask = low.encode(src), low.src_mask(src)
+            state = low.new_state()
+            out = [low.decode(tgt_in[[0, 3], :1], memory, src_mask, state=state)]
+            state.reorder(torch.tensor([0, 0, 0, 1, 1, 1]))  # the beams open: 3 rows per sentence
+            out += [low.decode(tgt_in[:, t : t + 1], memory, src_mask, state=state) for t in range(1, 12)]
+            state.reorder(torch.tensor([5, 3, 4]), sentences=torch.tensor([1]))  # sentence 0 done, 1 shuffled
+            out += [low.decode(tgt_in[[5, 3, 4], t : t + 1], memory[1:], src_mask[1:], state=state)
+                    for t in range(12, 21)]
+        return torch.cat([o[[5, 3, 4]] if o.size(0) == 6 else o[[1, 1, 1]] if o.size(0) == 2 else o
+                          for o in out], dim=1).double()
+
+    by_matmul = run(1)
+    assert calls["whole"] == 2 * 20 and calls["part"] == 2  # 2 layers: the first step has a causal mask
+    calls.update(whole=0, part=0)
+    by_sdpa = run(10**9)
+    assert calls["whole"] == 0
+    rows = torch.tensor([1, 1, 1])
+    prefix = torch.cat((tgt_in[[3, 3, 3], :1], tgt_in[[5, 3, 4], 1:]), dim=1)  # sentence 1's BOS-step token
+    with torch.no_grad():
+        expected = reference_model(src[rows], prefix)
+    error, sdpa_error = ((y - expected).abs().max().item() for y in (by_matmul, by_sdpa))
+    assert error <= 2 * sdpa_error + 1e-6
+    assert error < 0.05 * expected.abs().max().item()
 
 
 def test_decoding_step_cost_grows_linearly():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.model.numerics import Int8Linear, exp_, for_inference, quantize_int8
+from seq2seq.model.numerics import Int8Linear, PackedLinear, exp_, for_inference, quantize_int8
 
 
 def test_exp_is_exp_where_it_does_not_underflow_and_a_normal_float_where_it_would():
@@ -60,3 +60,65 @@ def test_for_inference_casts_bf16_and_leaves_fp32_alone():
     assert for_inference(model, "fp32")[0].weight.dtype == torch.float64  # a test's float64 model stays
     assert not model.training
     assert for_inference(model, "bf16")[0].weight.dtype == torch.bfloat16
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_is_the_float64_product(dtype, bias):
+    """oneDNN's matmul on a weight packed once: the product of nn.Linear, to the dtype's precision, for
+    a batch of rows, one row, a (B, T, D) input and an empty batch."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=bias).to(dtype)
+    packed = PackedLinear(linear)
+    for x in (torch.randn(3, 7, 256), torch.randn(1, 256), torch.randn(130, 256)):
+        x = x.to(dtype)
+        reference = nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double() if bias else None)
+        with torch.inference_mode():
+            out = packed(x)
+        assert out.shape == reference.shape and out.dtype == dtype
+        error = (out.double() - reference).abs().max() / reference.abs().max()
+        assert error < (1e-6 if dtype == torch.float32 else 1e-2), error
+    with torch.inference_mode():
+        assert packed(torch.randn(0, 256, dtype=dtype)).shape == (0, 96)
+
+
+@needs_onednn
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_for_inference_packs_every_linear_and_keeps_the_tied_embedding(precision):
+    config = TransformerConfig(vocab_size=40, d_model=32, num_heads=2, d_ff=48, num_encoder_layers=1,
+                               num_decoder_layers=1, dropout=0.0, max_positions=16)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    reference = Transformer(config)
+    reference.load_state_dict(model.state_dict())
+    for_inference(reference, precision)
+    for_inference(model, precision, packed=True)
+    src = torch.randint(4, 40, (2, 6))
+    with torch.inference_mode():
+        out, expected = model(src, src), reference(src, src)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 3 * 3 + 2 * 2 + 1
+    assert torch.equal(model.decoder.embed.tokens.weight, reference.decoder.embed.tokens.weight)  # not packed
+    tolerance = 1e-5 if precision == "fp32" else 3e-2
+    assert (out.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+    assert for_inference(Transformer(config), "int8", packed=True).output_projection.__class__ is Int8Linear
+
+
+@needs_onednn
+def test_a_packed_linear_converts_as_a_module_does():
+    """.double() unpacks the weight exactly and keeps it plain (oneDNN has no float64), .float() and
+    .to(bfloat16) pack it again: the tests' float64 references and a user's conversions keep working."""
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 4)
+    packed = PackedLinear(linear)
+    x = torch.randn(2, 8)
+    assert torch.equal(packed.weight, linear.weight.detach())
+    packed.double()
+    assert packed.weight.dtype == torch.float64 and "plain" in repr(packed)
+    torch.testing.assert_close(packed(x.double()), linear(x).double().detach())
+    packed.to(torch.bfloat16)
+    assert "bfloat16, oneDNN packed" in repr(packed) and packed(x.bfloat16()).dtype == torch.bfloat16

@@ -13,11 +13,13 @@ from seq2seq.precision import CPU as CPUInfo
 from seq2seq.precision import (
     KERNEL_CACHE_CAPACITY,
     _fastest_attention,
+    _fastest_decoding_linears,
     _fastest_linear,
     bf16_attention,
     bf16_matmuls,
     bf16_matmuls_pay,
     keep_first_verdict,
+    onednn_linears,
     resolve_precision,
     this_cpu,
     tune_process_memory,
@@ -253,3 +255,28 @@ def test_process_memory_keeps_a_bounded_kernel_cache_and_a_capacity_given(monkey
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
     tune_process_memory()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"  # the user's
+
+
+@pytest.mark.parametrize("speed_up,packed", [(1.2, False), (2.0, True)])
+def test_onednn_linears_are_timed_once_per_precision_and_want_a_clear_margin(monkeypatch, speed_up, packed):
+    """oneDNN's packed linear layers against torch's own: timed (no flag says how MKL treats this CPU),
+    once per machine and precision, chosen only a clear margin faster; never for int8 or off the CPU."""
+    pretend_machine(monkeypatch, "avx512_bf16")
+    calls: list[tuple[str, bool]] = []
+
+    def seconds(precision: str, onednn: bool) -> float:
+        calls.append((precision, onednn))
+        return 1.0 / speed_up if onednn else 1.0
+
+    monkeypatch.setattr("seq2seq.precision._fastest_decoding_linears", seconds)
+    verdict = onednn_linears(CPU, "fp32")
+    assert verdict.bf16 is packed and f"{speed_up}x the speed of torch's own" in verdict.why
+    assert onednn_linears(CPU, "fp32") == verdict and len(calls) == 2  # kept
+    assert onednn_linears(CPU, "bf16").bf16 is packed and len(calls) == 4  # its own timing
+    assert not onednn_linears(CPU, "int8").bf16 and not onednn_linears(torch.device("cuda", 0), "bf16").bf16
+    assert len(calls) == 4
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_the_onednn_timing_runs_both_kernels():
+    assert _fastest_decoding_linears("bf16", True) > 0 and _fastest_decoding_linears("fp32", False) > 0

@@ -28,6 +28,8 @@ from conftest import DEMO_DATA, write_not_ours
 
 from seq2seq.checkpoint import store_search_defaults
 from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.model.numerics import PackedLinear
+from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig, beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.translate import format_nbest, main, one_line, read_lines, write_translations
@@ -342,6 +344,32 @@ def test_bf16_and_int8_score_as_fp32_within_their_rounding(trained: Path, precis
     assert 0 < moved.abs().mean() < bound, f"{precision}: log-probabilities moved by {moved.abs().mean():.4f} a token"
     chrf = sacrebleu.corpus_chrf(other.translate(sources, search), [[hyp.text for hyp in reference]]).score
     assert chrf >= 85, f"{precision}: chrF {chrf:.1f} against fp32"
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("precision,bound", [("fp32", 1e-5), ("bf16", 0.05)])
+def test_linear_layers_packed_for_onednn_translate_as_torch_s_own(trained: Path, precision: str, bound: float,
+                                                                   monkeypatch: pytest.MonkeyPatch):
+    """Whichever way precision.onednn_linears decides on the machine: the demo-corpus model with its
+    linear layers packed for oneDNN scores fp32's translations as with torch's own linear layers (to
+    float32's rounding, or bf16's), and translates alike."""
+    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
+        sources = f.read().split("\n")[:60]
+    translators = {}
+    for packed in (False, True):
+        monkeypatch.setattr("seq2seq.translator.onednn_linears", lambda device, precision, packed=packed:
+                            Verdict(packed, "pretended"))
+        translators[packed] = Translator.from_checkpoint(trained, precision=precision)
+    assert any(isinstance(m, PackedLinear) for m in translators[True].model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in translators[False].model.modules())
+    search = SearchConfig(beam_size=4)
+    reference = [hyps[0] for hyps in translators[False].translate_nbest(sources, search)]
+    targets = [hyp.tokens for hyp in reference]
+    moved = (teacher_forced_log_probs(translators[True], sources, targets)
+             - teacher_forced_log_probs(translators[False], sources, targets))
+    assert moved.abs().mean() < bound, f"{precision}: log-probabilities moved by {moved.abs().mean():.2g} a token"
+    chrf = sacrebleu.corpus_chrf(translators[True].translate(sources, search), [[h.text for h in reference]]).score
+    assert chrf >= (99 if precision == "fp32" else 90), f"{precision}: chrF {chrf:.1f} against torch's linear layers"
 
 
 def test_cli_files_with_references(checkpoint: Path, translator: Translator, tmp_path: Path):

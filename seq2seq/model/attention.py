@@ -115,8 +115,8 @@ class MultiHeadAttention(nn.Module):
             attn_mask = position_bias.to(queries.dtype)
             if mask is not None:
                 attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
-        if (length == 1 and attn_mask is mask and queries.dtype == torch.bfloat16 and device == "cpu"
-                and not torch.is_grad_enabled() and keys.size(0) * self.num_heads >= MATMUL_ATTENTION_MATRICES):
+        if length == 1 and attn_mask is mask and attends_by_matmul(queries, key_rows=keys.size(0),
+                                                                  num_heads=self.num_heads):
             out = attend_by_matmul(queries, keys, values, mask=mask)  # (N, H, K, Dh)
         else:
             with torch.autocast(device, enabled=False) if in_fp32 else nullcontext():
@@ -151,13 +151,20 @@ query per row, and from about 16 sentences of 4 heads two batched matmuls win (R
 float32 keeps SDPA: there the two are even, and its outputs stay what they were."""
 
 
+def attends_by_matmul(x: Tensor, *, key_rows: int, num_heads: int) -> bool:
+    """Whether a decoding step's attention over `key_rows` rows of keys runs `attend_by_matmul` (x: its
+    queries or input, for their dtype and device)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and key_rows * num_heads >= MATMUL_ATTENTION_MATRICES)
+
+
 def attend_by_matmul(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor | None) -> Tensor:
     """softmax(q k^T / sqrt(Dh)) v as two batched matmuls, without gradients: (N, H, Tq, Dh) from
     queries (N, H, Tq, Dh), keys and values (N, H, Tk, Dh) and a boolean mask broadcastable to
     (N, H, Tq, Tk). Every query row must see at least one key (a fully masked row would be NaN where
-    SDPA gives 0). The matmuls read the cache's strided views as they are, with no copy; scores
-    and probabilities stay in the inputs' dtype (bf16 matmuls accumulate in float32, softmax computes
-    in float32), as SDPA's do."""
+    SDPA gives 0). Keys and values should be dense per (sentence, head): torch's batched matmuls
+    copy strided views first (hence `DecoderState.extend(whole=True)`). Scores and probabilities stay
+    in the inputs' dtype (bf16 matmuls accumulate in float32, softmax computes in float32), as SDPA's do."""
     scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(queries.size(-1) ** -0.5)  # (N, H, Tq, Tk)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
@@ -178,7 +185,9 @@ def unfold_beams(out: Tensor, *, beams: int) -> Tensor:
                                                                                    head_dim)
 
 
-CACHE_GROWTH = 32  # positions added to the self-attention cache when it is full
+CACHE_GROWTH = 8
+"""Positions added to the self-attention cache when it is full: a copy every 8 steps, and a decoding step
+by matmuls (which attends over the whole capacity, see `extend`) wastes at most 7 positions."""
 
 
 class DecoderState:
@@ -188,9 +197,9 @@ class DecoderState:
     Rows are hypotheses (R); `reorder` selects, shuffles and duplicates them (beam search) or drops
     finished ones. The self-attention cache is one preallocated buffer for all layers,
     (layers, keys|values, R, H, capacity, Dh): each step writes its position in place, the capacity
-    grows by 32 positions when full (a copy every 32 steps, and never more than 32 positions unused),
-    and a reorder gathers the filled part into a second buffer of the same shape that then takes its
-    place, so that a step neither concatenates nor allocates.
+    grows by CACHE_GROWTH positions when full, and a reorder gathers the filled part into a second
+    buffer of the same shape that then takes its place, so that a step neither concatenates nor
+    allocates. Positions past `length` always hold finite numbers (zeros when a buffer is made).
 
     Cross-attention keys and values, (N, H, S, Dh), have one row per *sentence*, shared by its
     K = R / N hypotheses (see MultiHeadAttention): a reorder within sentences leaves them alone, and
@@ -206,22 +215,39 @@ class DecoderState:
         self._cache: Tensor | None = None  # (L, 2, rows capacity, H, capacity, Dh)
         self._spare: Tensor | None = None  # the same shape: where the next reorder writes
 
-    def extend(self, layer: int, keys: Tensor, values: Tensor, *, num_layers: int) -> tuple[Tensor, Tensor]:
+    def extend(self, layer: int, keys: Tensor, values: Tensor, *, num_layers: int,
+               whole: bool = False) -> tuple[Tensor, Tensor]:
         """Write `layer`'s keys/values of the new positions, (R, H, T, Dh) each, after the `length`
-        cached ones; return all of them, (R, H, length + T, Dh), as views of the cache.
+        cached ones; return all of them, (R, H, length + T, Dh), as views of the cache. `whole`: the
+        views span the whole capacity, (R, H, capacity, Dh), dense per (row, head) where the filled
+        part alone is strided (batched matmuls would copy it): the caller masks the positions from
+        length + T on (`capacity_for` tells the capacity beforehand).
 
         The decoder calls this for every layer, then `advance(T)`.
         """
         rows, heads, new, head_dim = keys.shape
         end = self.length + new
-        cache = self._cache
-        if cache is None or end > cache.size(4) or rows > cache.size(2) or cache.dtype != keys.dtype:
-            cache = self._resize(num_layers=num_layers, rows=rows, heads=heads, capacity=end, head_dim=head_dim,
-                                 dtype=keys.dtype, device=keys.device)
+        cache = self._reserve(num_layers=num_layers, rows=rows, heads=heads, end=end, head_dim=head_dim,
+                              dtype=keys.dtype, device=keys.device)
         self.rows = rows
         cache[layer, 0, :rows, :, self.length : end] = keys
         cache[layer, 1, :rows, :, self.length : end] = values
-        return cache[layer, 0, :rows, :, :end], cache[layer, 1, :rows, :, :end]
+        filled = slice(None) if whole else slice(0, end)
+        return cache[layer, 0, :rows, :, filled], cache[layer, 1, :rows, :, filled]
+
+    def capacity_for(self, *, new: int, num_layers: int, rows: int, heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device) -> int:
+        """The capacity (positions) the cache has once `new` positions are added: grown now if need be."""
+        return self._reserve(num_layers=num_layers, rows=rows, heads=heads, end=self.length + new,
+                             head_dim=head_dim, dtype=dtype, device=device).size(4)
+
+    def _reserve(self, *, num_layers: int, rows: int, heads: int, end: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> Tensor:
+        cache = self._cache
+        if cache is None or end > cache.size(4) or rows > cache.size(2) or cache.dtype != dtype:
+            cache = self._resize(num_layers=num_layers, rows=rows, heads=heads, capacity=end, head_dim=head_dim,
+                                 dtype=dtype, device=device)
+        return cache
 
     def advance(self, new: int) -> None:
         self.length += new
@@ -235,6 +261,7 @@ class DecoderState:
         cache = torch.empty(num_layers, 2, rows, heads, capacity, head_dim, dtype=dtype, device=device)
         if old is not None and self.length:
             cache[:, :, : self.rows, :, : self.length] = old[:, :, : self.rows, :, : self.length]
+        cache[:, :, :, :, self.length :] = 0  # (the filled part is overwritten before it is read)
         self._cache, self._spare = cache, None
         return cache
 
@@ -251,6 +278,7 @@ class DecoderState:
         spare = self._spare
         if spare is None or spare.size(2) < rows or spare.shape[4:] != cache.shape[4:]:
             spare = cache.new_empty(cache.size(0), 2, max(rows, cache.size(2)), *cache.shape[3:])
+            spare[:, :, :, :, self.length :] = 0
         filled = slice(0, self.length)
         torch.index_select(cache[:, :, : self.rows, :, filled], 2, indices, out=spare[:, :, :rows, :, filled])
         self._cache, self._spare, self.rows = spare, cache, rows

@@ -22,7 +22,13 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from seq2seq.model.attention import DecoderState, MultiHeadAttention, causal_mask, padding_mask
+from seq2seq.model.attention import (
+    DecoderState,
+    MultiHeadAttention,
+    attends_by_matmul,
+    causal_mask,
+    padding_mask,
+)
 from seq2seq.model.config import TransformerConfig
 from seq2seq.model.layers import DecoderLayer, Dropout, EncoderLayer, FeedForward, make_norm
 from seq2seq.model.positions import LearnedPositions, RelativePositionBias, Rotary, SinusoidalPositions
@@ -122,11 +128,20 @@ class Decoder(nn.Module):
         x = self.embed(tgt_in, offset=offset)  # (B, T, D)
         # One new token attends to every cached position: no mask needed, and SDPA's fast path applies.
         self_mask = None if (offset and length == 1) else causal_mask(tgt_in, pad_id=self.pad_id, offset=offset)
+        layers = cast(list[DecoderLayer], self.layers)
+        whole = False  # self-attention over the cache's whole capacity, the unfilled positions masked
+        if state is not None and self_mask is None and self.relative_bias is None and self.rotary is None:
+            attention = layers[0].self_attn
+            whole = attends_by_matmul(x, key_rows=x.size(0), num_heads=attention.num_heads)
+            if whole:
+                capacity = state.capacity_for(new=1, num_layers=len(layers), rows=x.size(0),
+                                              heads=attention.num_heads, head_dim=attention.head_dim,
+                                              dtype=x.dtype, device=x.device)
+                self_mask = (torch.arange(capacity, device=x.device) <= offset)[None, None, None, :]  # (1, 1, 1, cap)
         bias = None
         if self.relative_bias is not None:
             bias = self.relative_bias(length, offset + length, offset=offset)  # (1, H, T, offset+T)
         first_call = state is None or not state.cross_keys
-        layers = cast(list[DecoderLayer], self.layers)
         for i, layer in enumerate(layers):
             if first_call:
                 cross_kv = layer.cross_attn.keys_values(memory)  # (N, H, S, Dh) each
@@ -139,7 +154,7 @@ class Decoder(nn.Module):
             else:
                 assert state is not None  # not the first call: the state holds every layer's cross keys/values
                 cross_kv = (state.cross_keys[i], state.cross_values[i])
-            extend_cache = partial(state.extend, i, num_layers=len(layers)) if state is not None else None
+            extend_cache = partial(state.extend, i, num_layers=len(layers), whole=whole) if state is not None else None
             x = layer(
                 x,
                 extend_cache=extend_cache,
