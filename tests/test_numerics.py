@@ -1,6 +1,7 @@
 """Tests for seq2seq.model.numerics: the int8 linear layers, casting for inference, and exp_."""
 
 import math
+from copy import deepcopy
 
 import pytest
 import torch
@@ -122,3 +123,6 @@ def test_a_packed_linear_converts_as_a_module_does():
     torch.testing.assert_close(packed(x.double()), linear(x).double().detach())
     packed.to(torch.bfloat16)
     assert "bfloat16, oneDNN packed" in repr(packed) and packed(x.bfloat16()).dtype == torch.bfloat16
+    copy = deepcopy(nn.Sequential(packed))[0]  # a model holding it can be copied (the server's tests do)
+    assert copy is not packed and torch.equal(copy.weight, packed.weight) and torch.equal(copy.bias, packed.bias)
+    assert torch.equal(copy(x.bfloat16()), packed(x.bfloat16()))

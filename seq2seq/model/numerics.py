@@ -107,6 +107,14 @@ class PackedLinear(nn.Module):
             return F.linear(x, self._plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
+    def __deepcopy__(self, memo: dict) -> "PackedLinear":
+        # oneDNN's packed tensor has no storage to copy: the copy packs the plain weight again
+        copy = PackedLinear.__new__(PackedLinear)
+        nn.Module.__init__(copy)
+        copy.in_features, copy.out_features = self.in_features, self.out_features
+        copy._store(self.weight.clone(), self.bias.clone() if self.bias is not None else None)
+        return copy
+
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "PackedLinear":  # type: ignore[override]
         self._store(fn(self.weight), fn(self.bias) if self.bias is not None else None)
         return self
