@@ -132,21 +132,22 @@ def pack_linears(model: M) -> M:
     """Every float32 or bfloat16 nn.Linear of `model` (in place) replaced by a PackedLinear (others, such
     as a test's float64 ones, stay); a weight tied to an embedding is packed as a copy (the embedding
     keeps the original)."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.dtype in PACKED_FOR_ROWS:
-            setattr(model, name, PackedLinear(child))
-        else:
-            pack_linears(child)
-    return model
+    return replace_linears(model, lambda linear: PackedLinear(linear) if linear.weight.dtype in PACKED_FOR_ROWS
+                           else linear)
 
 
 def quantize_int8(model: M) -> M:
     """Every nn.Linear of `model` (in place) replaced by an Int8Linear; embeddings and norms stay float32."""
+    return replace_linears(model, Int8Linear)
+
+
+def replace_linears(model: M, replace: Callable[[nn.Linear], nn.Module]) -> M:
+    """`model` (in place) with each nn.Linear child, at any depth, replaced by `replace(linear)`."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, Int8Linear(child))
+            setattr(model, name, replace(child))
         else:
-            quantize_int8(child)
+            replace_linears(child, replace)
     return model
 
 
