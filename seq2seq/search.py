@@ -180,22 +180,46 @@ class EncoderDecoder(Protocol[State]):
 def step_logits(
     model: EncoderDecoder[Any], tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: Any
 ) -> tuple[Tensor, Tensor]:
-    """Feed one new token per row (R, 1); the next token's logits (R, V), float32, and their
-    log-normaliser (R,): log-probabilities are logits - normaliser.
+    """Feed one new token per row (R, 1); the next token's logits (R, V) and their log-normaliser (R,),
+    float32: log-probabilities are logits - normaliser.
 
-    The searches mask and rank logits and subtract the normaliser from the few they keep, instead of
-    writing and reading a full (R, V) log_softmax.
+    The logits stay in the model's dtype where it is narrower than float32 (bf16): the searches mask and
+    rank them there (masking writes -inf, ranking compares, both exact) and take the few they keep to
+    float32, instead of writing and reading a full (R, V) float32 copy; float32 and float64 models give
+    float32 logits. Only the normaliser reads every row whole, in float32 (`log_normalizer`).
     """
-    logits = model.decode(tgt_in, memory, src_mask, state=state)[:, -1].float()  # (R, V)
+    logits = model.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
+    if logits.element_size() >= 4:
+        logits = logits.float()
     return logits, log_normalizer(logits)
 
 
+NORMALIZER_CHUNK_BYTES = 2**18
+"""`log_normalizer` on CPU works through the rows in blocks of about this many float32 bytes: each block is
+read from the logits once and its five passes (max, subtract, clamp, exp, sum) run in the core's cache,
+where the whole (R, V) at once (3,000 rows of beam search are 96 MB) would stream through memory five times
+(README, "Every core": the measurement that chose it)."""
+
+
 def log_normalizer(logits: Tensor) -> Tensor:
-    """(R, V) -> (R,) log(sum(exp(logits))), as log_softmax computes it (max subtracted first).
+    """(R, V) -> (R,) log(sum(exp(logits))) in float32, as log_softmax computes it (max subtracted first),
+    for logits of any float dtype (float64 is computed in float32 too).
 
     `amax` is vectorised where `max` and `logsumexp` are not (on CPU they run ~8x slower here); `exp_`
-    avoids the slow path of torch's exp on the vanishing probabilities of a confident model.
+    avoids the slow path of torch's exp on the vanishing probabilities of a confident model. Each row's
+    result is computed alone, whatever the block it falls in, so blocks change no number.
     """
+    rows, vocab = logits.shape
+    block = rows if logits.device.type != "cpu" else max(1, NORMALIZER_CHUNK_BYTES // (4 * max(vocab, 1)))
+    if rows <= block:
+        return _log_normalizer(logits.float())
+    out = torch.empty(rows, device=logits.device)
+    for first in range(0, rows, block):
+        out[first : first + block] = _log_normalizer(logits[first : first + block].float())
+    return out
+
+
+def _log_normalizer(logits: Tensor) -> Tensor:  # (R, V) float32 -> (R,)
     peak = logits.amax(dim=-1, keepdim=True)  # (R, 1)
     return exp_(logits - peak).sum(dim=-1).log_() + peak[:, 0]
 
@@ -543,7 +567,7 @@ def beam_search(
         constrain_(logits.view(n, k_cur, -1), live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
         top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K): the 2K best are among them
-        cand_log_probs = (top_logits - normalizer[:, None]).view(n, k_cur, -1)
+        cand_log_probs = (top_logits.float() - normalizer[:, None]).view(n, k_cur, -1)
         cand = beam_step(live.scores, cand_log_probs, tokens=top_tokens.view(n, k_cur, -1), beam_size=beam_size,
                          eos=ids.eos)
         _collect_finished(finished, cand, live, beam_size=beam_size, alpha=alpha)
@@ -618,13 +642,13 @@ def constrained_beam_search(
                 at = torch.tensor(placed, device=logits.device)
                 logits[at] = logits[at].masked_fill(continues_word, NEG_INF)
         top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K)
-        top = (top_logits - normalizer[:, None]).tolist()
+        top = (top_logits.float() - normalizer[:, None]).tolist()
         wanted = [(s * k_cur + b, token) for s, i in enumerate(sentences) for b in range(k_cur)
                   for token in sorted(next_tokens(progress[i][b], phrases[i]))]
         wanted_log_probs: list[float] = []
         if wanted:
             at = torch.tensor(wanted, device=logits.device)
-            wanted_log_probs = (logits[at[:, 0], at[:, 1]] - normalizer[at[:, 0]]).tolist()
+            wanted_log_probs = (logits[at[:, 0], at[:, 1]].float() - normalizer[at[:, 0]]).tolist()
         scores, top_tokens_list = live.scores.tolist(), top_tokens.tolist()
         candidates: list[dict[tuple[int, int], float]] = [{} for _ in range(n)]  # (beam, token) -> log_prob
         for row, (log_probs, tokens) in enumerate(zip(top, top_tokens_list, strict=True)):
@@ -713,7 +737,7 @@ def greedy(
     """
     def pick(logits: Tensor, normalizer: Tensor) -> tuple[Tensor, Tensor]:  # (R, V), (R,) -> (R,), (R,)
         best, token = top_k_rows(logits, 1)
-        return token[:, 0], best[:, 0] - normalizer
+        return token[:, 0], best[:, 0].float() - normalizer
 
     return _one_per_row(model, src, config, pick=pick, ids=SpecialIds(bos=bos, eos=eos, pad=pad), prefix=prefix)
 
@@ -730,7 +754,7 @@ def sample(
     """
 
     def pick(logits: Tensor, normalizer: Tensor) -> tuple[Tensor, Tensor]:  # (R, V), (R,) -> (R,), (R,)
-        log_probs = logits - normalizer[:, None]  # constrained: banned tokens at -inf
+        log_probs = logits.float() - normalizer[:, None]  # constrained: banned tokens at -inf
         tempered = F.log_softmax(log_probs / config.temperature, dim=-1)
         filtered = top_p_filter(top_k_filter(tempered, config.top_k), config.top_p)
         token = torch.multinomial(filtered.exp(), 1, generator=generator)[:, 0]

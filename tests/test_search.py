@@ -302,6 +302,25 @@ def test_log_normalizer_equals_float64_logsumexp():
     assert torch.allclose(log_normalizer(logits).double(), torch.logsumexp(logits.double(), dim=-1), atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_log_normalizer_in_row_blocks_changes_no_number(monkeypatch, dtype):
+    import seq2seq.search as search
+
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(23, 3001, generator=gen) * 6).to(dtype)
+    logits[2, 100:] = NEG
+    whole = log_normalizer(logits)
+    monkeypatch.setattr(search, "NORMALIZER_CHUNK_BYTES", 4 * 3001 * 5)  # blocks of 5 rows, the last of 3
+    blocks = log_normalizer(logits)
+    assert whole.dtype == blocks.dtype == torch.float32
+    assert torch.equal(blocks, whole)
+    for row in range(23):  # and each row as if it were alone
+        assert torch.equal(log_normalizer(logits[row : row + 1]), whole[row : row + 1])
+    expected = torch.logsumexp(logits.double(), dim=-1)
+    assert torch.allclose(blocks.double(), expected, atol=1e-4)
+    assert log_normalizer(logits[:0]).shape == (0,)
+
+
 def constrain_reference(log_probs, tokens, limits, *, bos, eos, pad, min_len, no_repeat_ngram_size):
     """The rules spelled out one entry at a time."""
     out = log_probs.clone()
@@ -619,6 +638,38 @@ def test_cached_decoding_matches_recomputing_the_prefix():
     assert [h.tokens for h in greedy_cached] == [h.tokens for h in greedy_recomputed]
     assert [h.log_prob for h in greedy_cached] == pytest.approx([h.log_prob for h in greedy_recomputed], abs=1e-5)
 
+
+
+@pytest.mark.parametrize("search_config", [SearchConfig(beam_size=4, nbest=2, max_len_a=1.0, max_len_b=3, min_len=2,
+                                                        no_repeat_ngram_size=2),
+                                           SearchConfig(beam_size=1, max_len_a=1.0, max_len_b=3, min_len=2),
+                                           SearchConfig(sampling=True, seed=3, top_k=5, max_len_a=1.0, max_len_b=3)])
+def test_a_bf16_model_ranks_its_logits_in_bf16_as_in_a_float32_copy(monkeypatch, search_config):
+    """A bf16 model's logits are masked and ranked in bf16 (step_logits keeps them there); taking them to
+    float32 first, as before, gives the same hypotheses and log-probabilities to the last bit."""
+    import seq2seq.search as search
+    from seq2seq.model import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=300, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=1,
+                               num_decoder_layers=2, dropout=0.0, max_positions=32, pad_id=PAD)
+    model = Transformer(config).to(torch.bfloat16).eval()
+    src = torch.randint(4, 300, (6, 7))
+    src[3:, 4:] = PAD
+    logits, normalizer = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
+                                            model.new_state())
+    assert logits.dtype == torch.bfloat16 and normalizer.dtype == torch.float32
+    kept = decode(model, src, search_config, prefix=[[], [9], [], [], [], []], **IDS)
+    narrow_step = search.step_logits
+
+    def float32_step(*args):
+        logits, normalizer = narrow_step(*args)
+        return logits.float(), normalizer
+
+    monkeypatch.setattr(search, "step_logits", float32_step)
+    widened = decode(model, src, search_config, prefix=[[], [9], [], [], [], []], **IDS)
+    for got, want in zip(kept, widened, strict=True):
+        assert [(h.tokens, h.log_prob, h.score) for h in got] == [(h.tokens, h.log_prob, h.score) for h in want]
 
 # ---------------------------------------------------------------------------------------------
 # SearchConfig: every option checked once, when it is built, with the field named.
