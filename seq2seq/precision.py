@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from seq2seq.model.attention import attend_by_matmul
 from seq2seq.model.numerics import PackedLinear
 
 Precision = Literal["auto", "fp32", "bf16", "int8"]
@@ -144,6 +145,17 @@ def onednn_linears(device: torch.device, precision: str) -> Verdict:
                          what="oneDNN's packed linear layers", candidates=(True, False))
 
 
+def one_query_sdpa(device: torch.device, precision: str) -> Verdict:
+    """Whether a bf16 decoding step with one query per row of keys attends faster by torch's SDPA than by
+    two batched matmuls (attention.attend_by_matmul, the default): timed once per machine at a step's
+    shapes, SDPA chosen only MARGIN times faster (`Verdict.bf16` means "SDPA" here). On a Zen 5 the
+    matmuls won, on a Xeon with AMX SDPA did (README, "Every core")."""
+    if device.type != "cpu" or precision != "bf16":
+        return Verdict(False, f"the choice is for bf16 on a CPU, not {precision} on {device.type}")
+    return timed_verdict("attention-one-query-bf16", _fastest_one_query_attention, what="SDPA at one query a row",
+                         candidates=(True, False), baseline="two batched matmuls")
+
+
 def resolve_precision(precision: str, device: torch.device) -> Literal["fp32", "bf16", "int8"]:
     """Translation's `auto` made concrete for this device; a ValueError naming the choices for anything else."""
     if precision not in PRECISIONS:
@@ -162,7 +174,7 @@ def resolve_precision(precision: str, device: torch.device) -> Literal["fp32", "
 
 
 def timed_verdict(key: str, seconds: Callable[[Any], float], *, what: str,
-                  candidates: tuple[Any, Any] = (torch.bfloat16, torch.float32)) -> Verdict:
+                  candidates: tuple[Any, Any] = (torch.bfloat16, torch.float32), baseline: str | None = None) -> Verdict:
     """The first candidate (bf16) if it is MARGIN times faster than the second (float32), timed once per
     machine and kept in its cache file.
 
@@ -176,7 +188,7 @@ def timed_verdict(key: str, seconds: Callable[[Any], float], *, what: str,
             new, old = seconds(candidates[0]), seconds(candidates[1])
         measured = keep_first_verdict(path, {"bf16": old > MARGIN * new, "speed-up": round(old / new, 2)})
     speed_up = measured.get("speed-up", "?")
-    baseline = "fp32" if candidates[1] is torch.float32 else "torch's own"
+    baseline = baseline or ("fp32" if candidates[1] is torch.float32 else "torch's own")
     return Verdict(measured["bf16"], f"{what} timed at {speed_up}x the speed of {baseline} here, "
                                      f"{'over' if measured['bf16'] else 'under'} the {MARGIN}x asked; kept in {path}")
 
@@ -267,6 +279,32 @@ def _fastest_decoding_linears(precision: str, packed: bool) -> float:
 
     with torch.inference_mode():
         return _fastest(run)
+
+
+def _fastest_one_query_attention(sdpa: bool) -> float:
+    """Seconds of a bf16 decoding step's self-attention, one query a row, as the decoder runs it: SDPA over
+    the cache's filled positions (a strided view), or the matmuls over its whole capacity, masked. On one
+    thread, as a decoding worker mostly runs (one batch a core is the fastest configuration measured):
+    the matmuls split over two threads where SDPA's one-query kernel gains little, so the two threads'
+    verdict would hold for fewer setups (README, "Every core")."""
+    rows, heads, filled, capacity, head_dim = 256, 4, 30, 32, 64
+    queries = torch.randn(rows, heads, 1, head_dim).bfloat16()
+    keys, values = (torch.randn(rows, heads, capacity, head_dim).bfloat16() for _ in range(2))
+    mask = (torch.arange(capacity) < filled)[None, None, None, :]
+
+    def run() -> None:
+        if sdpa:
+            F.scaled_dot_product_attention(queries, keys[:, :, :filled], values[:, :, :filled])
+        else:
+            attend_by_matmul(queries, keys, values, mask=mask)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # OpenMP's count is per thread (as start_decoder_thread relies on)
+    try:
+        with torch.inference_mode():
+            return _fastest(run)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _fastest_attention(dtype: torch.dtype, *, dropout: bool) -> float:

@@ -33,9 +33,9 @@ import torch
 from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.constraints import holds
 from seq2seq.markup import HtmlDocument
-from seq2seq.model import Transformer
+from seq2seq.model import MultiHeadAttention, Transformer
 from seq2seq.model.numerics import for_inference
-from seq2seq.precision import Precision, onednn_linears, resolve_precision
+from seq2seq.precision import Precision, one_query_sdpa, onednn_linears, resolve_precision
 from seq2seq.scoring import Forced, force_decode
 from seq2seq.search import Hypothesis, SearchConfig, decode
 from seq2seq.sentences import Paragraphs, model_sentence_spans
@@ -127,6 +127,8 @@ class Translator:
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
         packed = onednn_linears(self.device, self.precision).bf16
+        if self.device.type == "cpu" and self.precision == "bf16":  # a machine's choice: the same for every model
+            MultiHeadAttention.one_query_by_matmul = not one_query_sdpa(self.device, self.precision).bf16
         self.model = for_inference(model.to(self.device), self.precision, packed=packed)
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang

@@ -15,10 +15,12 @@ from seq2seq.precision import (
     _fastest_attention,
     _fastest_decoding_linears,
     _fastest_linear,
+    _fastest_one_query_attention,
     bf16_attention,
     bf16_matmuls,
     bf16_matmuls_pay,
     keep_first_verdict,
+    one_query_sdpa,
     onednn_linears,
     resolve_precision,
     this_cpu,
@@ -280,3 +282,25 @@ def test_onednn_linears_are_timed_once_per_precision_and_want_a_clear_margin(mon
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_the_onednn_timing_runs_both_kernels():
     assert _fastest_decoding_linears("bf16", True) > 0 and _fastest_decoding_linears("fp32", False) > 0
+
+
+@pytest.mark.parametrize("speed_up,sdpa", [(1.8, True), (1.1, False), (0.5, False)])
+def test_one_query_attention_is_timed_once_per_machine(monkeypatch, speed_up: float, sdpa: bool):
+    """SDPA replaces the matmuls at one query a row only where it times MARGIN faster; bf16 on a CPU only."""
+    calls: list[bool] = []
+
+    def seconds(by_sdpa: bool) -> float:
+        calls.append(by_sdpa)
+        return 1.0 / speed_up if by_sdpa else 1.0
+
+    monkeypatch.setattr("seq2seq.precision._fastest_one_query_attention", seconds)
+    verdict = one_query_sdpa(CPU, "bf16")
+    assert verdict.bf16 is sdpa and f"{speed_up}x the speed of two batched matmuls" in verdict.why
+    assert one_query_sdpa(CPU, "bf16") == verdict and len(calls) == 2  # kept
+    for precision, device in (("fp32", CPU), ("int8", CPU), ("bf16", torch.device("cuda", 0))):
+        assert not one_query_sdpa(device, precision).bf16
+    assert len(calls) == 2
+
+
+def test_the_one_query_attention_timing_runs_both_kernels():
+    assert _fastest_one_query_attention(True) > 0 and _fastest_one_query_attention(False) > 0

@@ -27,7 +27,7 @@ import torch
 from conftest import DEMO_DATA, write_not_ours
 
 from seq2seq.checkpoint import store_search_defaults
-from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.model import MultiHeadAttention, Transformer, TransformerConfig
 from seq2seq.model.numerics import PackedLinear
 from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig, beam_search, greedy
@@ -370,6 +370,29 @@ def test_linear_layers_packed_for_onednn_translate_as_torch_s_own(trained: Path,
     assert moved.abs().mean() < bound, f"{precision}: log-probabilities moved by {moved.abs().mean():.2g} a token"
     chrf = sacrebleu.corpus_chrf(translators[True].translate(sources, search), [[h.text for h in reference]]).score
     assert chrf >= (99 if precision == "fp32" else 90), f"{precision}: chrF {chrf:.1f} against torch's linear layers"
+
+
+def test_bf16_attention_at_one_query_a_row_follows_the_machine_s_verdict(trained: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """A bf16 Translator on a CPU sets MultiHeadAttention.one_query_by_matmul from precision.one_query_sdpa (a
+    machine's choice, for every model alike); fp32 leaves it; the demo-corpus model translates alike both ways."""
+    monkeypatch.setattr(MultiHeadAttention, "one_query_by_matmul", True)  # restored after the test
+    monkeypatch.setattr("seq2seq.model.attention.MATMUL_ATTENTION_MATRICES", 1)  # every step, small batches too
+    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
+        sources = f.read().split("\n")[:40]
+    search = SearchConfig(beam_size=1)
+    outputs = {}
+    for sdpa in (True, False):
+        monkeypatch.setattr("seq2seq.translator.one_query_sdpa", lambda device, precision, sdpa=sdpa:
+                            Verdict(sdpa, "pretended"))
+        before = MultiHeadAttention.one_query_by_matmul
+        Translator.from_checkpoint(trained, precision="fp32")
+        assert MultiHeadAttention.one_query_by_matmul is before  # fp32 leaves it
+        translator = Translator.from_checkpoint(trained, precision="bf16")
+        assert MultiHeadAttention.one_query_by_matmul is not sdpa
+        outputs[sdpa] = translator.translate(sources, search)
+    chrf = sacrebleu.corpus_chrf(outputs[True], [outputs[False]]).score
+    assert chrf >= 90, f"chrF {chrf:.1f} between SDPA and the matmuls at one query a row"
 
 
 def test_cli_files_with_references(checkpoint: Path, translator: Translator, tmp_path: Path):

@@ -60,6 +60,12 @@ class MultiHeadAttention(nn.Module):
 
     fp32_under_autocast = False
 
+    one_query_by_matmul = True
+    """A bf16 decoding step on CPU with one query per row of keys (self-attention; cross-attention without
+    beams) attends by `attend_by_matmul` (else SDPA). Set per machine by what builds a translator, from
+    precision.one_query_sdpa's timed verdict: which of the two is faster there differs by CPU (README,
+    "Every core"). Several queries per row of keys (beams folded) always take the matmuls."""
+
     def __init__(self, *, d_model: int, num_heads: int, attention_dropout: float, bias: bool = True):
         super().__init__()
         if d_model % num_heads:
@@ -116,7 +122,7 @@ class MultiHeadAttention(nn.Module):
             if mask is not None:
                 attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
         if length == 1 and attn_mask is mask and attends_by_matmul(queries, key_rows=keys.size(0),
-                                                                  num_heads=self.num_heads):
+                                                                  num_heads=self.num_heads, queries_per_row=beams):
             out = attend_by_matmul(queries, keys, values, mask=mask)  # (N, H, K, Dh)
         else:
             with torch.autocast(device, enabled=False) if in_fp32 else nullcontext():
@@ -151,11 +157,12 @@ query per row, and from about 16 sentences of 4 heads two batched matmuls win (R
 float32 keeps SDPA: there the two are even, and its outputs stay what they were."""
 
 
-def attends_by_matmul(x: Tensor, *, key_rows: int, num_heads: int) -> bool:
-    """Whether a decoding step's attention over `key_rows` rows of keys runs `attend_by_matmul` (x: its
-    queries or input, for their dtype and device)."""
+def attends_by_matmul(x: Tensor, *, key_rows: int, num_heads: int, queries_per_row: int) -> bool:
+    """Whether a decoding step's attention over `key_rows` rows of keys, with `queries_per_row` queries each
+    (beams folded), runs `attend_by_matmul` (x: its queries or input, for their dtype and device)."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and key_rows * num_heads >= MATMUL_ATTENTION_MATRICES)
+            and key_rows * num_heads >= MATMUL_ATTENTION_MATRICES
+            and (queries_per_row > 1 or MultiHeadAttention.one_query_by_matmul))
 
 
 def attend_by_matmul(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor | None) -> Tensor:

@@ -132,7 +132,7 @@ class Decoder(nn.Module):
         whole = False  # self-attention over the cache's whole capacity, the unfilled positions masked
         if state is not None and self_mask is None and self.relative_bias is None and self.rotary is None:
             attention = layers[0].self_attn
-            whole = attends_by_matmul(x, key_rows=x.size(0), num_heads=attention.num_heads)
+            whole = attends_by_matmul(x, key_rows=x.size(0), num_heads=attention.num_heads, queries_per_row=1)
             if whole:
                 capacity = state.capacity_for(new=1, num_layers=len(layers), rows=x.size(0),
                                               heads=attention.num_heads, head_dim=attention.head_dim,
