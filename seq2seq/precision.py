@@ -149,7 +149,7 @@ def one_query_sdpa(device: torch.device, precision: str) -> Verdict:
     """Whether a bf16 decoding step with one query per row of keys attends faster by torch's SDPA than by
     two batched matmuls (attention.attend_by_matmul, the default): timed once per machine at a step's
     shapes, SDPA chosen only MARGIN times faster (`Verdict.bf16` means "SDPA" here). On a Zen 5 the
-    matmuls won, on a Xeon with AMX SDPA did (README, "Every core")."""
+    matmuls won, on a Xeon with AMX SDPA did (README, "Kernels, chosen by measuring the machine")."""
     if device.type != "cpu" or precision != "bf16":
         return Verdict(False, f"the choice is for bf16 on a CPU, not {precision} on {device.type}")
     return timed_verdict("attention-one-query-bf16", _fastest_one_query_attention, what="SDPA at one query a row",
@@ -286,7 +286,7 @@ def _fastest_one_query_attention(sdpa: bool) -> float:
     the cache's filled positions (a strided view), or the matmuls over its whole capacity, masked. On one
     thread, as a decoding worker mostly runs (one batch a core is the fastest configuration measured):
     the matmuls split over two threads where SDPA's one-query kernel gains little, so the two threads'
-    verdict would hold for fewer setups (README, "Every core")."""
+    verdict would hold for fewer setups (README, "Kernels, chosen by measuring the machine")."""
     rows, heads, filled, capacity, head_dim = 256, 4, 30, 32, 64
     queries = torch.randn(rows, heads, 1, head_dim).bfloat16()
     keys, values = (torch.randn(rows, heads, capacity, head_dim).bfloat16() for _ in range(2))

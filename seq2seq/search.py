@@ -198,7 +198,7 @@ NORMALIZER_CHUNK_BYTES = 2**18
 """`log_normalizer` on CPU works through the rows in blocks of about this many float32 bytes: each block is
 read from the logits once and its five passes (max, subtract, clamp, exp, sum) run in the core's cache,
 where the whole (R, V) at once (3,000 rows of beam search are 96 MB) would stream through memory five times
-(README, "Every core": the measurement that chose it)."""
+(README, "Kernels, chosen by measuring the machine": the measurement that chose it)."""
 
 
 def log_normalizer(logits: Tensor) -> Tensor:

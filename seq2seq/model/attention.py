@@ -64,7 +64,8 @@ class MultiHeadAttention(nn.Module):
     """A bf16 decoding step on CPU with one query per row of keys (self-attention; cross-attention without
     beams) attends by `attend_by_matmul` (else SDPA). Set per machine by what builds a translator, from
     precision.one_query_sdpa's timed verdict: which of the two is faster there differs by CPU (README,
-    "Every core"). Several queries per row of keys (beams folded) always take the matmuls."""
+    "Kernels, chosen by measuring the machine"). Several queries per row of keys (beams folded) always
+    take the matmuls."""
 
     def __init__(self, *, d_model: int, num_heads: int, attention_dropout: float, bias: bool = True):
         super().__init__()
@@ -152,9 +153,10 @@ class MultiHeadAttention(nn.Module):
 
 MATMUL_ATTENTION_MATRICES = 64
 """A bf16 decoding step on CPU (one query per row, beams folded) attends by `attend_by_matmul` rather
-than SDPA from this many (sentence, head) matrices on: torch's bf16 SDPA kernel for CPU is slow at one
-query per row, and from about 16 sentences of 4 heads two batched matmuls win (README, "Every core").
-float32 keeps SDPA: there the two are even, and its outputs stay what they were."""
+than SDPA from this many (sentence, head) matrices on: where torch's bf16 SDPA kernel for CPU is slow
+(on a Zen 5 from about 16 sentences of 4 heads two batched matmuls win; at one query a row the machine
+decides, MultiHeadAttention.one_query_by_matmul). float32 keeps SDPA: there the two are even, and its
+outputs stay what they were."""
 
 
 def attends_by_matmul(x: Tensor, *, key_rows: int, num_heads: int, queries_per_row: int) -> bool:
