@@ -104,7 +104,9 @@ class Translator:
         """`precision` (seq2seq/precision.py): auto picks bf16 where bf16 matmuls are fast (a GPU from
         Ampere on, a CPU with AMX or AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
         slightly. The model is converted in place (on a CPU its fp32 or bf16 linear layers are packed for
-        oneDNN where precision.onednn_linears times that faster); `self.precision` says what auto chose. `search`
+        oneDNN where precision.onednn_linears times that faster, and bf16 attention at one query a row runs
+        SDPA where precision.one_query_sdpa times that faster: a setting of the process, the machine's
+        verdict, the same for every model); `self.precision` says what auto chose. `search`
         is what the translate methods use when given none.
 
         `workers` > 1 decodes that many batches at once, each in a thread of its own with `threads`
