@@ -206,16 +206,20 @@ def log_normalizer(logits: Tensor) -> Tensor:
     for logits of any float dtype (float64 is computed in float32 too).
 
     `amax` is vectorised where `max` and `logsumexp` are not (on CPU they run ~8x slower here); `exp_`
-    avoids the slow path of torch's exp on the vanishing probabilities of a confident model. Each row's
-    result is computed alone, whatever the block it falls in, so blocks change no number.
+    avoids the slow path of torch's exp on the vanishing probabilities of a confident model. Blocks change
+    no number: torch reduces each row of a block of two rows or more whole, in one thread, as it does in the
+    whole tensor, so no block has one row (torch splits a lone long row's sum across threads).
     """
     rows, vocab = logits.shape
-    block = rows if logits.device.type != "cpu" else max(1, NORMALIZER_CHUNK_BYTES // (4 * max(vocab, 1)))
-    if rows <= block:
+    block = rows if logits.device.type != "cpu" else max(2, NORMALIZER_CHUNK_BYTES // (4 * max(vocab, 1)))
+    if rows <= block + 1:
         return _log_normalizer(logits.float())
     out = torch.empty(rows, device=logits.device)
     for first in range(0, rows, block):
-        out[first : first + block] = _log_normalizer(logits[first : first + block].float())
+        last = rows if rows - (first + block) == 1 else first + block  # a lone last row joins this block
+        out[first:last] = _log_normalizer(logits[first:last].float())
+        if last == rows:
+            break
     return out
 
 

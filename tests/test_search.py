@@ -314,6 +314,11 @@ def test_log_normalizer_in_row_blocks_changes_no_number(monkeypatch, dtype):
     blocks = log_normalizer(logits)
     assert whole.dtype == blocks.dtype == torch.float32
     assert torch.equal(blocks, whole)
+    monkeypatch.setattr(search, "NORMALIZER_CHUNK_BYTES", 4 * 3001 * 2)  # blocks of 2 rows, the last of 3
+    assert torch.equal(log_normalizer(logits), whole)
+    assert torch.equal(log_normalizer(logits[:22]), whole[:22])  # blocks of 2 all through
+    monkeypatch.setattr(search, "NORMALIZER_CHUNK_BYTES", 1)  # never a block of one row
+    assert torch.equal(log_normalizer(logits), whole)
     for row in range(23):  # and each row as if it were alone
         assert torch.equal(log_normalizer(logits[row : row + 1]), whole[row : row + 1])
     expected = torch.logsumexp(logits.double(), dim=-1)
