@@ -215,11 +215,9 @@ def log_normalizer(logits: Tensor) -> Tensor:
     if rows <= block + 1:
         return _log_normalizer(logits.float())
     out = torch.empty(rows, device=logits.device)
-    for first in range(0, rows, block):
-        last = rows if rows - (first + block) == 1 else first + block  # a lone last row joins this block
+    starts = [first for first in range(0, rows, block) if first != rows - 1]  # a lone last row joins the block before
+    for first, last in zip(starts, [*starts[1:], rows], strict=True):
         out[first:last] = _log_normalizer(logits[first:last].float())
-        if last == rows:
-            break
     return out
 
 
