@@ -7,7 +7,8 @@ Starts serve/server.py on loopback (one torch thread, --read-timeout 2) and runs
 waits for its answer), alone; then the same beside a process of hostile clients that, each kind in
 a loop, declare 300 MB bodies, stream chunked bodies that never end, send JSON nested 50,000 deep,
 multipart forms of 1,001 fields, beams of 400, requests over the token budget (4,999 sentences "a"),
-and hold --slow connections that send their headers a byte at a time and stall. Prints the normal
+and hold --slow connections that send their headers a byte at a time and stall; then the hostile
+clients alone, twice, with nothing decoding (what the rejected requests leave). Prints the normal
 requests' p50 / p95 latency in each load and the hostile / normal ratio, what the hostile requests
 got (by status), and the server's resident memory (VmRSS in /proc/<pid>/status, sampled every
 0.2 s): after warm-up, at the end of each phase, and its peak. Exits 1 if the p50 ratio is over 2,
@@ -202,7 +203,7 @@ class Result:
     latencies: dict[str, list[float]]  # "normal" / "hostile": the normal requests' latencies, seconds
     statuses: dict[str, Counter[int]]  # what the normal requests got, per load
     hostile: dict[str, Counter[int]]  # per hostile kind, its statuses
-    rss: dict[str, float]  # MiB: "warm", "normal 1", "hostile 1", ..., "peak"
+    rss: dict[str, float]  # MiB: "warm", "normal 1", "hostile 1", ..., "hostile alone 1", ..., "peak"
     cpu: dict[str, float]  # the server's CPU seconds, per load, summed over the rounds
     stderr: str
 
@@ -211,6 +212,19 @@ class Result:
 
     def growth(self) -> float:
         return max(v for k, v in self.rss.items() if k != "warm") - self.rss["normal 1"]
+
+
+def start_attack(port: int, *, seconds: float, slow: int, pause: float) -> subprocess.Popen[str]:
+    attack = subprocess.Popen([sys.executable, __file__, "--hostile", str(port), "--seconds", str(seconds),
+                               "--slow", str(slow), "--pause", str(pause)], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # its start (imports) is not part of the load
+    return attack
+
+
+def collect(attack: subprocess.Popen[str], into: dict[str, Counter[int]]) -> None:
+    out, _ = attack.communicate(timeout=120)
+    for kind, counts in json.loads(out).items():
+        into.setdefault(kind, Counter()).update({int(k): v for k, v in counts.items()})
 
 
 def soak(checkpoint: str, *, seconds: float, clients: int = 4, slow: int = 20, rounds: int = 2,
@@ -245,22 +259,20 @@ def soak(checkpoint: str, *, seconds: float, clients: int = 4, slow: int = 20, r
             cpu = {"normal": 0.0, "hostile": 0.0}
             for round_ in range(1, rounds + 1):
                 for load in ("normal", "hostile"):
-                    attack = None
-                    if load == "hostile":
-                        attack = subprocess.Popen([sys.executable, __file__, "--hostile", str(port), "--seconds",
-                                                   str(seconds), "--slow", str(slow), "--pause", str(pause)],
-                                                  stdout=subprocess.PIPE, text=True)
-                        time.sleep(0.3)  # its start (imports) is not part of the load
+                    attack = start_attack(port, seconds=seconds, slow=slow, pause=pause) if load == "hostile" else None
                     used = cpu_seconds(process.pid)
                     got, codes = asyncio.run(normal_load(url, sentences, clients=clients, seconds=seconds))
                     cpu[load] += cpu_seconds(process.pid) - used
                     latencies[load] += got
                     statuses[load] += codes
                     if attack is not None:
-                        out, _ = attack.communicate(timeout=120)
-                        for kind, counts in json.loads(out).items():
-                            hostile_got.setdefault(kind, Counter()).update({int(k): v for k, v in counts.items()})
+                        collect(attack, hostile_got)
                     rss[f"{load} {round_}"] = rss_mib(process.pid)
+            # The hostile clients alone: nothing decodes, so the decoder's memory (which grows to its peak
+            # as batches of new sizes come, over minutes) does not hide what the rejected requests leave.
+            for round_ in range(1, rounds + 1):
+                collect(start_attack(port, seconds=seconds, slow=slow, pause=pause), hostile_got)
+                rss[f"hostile alone {round_}"] = rss_mib(process.pid)
             memory.stop.set()
             rss["peak"] = max(memory.samples + list(rss.values()))
         finally:

@@ -1,8 +1,8 @@
 """A short soak of serve/server.py (bench/server_soak.py, 2 s phases): normal requests beside hostile
 ones (300 MB bodies, endless chunked bodies, JSON nested 50,000 deep, 1,001-field forms, beams of 400,
 requests over the token budget, slow clients) are all answered 200, each hostile kind gets its 4xx and never
-a 500, the server's memory stays flat, and its stderr holds no traceback. The latency ratio is the
-benchmark's to report (python bench/server_soak.py), not a timed test's to assert."""
+a 500, the server's memory stays flat under the hostile requests alone, and its stderr holds no traceback.
+The latency ratio is the benchmark's to report (python bench/server_soak.py), not a timed test's to assert."""
 
 import sys
 from pathlib import Path
@@ -23,6 +23,10 @@ def test_normal_requests_are_served_and_the_server_keeps_its_memory_under_hostil
                 "over budget": 400, "slow client": 408}
     for kind, status in expected.items():
         assert status in result.hostile[kind] and 500 not in result.hostile[kind], summary
-    assert result.growth() <= 50, summary  # MiB over the first normal phase: the first hostile round's buffers
-    assert result.rss["hostile 2"] - result.rss["hostile 1"] <= 10, summary  # then flat
+    assert result.growth() <= 50, summary  # MiB over the first normal phase: buffers, the decoder's batches
+    # Then two rounds of the hostile clients alone, with nothing decoding: flat to 2 MiB (0.0-0.3 in runs
+    # here). Not the rounds beside normal load: the decoder's memory grows there, to a peak it reached in
+    # about 40 s here, as batches of sizes not seen before come. RSS does not show a leak that fits in the
+    # memory glibc keeps freed; test_server.py's test_hostile_requests_leave_no_memory_behind does.
+    assert result.rss["hostile alone 2"] - result.rss["hostile 2"] <= 2, summary
     assert "Traceback" not in result.stderr and result.stderr.count("\n") <= 3, result.stderr[-3000:]
