@@ -2,13 +2,15 @@
 
 import math
 from copy import deepcopy
+from unittest.mock import patch
 
 import pytest
 import torch
 from torch import nn
 
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.model.numerics import Int8Linear, PackedLinear, exp_, for_inference, quantize_int8
+from seq2seq.model.layers import FeedForward
+from seq2seq.model.numerics import Int8Linear, PackedLinear, exp_, for_inference, pack_linears, quantize_int8
 
 
 def test_exp_is_exp_where_it_does_not_underflow_and_a_normal_float_where_it_would():
@@ -85,6 +87,32 @@ def test_packed_linear_is_the_float64_product(dtype, bias):
         assert error < (1e-6 if dtype == torch.float32 else 1e-2), error
     with torch.inference_mode():
         assert packed(torch.randn(0, 256, dtype=dtype)).shape == (0, 96)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_relu_in_the_linear_epilogue_gives_the_same_numbers(dtype):
+    """then_relu (the ReLU fused into oneDNN's matmul; float64 stays plain) equals relu of the linear layer's
+    output bit for bit, for the rows of a decoding step and of an encoder batch; a feed-forward block with
+    ReLU takes it where its linear layers are packed, and gives what it gave before."""
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(64, 256).to(dtype))
+    assert ("plain" in repr(packed)) == (dtype == torch.float64)
+    with torch.inference_mode():
+        for x in (torch.randn(1, 64), torch.randn(5, 7, 64), torch.randn(600, 64)):
+            x = x.to(dtype)
+            fused = packed.then_relu(x)
+            assert fused.dtype == dtype and torch.equal(fused, nn.functional.relu(packed(x)))
+            assert (fused == 0).any() and (fused > 0).any()
+    config = TransformerConfig(vocab_size=40, d_model=64, num_heads=2, d_ff=256, num_encoder_layers=1,
+                               num_decoder_layers=1, dropout=0.0, max_positions=16)
+    ffn = pack_linears(FeedForward(config).to(dtype).eval())
+    x = torch.randn(3, 5, 64, dtype=dtype)
+    with torch.inference_mode(), patch.object(PackedLinear, "then_relu", autospec=True,
+                                              side_effect=PackedLinear.then_relu) as then_relu:
+        out = ffn(x)
+        plain = ffn.w_out(nn.functional.relu(ffn.w_in(x)))
+    assert then_relu.call_count == (dtype != torch.float64) and torch.equal(out, plain)  # float64: nn.Linear kept
 
 
 @needs_onednn

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.model.config import TransformerConfig
+from seq2seq.model.numerics import PackedLinear
 from seq2seq.model.positions import Rotary
 
 CacheExtender = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -75,6 +76,8 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(config.activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.act is F.relu and isinstance(self.w_in, PackedLinear):
+            return self.w_out(self.dropout(self.w_in.then_relu(x)))  # (B, T, D)
         hidden = self.w_in(x)  # (B, T, d_ff) or (B, T, 2*d_ff)
         if self.gated:
             gate, linear = hidden.chunk(2, dim=-1)

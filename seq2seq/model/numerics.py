@@ -107,6 +107,14 @@ class PackedLinear(nn.Module):
             return F.linear(x, self._plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
+    def then_relu(self, x: Tensor) -> Tensor:
+        """relu(self(x)), the ReLU in oneDNN's epilogue where the weight is packed: no second pass over the
+        (..., out) output (a feed-forward's, 4 x d_model wide). The same numbers: a ReLU commutes with
+        rounding to bf16."""
+        if self._packed is None:
+            return F.relu(self(x))
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "relu", [], "")
+
     def __deepcopy__(self, memo: dict) -> "PackedLinear":
         # oneDNN's packed tensor has no storage to copy: the copy packs the plain weight again
         copy = PackedLinear.__new__(PackedLinear)
