@@ -167,7 +167,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as training does (training/module.py); both models get it
     tune_process_memory()  # as seq2seq.fit does
-    attentions = {"auto": not bf16_attention(torch.device("cpu"), dropout=False).bf16, "bf16": False, "fp32": True}
+    attentions = {"auto": not bf16_attention(torch.device("cpu"), dropout=False).pays, "bf16": False, "fp32": True}
     # (precision, our attention in fp32 under autocast): fp32 has no autocast, so one row.
     runs = [(p, attentions[a]) for p in args.precisions for a in (args.bf16_attention if p == "bf16" else ["auto"])]
 

@@ -92,9 +92,10 @@ def device_name(device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether bf16 pays for one use on one device, and why (printed with the choice)."""
+    """Whether the faster choice pays for one use on one device (bf16 over float32; oneDNN's packed linear
+    layers; SDPA at one query a row), and why (printed with the choice)."""
 
-    bf16: bool
+    pays: bool
     why: str
 
 
@@ -120,7 +121,7 @@ def bf16_matmuls(device: torch.device, *, training: bool = False) -> Verdict:
 
 
 def bf16_matmuls_pay(device: torch.device, *, training: bool = False) -> bool:
-    return bf16_matmuls(device, training=training).bf16
+    return bf16_matmuls(device, training=training).pays
 
 
 def bf16_attention(device: torch.device, *, dropout: bool) -> Verdict:
@@ -136,7 +137,7 @@ def bf16_attention(device: torch.device, *, dropout: bool) -> Verdict:
 def onednn_linears(device: torch.device, precision: str) -> Verdict:
     """Whether translation's linear layers run faster on oneDNN with packed weights (numerics.PackedLinear)
     than on torch's own linear, in a resolved `precision`: timed once per machine and precision, at a
-    decoding step's shapes, and chosen only MARGIN times faster (`Verdict.bf16` means "yes" here)."""
+    decoding step's shapes, and chosen only MARGIN times faster (`Verdict.pays`: pack)."""
     if device.type != "cpu" or precision not in ("fp32", "bf16"):
         return Verdict(False, f"oneDNN packing is for fp32 and bf16 on a CPU, not {precision} on {device.type}")
     if not torch.backends.mkldnn.is_available():
@@ -148,7 +149,7 @@ def onednn_linears(device: torch.device, precision: str) -> Verdict:
 def one_query_sdpa(device: torch.device, precision: str) -> Verdict:
     """Whether a bf16 decoding step with one query per row of keys attends faster by torch's SDPA than by
     two batched matmuls (attention.attend_by_matmul, the default): timed once per machine at a step's
-    shapes, SDPA chosen only MARGIN times faster (`Verdict.bf16` means "SDPA" here). On a Zen 5 the
+    shapes, SDPA chosen only MARGIN times faster (`Verdict.pays`: SDPA). On a Zen 5 the
     matmuls won, on a Xeon with AMX SDPA did (README, "Kernels, chosen by measuring the machine")."""
     if device.type != "cpu" or precision != "bf16":
         return Verdict(False, f"the choice is for bf16 on a CPU, not {precision} on {device.type}")
@@ -179,7 +180,8 @@ def timed_verdict(key: str, seconds: Callable[[Any], float], *, what: str,
     machine and kept in its cache file.
 
     The first verdict written is the machine's: a process that timed at the same moment as another
-    takes the verdict the other wrote first, so that both decide alike.
+    takes the verdict the other wrote first, so that both decide alike. The file keeps the answer under
+    "bf16", its name from when bf16 was the only choice timed, so that files already written stay valid.
     """
     path = verdict_cache() / f"{key}.json"
     measured = read_verdict(path)

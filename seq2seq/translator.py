@@ -128,9 +128,9 @@ class Translator:
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
-        packed = onednn_linears(self.device, self.precision).bf16
+        packed = onednn_linears(self.device, self.precision).pays
         if self.device.type == "cpu" and self.precision == "bf16":  # a machine's choice: the same for every model
-            MultiHeadAttention.one_query_by_matmul = not one_query_sdpa(self.device, self.precision).bf16
+            MultiHeadAttention.one_query_by_matmul = not one_query_sdpa(self.device, self.precision).pays
         self.model = for_inference(model.to(self.device), self.precision, packed=packed)
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang

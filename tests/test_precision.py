@@ -65,7 +65,7 @@ def test_x86_flags_decide_without_timing(monkeypatch, machine: str, bf16: bool, 
     pretend_machine(monkeypatch, machine)
     monkeypatch.setattr("seq2seq.precision._fastest_linear", no_timing)
     verdict = bf16_matmuls(CPU, training=training)
-    assert verdict.bf16 is bf16 and named in verdict.why
+    assert verdict.pays is bf16 and named in verdict.why
     assert resolve_precision("auto", CPU) == ("bf16" if bf16 else "fp32")
     assert not verdict_cache().exists()  # nothing timed, nothing kept
 
@@ -88,14 +88,14 @@ def test_a_cpu_no_flag_decides_is_timed_once_and_the_verdict_kept(monkeypatch):
     pretend_machine(monkeypatch, "arm")
     calls = fake_timer(monkeypatch, "_fastest_linear", [2.0, 0.5, 0.5])
     first = bf16_matmuls(CPU)
-    assert first.bf16 and "2.0x" in first.why and str(verdict_cache()) in first.why and len(calls) == 2
+    assert first.pays and "2.0x" in first.why and str(verdict_cache()) in first.why and len(calls) == 2
     assert bf16_matmuls(CPU) == first and len(calls) == 2  # kept: not timed again
     assert resolve_precision("auto", CPU) == "bf16"
-    assert bf16_matmuls(CPU, training=True).bf16 is False and len(calls) == 4  # its own verdict: 0.5x
+    assert bf16_matmuls(CPU, training=True).pays is False and len(calls) == 4  # its own verdict: 0.5x
     assert json.loads((verdict_cache() / "matmul-decoding.json").read_text()) == {"bf16": True, "speed-up": 2.0}
     arm_cache = verdict_cache()
     monkeypatch.setattr(torch, "__version__", "9.9.9")  # a new torch may have new kernels: timed afresh
-    assert verdict_cache() != arm_cache and bf16_matmuls(CPU).bf16 is False and len(calls) == 6
+    assert verdict_cache() != arm_cache and bf16_matmuls(CPU).pays is False and len(calls) == 6
     monkeypatch.setattr("seq2seq.precision.this_cpu",  # another ARM model with the same flags: its own folder
                         lambda: CPUInfo(arch="aarch64", model="Neoverse-N1", flags=MACHINES["arm"].flags))
     assert verdict_cache() != arm_cache
@@ -106,14 +106,14 @@ def test_an_x86_cpu_whose_flags_cannot_be_read_is_timed(monkeypatch):
     monkeypatch.setattr("seq2seq.precision.this_cpu",
                         lambda: CPUInfo(arch="AMD64", model="Intel64 Family 6 Model 143", flags=frozenset()))
     calls = fake_timer(monkeypatch, "_fastest_linear", [3.0])
-    assert bf16_matmuls(CPU).bf16 and len(calls) == 2
+    assert bf16_matmuls(CPU).pays and len(calls) == 2
 
 
 @pytest.mark.parametrize("speed_up,bf16", [(1.2, False), (1.3, True), (0.1, False)])
 def test_a_timed_verdict_wants_a_clear_margin(monkeypatch, speed_up: float, bf16: bool):
     pretend_machine(monkeypatch, "arm")
     fake_timer(monkeypatch, "_fastest_linear", [speed_up])
-    assert bf16_matmuls(CPU).bf16 is bf16  # near-ties stay fp32, whichever way the noise falls
+    assert bf16_matmuls(CPU).pays is bf16  # near-ties stay fp32, whichever way the noise falls
 
 
 def test_a_cache_that_cannot_be_read_or_written_costs_only_a_new_timing(monkeypatch, tmp_path):
@@ -122,11 +122,11 @@ def test_a_cache_that_cannot_be_read_or_written_costs_only_a_new_timing(monkeypa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "damaged"))
     verdict_cache().mkdir(parents=True)
     (verdict_cache() / "matmul-decoding.json").write_text("{not json")
-    assert bf16_matmuls(CPU).bf16 and len(calls) == 2
+    assert bf16_matmuls(CPU).pays and len(calls) == 2
     assert json.loads((verdict_cache() / "matmul-decoding.json").read_text())["bf16"] is True  # rewritten whole
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a_file"))  # no folder can be made there
-    assert bf16_matmuls(CPU).bf16 and bf16_matmuls(CPU).bf16 and len(calls) == 6  # timed each time, no error
+    assert bf16_matmuls(CPU).pays and bf16_matmuls(CPU).pays and len(calls) == 6  # timed each time, no error
 
 
 @pytest.mark.parametrize("dropout", [False, True])
@@ -136,10 +136,10 @@ def test_attention_is_timed_on_a_cpu_and_bf16_on_a_gpu(monkeypatch, dropout: boo
     pretend_machine(monkeypatch, "amx")
     calls = fake_timer(monkeypatch, "_fastest_attention", [0.3, 3.0])
     verdict = bf16_attention(CPU, dropout=dropout)
-    assert verdict.bf16 is False and "0.3x" in verdict.why and len(calls) == 2
+    assert verdict.pays is False and "0.3x" in verdict.why and len(calls) == 2
     assert bf16_attention(CPU, dropout=dropout) == verdict and len(calls) == 2
-    assert bf16_attention(CPU, dropout=not dropout).bf16 is True and len(calls) == 4  # the other kernel
-    assert bf16_attention(torch.device("cuda", 0), dropout=dropout).bf16 and len(calls) == 4  # flash attention
+    assert bf16_attention(CPU, dropout=not dropout).pays is True and len(calls) == 4  # the other kernel
+    assert bf16_attention(torch.device("cuda", 0), dropout=dropout).pays and len(calls) == 4  # flash attention
 
 
 @pytest.mark.parametrize("no_link", [PermissionError(errno.EPERM, "Operation not permitted"),
@@ -167,7 +167,7 @@ def test_a_verdict_is_kept_on_a_filesystem_without_hard_links(monkeypatch, no_li
     assert [p.name for p in path.parent.iterdir()] == [path.name]
     fake_timer(monkeypatch, "_fastest_linear", [3.0])  # and through the timing that writes it
     path.unlink()
-    assert bf16_matmuls(CPU).bf16 and json.loads(path.read_text()) == {"bf16": True, "speed-up": 3.0}
+    assert bf16_matmuls(CPU).pays and json.loads(path.read_text()) == {"bf16": True, "speed-up": 3.0}
 
 
 def test_the_first_verdict_written_is_the_machine_s(monkeypatch):
@@ -182,7 +182,7 @@ def test_the_first_verdict_written_is_the_machine_s(monkeypatch):
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    assert bf16_matmuls(CPU).bf16 is False and torch.equal(torch.rand(3), expected)
+    assert bf16_matmuls(CPU).pays is False and torch.equal(torch.rand(3), expected)
 
 
 def test_the_timings_run_on_this_cpu():
@@ -224,7 +224,7 @@ def test_auto_on_a_gpu_wants_native_bf16(monkeypatch, capability, pays):
     """V100 and T4 report bf16 support by emulating it, slowly: only Ampere and later count."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     verdict = bf16_matmuls(torch.device("cuda", 0), training=True)
-    assert verdict.bf16 is pays and f"compute capability {capability[0]}.{capability[1]}" in verdict.why
+    assert verdict.pays is pays and f"compute capability {capability[0]}.{capability[1]}" in verdict.why
     assert bf16_matmuls_pay(torch.device("meta")) is False  # no measurement of ours for other devices
 
 
@@ -272,10 +272,10 @@ def test_onednn_linears_are_timed_once_per_precision_and_want_a_clear_margin(mon
 
     monkeypatch.setattr("seq2seq.precision._fastest_decoding_linears", seconds)
     verdict = onednn_linears(CPU, "fp32")
-    assert verdict.bf16 is packed and f"{speed_up}x the speed of torch's own" in verdict.why
+    assert verdict.pays is packed and f"{speed_up}x the speed of torch's own" in verdict.why
     assert onednn_linears(CPU, "fp32") == verdict and len(calls) == 2  # kept
-    assert onednn_linears(CPU, "bf16").bf16 is packed and len(calls) == 4  # its own timing
-    assert not onednn_linears(CPU, "int8").bf16 and not onednn_linears(torch.device("cuda", 0), "bf16").bf16
+    assert onednn_linears(CPU, "bf16").pays is packed and len(calls) == 4  # its own timing
+    assert not onednn_linears(CPU, "int8").pays and not onednn_linears(torch.device("cuda", 0), "bf16").pays
     assert len(calls) == 4
 
 
@@ -295,10 +295,10 @@ def test_one_query_attention_is_timed_once_per_machine(monkeypatch, speed_up: fl
 
     monkeypatch.setattr("seq2seq.precision._fastest_one_query_attention", seconds)
     verdict = one_query_sdpa(CPU, "bf16")
-    assert verdict.bf16 is sdpa and f"{speed_up}x the speed of two batched matmuls" in verdict.why
+    assert verdict.pays is sdpa and f"{speed_up}x the speed of two batched matmuls" in verdict.why
     assert one_query_sdpa(CPU, "bf16") == verdict and len(calls) == 2  # kept
     for precision, device in (("fp32", CPU), ("int8", CPU), ("bf16", torch.device("cuda", 0))):
-        assert not one_query_sdpa(device, precision).bf16
+        assert not one_query_sdpa(device, precision).pays
     assert len(calls) == 2
 
 

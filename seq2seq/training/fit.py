@@ -97,7 +97,7 @@ def resolve_auto_precision(precision: Any, *, accelerator: Any) -> Any:
     if inherited.startswith(f"{device.type}="):
         return inherited.split("=", 1)[1]
     verdict = bf16_matmuls(device, training=True)
-    chosen = "bf16-mixed" if verdict.bf16 else "32-true"
+    chosen = "bf16-mixed" if verdict.pays else "32-true"
     os.environ[AUTO_TRAINING_PRECISION_ENV] = f"{device.type}={chosen}"
     if rank_zero_only.rank == 0:  # type: ignore[attr-defined]  # set by Lightning from RANK / SLURM_PROCID / LOCAL_RANK
         where = device_name(device) if device.type != "meta" else str(accelerator)

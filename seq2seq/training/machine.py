@@ -31,7 +31,7 @@ def warn_if_bf16_is_slow_here(trainer: L.Trainer) -> None:
     if device.type != "cpu" or "bf16" not in precision or chosen_by_auto:
         return
     matmuls = bf16_matmuls(device, training=True)
-    if not matmuls.bf16:
+    if not matmuls.pays:
         rank_zero_warn(
             f"trainer.precision={precision} on a CPU whose bf16 matmuls are slower than fp32 ({matmuls.why}): "
             "a training step there runs up to ~40x slower than in fp32 (bench/train_throughput.py). Use "
@@ -49,7 +49,7 @@ def choose_attention_precision(trainer: L.Trainer, model: Transformer) -> None:
     verdict = None
     if trainer.is_global_zero:
         verdict = bf16_attention(trainer.strategy.root_device, dropout=model.config.attention_dropout > 0)
-    low = bool(trainer.strategy.broadcast(verdict is not None and verdict.bf16))
+    low = bool(trainer.strategy.broadcast(verdict is not None and verdict.pays))
     model.attention_in_fp32_under_autocast(enabled=not low)
     if verdict is not None:
         low_name = "bf16" if precision.startswith("bf16") else "fp16"
