@@ -783,8 +783,9 @@ def _one_per_row(
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
         unfinished = live.num_finished == 0  # (N,)
         if num_live < unfinished.numel():
-            # A finished row's constraints may ban every token, and multinomial cannot draw from none.
-            logits.masked_fill_(~unfinished[:, None], 0.0)
+            # A finished row's constraints may ban every token, and multinomial cannot draw from none;
+            # only its rows are written (a mask over every row read and wrote all the logits).
+            logits.index_fill_(0, (~unfinished).nonzero()[:, 0], 0.0)
         next_token, next_log_prob = pick(logits, normalizer)  # (N,), (N,)
         log_prob = live.scores[:, 0] + next_log_prob  # (N,)
         done = (next_token == ids.eos) & unfinished  # at max_len EOS is the only choice left
