@@ -71,7 +71,7 @@ class Document(Protocol):
 
 
 T = TypeVar("T")
-WIDE_WORK = 5e8  # see Translator._wide
+PART_ROWS = 32  # see shared_out
 EMPTY = Translation(text="", score=0.0, tokens=[])  # what an empty sentence translates to
 
 
@@ -114,9 +114,10 @@ class Translator:
         (with one worker and `threads` given, its one thread has that many; with neither, the caller's
         thread decodes with the caller's count):
         a decoding step's parallel regions are too small for several threads to pay, several batches
-        are not. The batches are those of one worker (outputs do not depend on `workers`); a lone batch
-        big enough (_wide) decodes on all the workers' cores; seeded sampling, whose draws run through one
-        generator, decodes one batch at a time."""
+        are not. The batches are those of one worker, so outputs do not depend on `workers`, except where an
+        input makes fewer batches than there are workers: those are cut into parts for the idle workers
+        (shared_out), which can change a bf16 translation slightly (fp32: the same tokens); seeded sampling,
+        whose draws run through one generator, decodes one batch at a time."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -124,7 +125,7 @@ class Translator:
         self.workers = workers
         self.threads = threads if threads is not None else max(1, torch.get_num_threads() // workers)
         self._own_threads = threads is not None  # else one worker decodes on the caller's thread, with its threads
-        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._workers: ThreadPoolExecutor | None = None  # _pool(), made on first use
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
@@ -275,31 +276,22 @@ class Translator:
         if generator is not None or (self.workers == 1 and not self._own_threads):
             for batch in batches:
                 yield from translate_batch(batch)
-        elif len(batches) == 1 and self.workers > 1 and self._wide(len(batches[0]), search):
-            yield from self._pool_of("wide", 1, self.workers * self.threads).submit(translate_batch, batches[0]).result()
         else:
-            yield from self._in_parallel(translate_batch, batches)
+            rows = 1 if search.sampling else search.beam_size
+            yield from self._in_parallel(translate_batch, shared_out(batches, workers=self.workers, rows=rows))
 
-    def _wide(self, sentences: int, search: SearchConfig) -> bool:
-        """Whether a lone batch of `sentences` pays for all the workers' cores on it: the other workers
-        would idle, and a step's matmuls are big enough for several threads past about WIDE_WORK
-        multiply-adds in the output projection (rows x d_model x vocabulary; measured: README, "Every core")."""
-        rows = sentences * (1 if search.sampling else search.beam_size)
-        config = self.model.config
-        return rows * config.d_model * config.vocab_size >= WIDE_WORK
-
-    def _pool_of(self, name: str, workers: int, threads: int) -> ThreadPoolExecutor:
-        """The decoder threads `name` (made on first use): `workers` threads of `threads` intra-op threads."""
-        if name not in self._pools:
-            self._pools[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"decoder-{name}",
-                                                   initializer=start_decoder_thread, initargs=(threads,))
-        return self._pools[name]
+    def _pool(self) -> ThreadPoolExecutor:
+        """The decoder threads (made on first use): `workers` threads of `threads` intra-op threads."""
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="decoder",
+                                               initializer=start_decoder_thread, initargs=(self.threads,))
+        return self._workers
 
     def _in_parallel(self, translate_batch: Callable[[list[int]], list[tuple[int, list[Translation]]]],
                      batches: list[list[int]]) -> Iterator[tuple[int, list[Translation]]]:
         """translate_batch over the batches on the workers, two per worker in flight (the next is ready
         when one finishes), the results given in the batches' order."""
-        pool = self._pool_of("workers", self.workers, self.threads)
+        pool = self._pool()
         pending: deque[Future[list[tuple[int, list[Translation]]]]] = deque()
         remaining = iter(batches)
         try:
@@ -582,6 +574,25 @@ def length_sorted_batches(ids: list[list[int]], *, max_tokens: int) -> list[list
     if current:
         batches.append(current)
     return batches
+
+
+def shared_out(batches: list[list[int]], *, workers: int, rows: int) -> list[list[int]]:
+    """The batches, those of an input too short to give every worker one cut into consecutive parts of
+    equal size (as many as the idle workers need, each of at least PART_ROWS decoder rows; `rows` is the
+    rows a sentence takes: the beam), in order.
+
+    Parts rather than a lone batch on several threads: a decoding step's parallel regions are too small
+    to share, two batches are not. Below PART_ROWS a part no longer pays for the Python its steps run,
+    which the workers take turns at (the GIL): measured in the README, "Every core".
+    """
+    if len(batches) >= workers:
+        return batches
+    out: list[list[int]] = []
+    for batch in batches:
+        parts = max(1, min(-(-workers // len(batches)), len(batch) * rows // PART_ROWS))
+        cuts = [len(batch) * i // parts for i in range(parts + 1)]
+        out += [batch[a:b] for a, b in itertools.pairwise(cuts)]
+    return out
 
 
 def pad_batch(sentences: list[list[int]], *, pad: int, device: torch.device) -> torch.Tensor:

@@ -33,7 +33,8 @@ from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig, beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.translate import format_nbest, main, one_line, read_lines, write_translations
-from seq2seq.translator import Translation, Translator, length_sorted_batches, pad_batch
+from seq2seq import translator as translator_module
+from seq2seq.translator import Translation, Translator, length_sorted_batches, pad_batch, shared_out
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
@@ -942,15 +943,40 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
         assert two.translate_nbest(texts, search, max_tokens=96) == one.translate_nbest(texts, search, max_tokens=96)
         assert list(two.translate_stream(texts, search, max_tokens=96, window=17)) == list(
             one.translate_stream(texts, search, max_tokens=96, window=17))
-    monkeypatch.setattr("seq2seq.translator.WIDE_WORK", 0)  # a lone batch decodes on all the workers' cores
-    assert two.translate_nbest(texts, SearchConfig(beam_size=3)) == one.translate_nbest(texts, SearchConfig(beam_size=3))
-    assert "wide" in two._pools
+    # A lone batch is cut in two for the two workers: the same tokens, scores as close as float64 rounding
+    # over other padding leaves them.
+    sizes: list[int] = []
+    real_decode = translator_module.decode
+
+    def decode(model: Transformer, src: torch.Tensor, *args, **kwargs):
+        sizes.append(len(src))
+        return real_decode(model, src, *args, **kwargs)
+
+    monkeypatch.setattr(translator_module, "decode", decode)
+    lone = two.translate_nbest(texts, SearchConfig(beam_size=3))
+    assert sorted(sizes) == [40, 40]
+    for got, want in zip(lone, one.translate_nbest(texts, SearchConfig(beam_size=3)), strict=True):
+        assert [h.tokens for h in got] == [h.tokens for h in want]
+        assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=1e-9)
     stream = two.translate_stream(texts, SearchConfig(beam_size=2), max_tokens=32)
     next(stream)
     stream.close()  # a reader that stops early: what was queued for it is cancelled
     for bad in ({"workers": 0}, {"workers": True}, {"threads": 0}):
         with pytest.raises(ValueError, match="workers|threads"):
             Translator(model=one.model, tokenizer=one.tokenizer, precision="fp32", **bad)
+
+
+def test_an_input_of_fewer_batches_than_workers_is_shared_out_in_parts():
+    batches = [list(range(100)), list(range(100, 130))]
+    assert shared_out(batches, workers=2, rows=1) == batches  # a batch each already
+    assert shared_out(batches[:1], workers=1, rows=5) == batches[:1]
+    assert shared_out(batches[:1], workers=2, rows=1) == [list(range(50)), list(range(50, 100))]
+    assert shared_out(batches[:1], workers=3, rows=1) == [list(range(33)), list(range(33, 66)), list(range(66, 100))]
+    # Parts of at least PART_ROWS decoder rows (sentences x beam); a batch too small stays whole
+    assert shared_out(batches[:1], workers=8, rows=1) == [list(range(33)), list(range(33, 66)), list(range(66, 100))]
+    assert shared_out([list(range(63))], workers=2, rows=1) == [list(range(63))]
+    assert shared_out([list(range(13))], workers=2, rows=5) == [list(range(6)), list(range(6, 13))]
+    assert shared_out(batches, workers=4, rows=1) == [list(range(50)), list(range(50, 100)), list(range(100, 130))]
 
 
 @pytest.mark.parametrize("workers, threads, cores, expected", [(None, None, 4, (4, 1)), (None, 2, 4, (2, 2)),
