@@ -132,7 +132,7 @@ class Translator:
         packed = onednn_linears(self.device, self.precision).pays
         if self.device.type == "cpu" and self.precision == "bf16":  # a machine's choice: the same for every model
             MultiHeadAttention.one_query_by_matmul = not one_query_sdpa(self.device, self.precision).pays
-        self.model = for_inference(model.to(self.device), self.precision, packed=packed)
+        self.model = for_inference(model.to(self.device).fuse_self_attention(), self.precision, packed=packed)
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.search = search

@@ -143,6 +143,38 @@ def test_incremental_decoding_equals_full_pass(placement, positions, norm):
         assert_relative_close(torch.cat((first, rest), dim=1), full)
 
 
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("dtype, packed", [
+    (torch.float64, False), (torch.float32, False),
+    *[pytest.param(dtype, True, marks=pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                                          reason="this torch has no oneDNN"))
+      for dtype in (torch.float32, torch.bfloat16)]])
+def test_fused_self_attention_projections_give_the_same_numbers(positions, dtype, packed):
+    """fuse_self_attention: one matmul for a self-attention's queries, keys and values instead of two, with
+    the same numbers to the bit (each output is the same dot product), teacher-forced and step by step."""
+    from seq2seq.model.numerics import pack_linears
+
+    model = tiny_model(positions=positions).to(dtype)
+    fused = tiny_model(positions=positions).to(dtype).fuse_self_attention()
+    if packed:
+        model, fused = pack_linears(model), pack_linears(fused)
+    assert fused.fuse_self_attention() is fused  # again: nothing to do
+    for layer in [*fused.encoder.layers, *fused.decoder.layers]:
+        assert layer.self_attn.q_proj is None and layer.self_attn.kv_proj is None
+        assert layer.self_attn.qkv_proj is not None
+    assert fused.decoder.layers[0].cross_attn.q_proj is not None  # queries and keys from different inputs
+    calls = []
+    fused.decoder.layers[1].self_attn.qkv_proj.register_forward_hook(lambda *args: calls.append(1))
+    gen = torch.Generator().manual_seed(5)
+    src = pad_rows(random_tokens(3, 9, generator=gen), [9, 6, 2])
+    tgt_in = random_tokens(3, 7, generator=gen)
+    with torch.inference_mode():
+        assert torch.equal(fused(src, tgt_in), model(src, tgt_in))
+        assert calls == [1]
+        assert torch.equal(decode_step_by_step(fused, src, tgt_in), decode_step_by_step(model, src, tgt_in))
+    assert len(calls) == 1 + 7  # one projection a step
+
+
 @pytest.mark.parametrize("positions", ["sinusoidal", "relative", "rotary"])
 def test_encode_in_length_chunks_equals_each_sentence_alone(positions):
     """encode() cuts a batch of mixed lengths into chunks of similar length (less padding): every

@@ -26,6 +26,7 @@ import sacrebleu
 import torch
 from conftest import DEMO_DATA, write_not_ours
 
+from seq2seq import translator as translator_module
 from seq2seq.checkpoint import store_search_defaults
 from seq2seq.model import MultiHeadAttention, Transformer, TransformerConfig
 from seq2seq.model.numerics import PackedLinear
@@ -33,7 +34,6 @@ from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig, beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.translate import format_nbest, main, one_line, read_lines, write_translations
-from seq2seq import translator as translator_module
 from seq2seq.translator import Translation, Translator, length_sorted_batches, pad_batch, shared_out
 
 REPO = Path(__file__).resolve().parents[1]

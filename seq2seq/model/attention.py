@@ -77,6 +77,24 @@ class MultiHeadAttention(nn.Module):
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
         self.kv_proj = nn.Linear(d_model, 2 * d_model, bias=bias)  # one matmul for keys and values
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.qkv_proj: nn.Module | None = None  # fuse_projections: self-attention's three in one, for inference
+
+    def fuse_projections(self) -> None:
+        """Self-attention for inference: q_proj and kv_proj replaced by one qkv_proj, their weights stacked,
+        so that `self_projections` takes one matmul where it took two. At one row a step the call costs
+        more than its arithmetic (bf16 on oneDNN: README, "Kernels, chosen by measuring the machine"), and
+        the numbers are the same: each output is the same dot product. Again: nothing to do."""
+        if self.qkv_proj is not None:
+            return
+        q_proj, kv_proj = self.q_proj, self.kv_proj
+        fused = nn.Linear(q_proj.in_features, q_proj.out_features + kv_proj.out_features,
+                          bias=q_proj.bias is not None, device=q_proj.weight.device, dtype=q_proj.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat((q_proj.weight, kv_proj.weight)))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat((q_proj.bias, kv_proj.bias)))
+        fused.requires_grad_(False)
+        self.qkv_proj, self.q_proj, self.kv_proj = fused, None, None  # type: ignore[assignment]
 
     def split_heads(self, x: Tensor) -> Tensor:
         batch, length, _ = x.shape
@@ -84,6 +102,19 @@ class MultiHeadAttention(nn.Module):
 
     def keys_values(self, x: Tensor, *, rotary: Rotary | None = None, offset: int = 0) -> tuple[Tensor, Tensor]:
         keys, values = self.kv_proj(x).chunk(2, dim=-1)  # (B, T, D) each
+        return self._heads(keys, values, rotary=rotary, offset=offset)
+
+    def self_projections(self, x: Tensor, *, rotary: Rotary | None = None,
+                         offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's queries, keys and values of x (B, T, D): (B, H, T, Dh) each, the keys rotated
+        (the queries are in `forward`, after beams are folded)."""
+        if self.qkv_proj is None:
+            queries = self.split_heads(self.q_proj(x))
+            return queries, *self.keys_values(x, rotary=rotary, offset=offset)
+        queries, keys, values = self.qkv_proj(x).chunk(3, dim=-1)  # (B, T, D) each
+        return self.split_heads(queries), *self._heads(keys, values, rotary=rotary, offset=offset)
+
+    def _heads(self, keys: Tensor, values: Tensor, *, rotary: Rotary | None, offset: int) -> tuple[Tensor, Tensor]:
         keys, values = self.split_heads(keys), self.split_heads(values)  # (B, H, T, Dh)
         if rotary is not None:
             keys = rotary(keys, offset=offset)
@@ -99,9 +130,12 @@ class MultiHeadAttention(nn.Module):
         position_bias: Tensor | None = None,
         rotary: Rotary | None = None,
         offset: int = 0,
+        queries: Tensor | None = None,
     ) -> Tensor:
-        # x: (B, Tq, D); keys, values: (B, H, Tk, Dh); mask: bool, broadcastable to (B, H, Tq, Tk)
-        queries = self.split_heads(self.q_proj(x))  # (R, H, Tq, Dh)
+        # x: (B, Tq, D); keys, values: (B, H, Tk, Dh); mask: bool, broadcastable to (B, H, Tq, Tk);
+        # queries: x's, (B, H, Tq, Dh), where the caller projected them with the keys (self_projections)
+        if queries is None:
+            queries = self.split_heads(self.q_proj(x))  # (R, H, Tq, Dh)
         rows, _, length, _ = queries.shape
         sentences = keys.size(0)
         beams = rows // sentences if sentences else 1

@@ -130,8 +130,9 @@ class EncoderLayer(nn.Module):
     ) -> Tensor:
         # x: (B, S, D); mask: (B, 1, 1, S)
         h = self.self_attn_residual.before(x)
-        keys, values = self.self_attn.keys_values(h, rotary=rotary)
-        h = self.self_attn(h, keys=keys, values=values, mask=mask, position_bias=position_bias, rotary=rotary)
+        queries, keys, values = self.self_attn.self_projections(h, rotary=rotary)
+        h = self.self_attn(h, queries=queries, keys=keys, values=values, mask=mask, position_bias=position_bias,
+                           rotary=rotary)
         x = self.self_attn_residual.after(x, h)
         return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
 
@@ -165,12 +166,11 @@ class DecoderLayer(nn.Module):
         cross_kv: the projected source, (N, H, S, Dh) each, N = R or R / beams (see MultiHeadAttention).
         """
         h = self.self_attn_residual.before(x)
-        keys, values = self.self_attn.keys_values(h, rotary=rotary, offset=offset)  # (R, H, T, Dh)
+        queries, keys, values = self.self_attn.self_projections(h, rotary=rotary, offset=offset)  # (R, H, T, Dh)
         if extend_cache is not None:
             keys, values = extend_cache(keys, values)  # (R, H, offset+T, Dh); nothing before offset recomputed
-        h = self.self_attn(
-            h, keys=keys, values=values, mask=self_mask, position_bias=position_bias, rotary=rotary, offset=offset
-        )
+        h = self.self_attn(h, queries=queries, keys=keys, values=values, mask=self_mask, position_bias=position_bias,
+                           rotary=rotary, offset=offset)
         x = self.self_attn_residual.after(x, h)
 
         h = self.cross_attn_residual.before(x)

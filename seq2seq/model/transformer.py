@@ -220,6 +220,15 @@ class Transformer(nn.Module):
             if isinstance(module, MultiHeadAttention):
                 module.fp32_under_autocast = enabled
 
+    def fuse_self_attention(self) -> "Transformer":
+        """For inference, in place: every self-attention's projections in one matmul
+        (MultiHeadAttention.fuse_projections; cross-attention projects queries and keys from different inputs).
+        The model can no longer be trained."""
+        for module in self.modules():
+            if isinstance(module, (EncoderLayer, DecoderLayer)):
+                module.self_attn.fuse_projections()
+        return self
+
     def src_mask(self, src: Tensor) -> Tensor:
         """(B, S) source ids -> (B, S) bool, True at real tokens."""
         return src != self.config.pad_id
