@@ -958,6 +958,10 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
     for got, want in zip(lone, one.translate_nbest(texts, SearchConfig(beam_size=3)), strict=True):
         assert [h.tokens for h in got] == [h.tokens for h in want]
         assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=1e-9)
+    sizes.clear()
+    streamed = list(two.translate_stream(texts, SearchConfig(beam_size=3)))
+    assert [[h.tokens for h in line] for line in streamed] == [[h.tokens for h in line] for line in lone]
+    assert sorted(sizes) == [40, 40]  # a stream's window is cut likewise, and its lines come out in order
     stream = two.translate_stream(texts, SearchConfig(beam_size=2), max_tokens=32)
     next(stream)
     stream.close()  # a reader that stops early: what was queued for it is cancelled
