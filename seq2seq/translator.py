@@ -578,8 +578,8 @@ def length_sorted_batches(ids: list[list[int]], *, max_tokens: int) -> list[list
 
 def shared_out(batches: list[list[int]], *, workers: int, rows: int) -> list[list[int]]:
     """The batches, those of an input too short to give every worker one cut into consecutive parts of
-    equal size (as many as the idle workers need, each of at least PART_ROWS decoder rows; `rows` is the
-    rows a sentence takes: the beam), in order.
+    equal size, in order: as many as the idle workers need, but no more than a batch has sentences nor
+    than PART_ROWS decoder rows fit in it (`rows` is the rows a sentence takes: the beam).
 
     Parts rather than a lone batch on several threads: a decoding step's parallel regions are too small
     to share, two batches are not. Below PART_ROWS a part no longer pays for the Python its steps run,
@@ -589,7 +589,7 @@ def shared_out(batches: list[list[int]], *, workers: int, rows: int) -> list[lis
         return batches
     out: list[list[int]] = []
     for batch in batches:
-        parts = max(1, min(-(-workers // len(batches)), len(batch) * rows // PART_ROWS))
+        parts = max(1, min(-(-workers // len(batches)), len(batch) * rows // PART_ROWS, len(batch)))
         cuts = [len(batch) * i // parts for i in range(parts + 1)]
         out += [batch[a:b] for a, b in itertools.pairwise(cuts)]
     return out

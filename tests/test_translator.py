@@ -962,6 +962,9 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
     streamed = list(two.translate_stream(texts, SearchConfig(beam_size=3)))
     assert [[h.tokens for h in line] for line in streamed] == [[h.tokens for h in line] for line in lone]
     assert sorted(sizes) == [40, 40]  # a stream's window is cut likewise, and its lines come out in order
+    wide = SearchConfig(beam_size=64)  # one sentence of 64 rows: one part, never an empty one beside it
+    assert [h.tokens for h in two.translate_nbest(texts[:1], wide)[0]] == [
+        h.tokens for h in one.translate_nbest(texts[:1], wide)[0]]
     stream = two.translate_stream(texts, SearchConfig(beam_size=2), max_tokens=32)
     next(stream)
     stream.close()  # a reader that stops early: what was queued for it is cancelled
@@ -981,6 +984,9 @@ def test_an_input_of_fewer_batches_than_workers_is_shared_out_in_parts():
     assert shared_out([list(range(63))], workers=2, rows=1) == [list(range(63))]
     assert shared_out([list(range(13))], workers=2, rows=5) == [list(range(6)), list(range(6, 13))]
     assert shared_out(batches, workers=4, rows=1) == [list(range(50)), list(range(50, 100)), list(range(100, 130))]
+    # A wide beam: never more parts than sentences (an empty part has nothing to decode)
+    assert shared_out([[7]], workers=2, rows=64) == [[7]]
+    assert shared_out([[0, 1, 2, 3]], workers=8, rows=40) == [[0], [1], [2], [3]]
 
 
 @pytest.mark.parametrize("workers, threads, cores, expected", [(None, None, 4, (4, 1)), (None, 2, 4, (2, 2)),
