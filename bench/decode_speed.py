@@ -74,6 +74,10 @@ class NoCacheDecoder(nn.Module):
         self.model = model
         self.config = model.config
 
+    def fuse_self_attention(self) -> "NoCacheDecoder":
+        self.model.fuse_self_attention()  # as Translator does to a Transformer
+        return self
+
     def encode(self, src: Tensor) -> Tensor:
         return self.model.encode(src)
 

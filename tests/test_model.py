@@ -175,6 +175,21 @@ def test_fused_self_attention_projections_give_the_same_numbers(positions, dtype
     assert len(calls) == 1 + 7  # one projection a step
 
 
+def test_projections_converted_for_inference_are_left_unfused():
+    """A model packed or quantised before a Translator fuses it (a caller's own for_inference) keeps its
+    projections as they are: there is no nn.Linear to stack."""
+    from seq2seq.model.numerics import Int8Linear, quantize_int8
+
+    model = quantize_int8(tiny_model())
+    src = random_tokens(2, 5, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        before = model(src, src)
+        assert model.fuse_self_attention() is model
+        assert torch.equal(model(src, src), before)
+    attention = model.encoder.layers[0].self_attn
+    assert attention.qkv_proj is None and isinstance(attention.q_proj, Int8Linear)
+
+
 @pytest.mark.parametrize("positions", ["sinusoidal", "relative", "rotary"])
 def test_encode_in_length_chunks_equals_each_sentence_alone(positions):
     """encode() cuts a batch of mixed lengths into chunks of similar length (less padding): every

@@ -962,6 +962,12 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
     streamed = list(two.translate_stream(texts, SearchConfig(beam_size=3)))
     assert [[h.tokens for h in line] for line in streamed] == [[h.tokens for h in line] for line in lone]
     assert sorted(sizes) == [40, 40]  # a stream's window is cut likewise, and its lines come out in order
+    # Word alignments read a cross-attention layer's weights: each worker its own, though both decode at once
+    # (a hook on the shared layer gave one worker's alignments from the other's inputs)
+    aligned = SearchConfig(beam_size=2, alignments=True)
+    for _ in range(3):
+        got, want = two.translate_nbest(texts, aligned), one.translate_nbest(texts, aligned)
+        assert [[h.alignment for h in line] for line in got] == [[h.alignment for h in line] for line in want]
     wide = SearchConfig(beam_size=64)  # one sentence of 64 rows: one part, never an empty one beside it
     assert [h.tokens for h in two.translate_nbest(texts[:1], wide)[0]] == [
         h.tokens for h in one.translate_nbest(texts[:1], wide)[0]]

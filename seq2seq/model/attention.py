@@ -83,10 +83,11 @@ class MultiHeadAttention(nn.Module):
         """Self-attention for inference: q_proj and kv_proj replaced by one qkv_proj, their weights stacked,
         so that `self_projections` takes one matmul where it took two. At one row a step the call costs
         more than its arithmetic (bf16 on oneDNN: README, "Kernels, chosen by measuring the machine"), and
-        the numbers are the same: each output is the same dot product. Again: nothing to do."""
-        if self.qkv_proj is not None:
-            return
+        the numbers are the same: each output is the same dot product. Again, or on projections already
+        converted for inference (packed, int8): nothing to do."""
         q_proj, kv_proj = self.q_proj, self.kv_proj
+        if self.qkv_proj is not None or type(q_proj) is not nn.Linear or type(kv_proj) is not nn.Linear:
+            return
         fused = nn.Linear(q_proj.in_features, q_proj.out_features + kv_proj.out_features,
                           bias=q_proj.bias is not None, device=q_proj.weight.device, dtype=q_proj.weight.dtype)
         with torch.no_grad():

@@ -158,12 +158,15 @@ class DecoderLayer(nn.Module):
         position_bias: Tensor | None = None,
         rotary: Rotary | None = None,
         offset: int = 0,
+        cross_weights: list[Tensor] | None = None,
     ) -> Tensor:
         """One layer over the new target positions offset..offset+T-1.
 
         x: (R, T, D); extend_cache: stores these positions' self-attention keys/values after the
         cached ones of positions 0..offset-1 and returns them all (None: no cache, offset 0);
-        cross_kv: the projected source, (N, H, S, Dh) each, N = R or R / beams (see MultiHeadAttention).
+        cross_kv: the projected source, (N, H, S, Dh) each, N = R or R / beams (see MultiHeadAttention);
+        cross_weights: where to append the cross-attention's probabilities, (R, H, T, S) (MultiHeadAttention.weights;
+        one memory row per target row), for reading where each target position looked.
         """
         h = self.self_attn_residual.before(x)
         queries, keys, values = self.self_attn.self_projections(h, rotary=rotary, offset=offset)  # (R, H, T, Dh)
@@ -174,6 +177,8 @@ class DecoderLayer(nn.Module):
         x = self.self_attn_residual.after(x, h)
 
         h = self.cross_attn_residual.before(x)
+        if cross_weights is not None:
+            cross_weights.append(self.cross_attn.weights(h, keys=cross_kv[0], mask=cross_mask))
         h = self.cross_attn(h, keys=cross_kv[0], values=cross_kv[1], mask=cross_mask)
         x = self.cross_attn_residual.after(x, h)
 

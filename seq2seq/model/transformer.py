@@ -121,8 +121,10 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, alpha=alpha) for _ in range(config.num_decoder_layers))
         self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
 
-    def forward(self, tgt_in: Tensor, *, memory: Tensor, src_mask: Tensor, state: DecoderState | None) -> Tensor:
-        # tgt_in: (R, T) new target tokens; memory: (N, S, D); src_mask: (N, 1, 1, S); R = N or N * beams
+    def forward(self, tgt_in: Tensor, *, memory: Tensor, src_mask: Tensor, state: DecoderState | None,
+                cross_weights: tuple[int, list[Tensor]] | None = None) -> Tensor:
+        # tgt_in: (R, T) new target tokens; memory: (N, S, D); src_mask: (N, 1, 1, S); R = N or N * beams;
+        # cross_weights (layer, out): that layer's cross-attention probabilities are appended to out (DecoderLayer)
         offset = state.length if state is not None else 0
         length = tgt_in.size(1)
         x = self.embed(tgt_in, offset=offset)  # (B, T, D)
@@ -164,6 +166,7 @@ class Decoder(nn.Module):
                 position_bias=bias,
                 rotary=self.rotary,
                 offset=offset,
+                cross_weights=cross_weights[1] if cross_weights is not None and cross_weights[0] == i else None,
             )
         if state is not None:
             state.advance(length)
@@ -283,20 +286,14 @@ class Transformer(nn.Module):
                               layer: int) -> tuple[Tensor, Tensor]:
         """`decode` without a state, and decoder layer `layer`'s cross-attention averaged over its heads,
         (R, T, S), float32 at least: where each target position read the source (word alignments come from it).
-        One memory row per target row (R = N)."""
-        attention = cast(DecoderLayer, self.decoder.layers[layer]).cross_attn
-        seen: dict[str, Tensor] = {}
-
-        def keep(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            seen.update(x=args[0], keys=kwargs["keys"], mask=kwargs["mask"])
-
-        handle = attention.register_forward_pre_hook(keep, with_kwargs=True)  # the layer's own input, unchanged
-        try:
-            logits = self.decode(tgt_in, memory, src_mask)
-        finally:
-            handle.remove()
-        weights = attention.weights(seen["x"], keys=seen["keys"], mask=seen["mask"])  # (R, H, T, S)
-        return logits, weights.mean(dim=1)
+        One memory row per target row (R = N). The weights come back through the call, not a hook on the
+        shared module: decoder threads decoding at once would each see the others' inputs."""
+        if not -len(self.decoder.layers) <= layer < len(self.decoder.layers):
+            raise IndexError(f"decoder layer {layer} of {len(self.decoder.layers)}")
+        seen: list[Tensor] = []
+        hidden = self.decoder(tgt_in, memory=memory, src_mask=src_mask[:, None, None, :], state=None,
+                              cross_weights=(layer % len(self.decoder.layers), seen))
+        return self.output_projection(hidden), seen[0].mean(dim=1)  # (R, T, V), (R, T, S)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced logits (B, T, V) for `tgt_in` (BOS + target) given `src`."""
