@@ -72,6 +72,7 @@ class Document(Protocol):
 
 T = TypeVar("T")
 PART_ROWS = 32  # see shared_out
+WIDE_WORK = 5e8  # see Translator._wide
 EMPTY = Translation(text="", score=0.0, tokens=[])  # what an empty sentence translates to
 
 
@@ -116,7 +117,8 @@ class Translator:
         a decoding step's parallel regions are too small for several threads to pay, several batches
         are not. The batches are those of one worker, so outputs do not depend on `workers`, except where an
         input makes fewer batches than there are workers: those are cut into parts for the idle workers
-        (shared_out), which can change a bf16 translation slightly (fp32: the same tokens); seeded sampling,
+        (shared_out), which can change a bf16 translation slightly (fp32: the same tokens), and a lone batch
+        too small to cut but wide enough (_wide) decodes on all the workers' threads; seeded sampling,
         whose draws run through one generator, decodes one batch at a time."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
@@ -125,7 +127,7 @@ class Translator:
         self.workers = workers
         self.threads = threads if threads is not None else max(1, torch.get_num_threads() // workers)
         self._own_threads = threads is not None  # else one worker decodes on the caller's thread, with its threads
-        self._workers: ThreadPoolExecutor | None = None  # _pool(), made on first use
+        self._pools: dict[str, ThreadPoolExecutor] = {}  # _pool_of(), each made on first use
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
@@ -278,20 +280,32 @@ class Translator:
                 yield from translate_batch(batch)
         else:
             rows = 1 if search.sampling else search.beam_size
-            yield from self._in_parallel(translate_batch, shared_out(batches, workers=self.workers, rows=rows))
+            parts = shared_out(batches, workers=self.workers, rows=rows)
+            if len(parts) == 1 and self.workers > 1 and self._wide(len(parts[0]) * rows):
+                # Too few rows to cut, enough for every core's threads on one batch
+                wide = self._pool_of("wide", 1, self.workers * self.threads)
+                yield from wide.submit(translate_batch, parts[0]).result()
+            else:
+                yield from self._in_parallel(translate_batch, parts)
 
-    def _pool(self) -> ThreadPoolExecutor:
-        """The decoder threads (made on first use): `workers` threads of `threads` intra-op threads."""
-        if self._workers is None:
-            self._workers = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="decoder",
-                                               initializer=start_decoder_thread, initargs=(self.threads,))
-        return self._workers
+    def _wide(self, rows: int) -> bool:
+        """Whether a batch of `rows` decoder rows pays for several threads on it: its output projection
+        takes at least WIDE_WORK multiply-adds a step (rows x d_model x vocabulary; README, "Every core")."""
+        config = self.model.config
+        return rows * config.d_model * config.vocab_size >= WIDE_WORK
+
+    def _pool_of(self, name: str, workers: int, threads: int) -> ThreadPoolExecutor:
+        """The decoder threads `name` (made on first use): `workers` threads of `threads` intra-op threads."""
+        if name not in self._pools:
+            self._pools[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"decoder-{name}",
+                                                   initializer=start_decoder_thread, initargs=(threads,))
+        return self._pools[name]
 
     def _in_parallel(self, translate_batch: Callable[[list[int]], list[tuple[int, list[Translation]]]],
                      batches: list[list[int]]) -> Iterator[tuple[int, list[Translation]]]:
         """translate_batch over the batches on the workers, two per worker in flight (the next is ready
         when one finishes), the results given in the batches' order."""
-        pool = self._pool()
+        pool = self._pool_of("workers", self.workers, self.threads)
         pending: deque[Future[list[tuple[int, list[Translation]]]]] = deque()
         remaining = iter(batches)
         try:

@@ -971,6 +971,13 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
     wide = SearchConfig(beam_size=64)  # one sentence of 64 rows: one part, never an empty one beside it
     assert [h.tokens for h in two.translate_nbest(texts[:1], wide)[0]] == [
         h.tokens for h in one.translate_nbest(texts[:1], wide)[0]]
+    assert "wide" not in two._pools
+    # A lone batch too small to cut, but whose output projection is wide enough: on both workers' threads
+    monkeypatch.setattr("seq2seq.translator.WIDE_WORK", 0)
+    sizes.clear()
+    got = two.translate_nbest(texts[:5], SearchConfig(beam_size=3))
+    assert sizes == [5] and "wide" in two._pools
+    assert got == one.translate_nbest(texts[:5], SearchConfig(beam_size=3))
     stream = two.translate_stream(texts, SearchConfig(beam_size=2), max_tokens=32)
     next(stream)
     stream.close()  # a reader that stops early: what was queued for it is cancelled
