@@ -592,8 +592,8 @@ def length_sorted_batches(ids: list[list[int]], *, max_tokens: int) -> list[list
 
 def shared_out(batches: list[list[int]], *, workers: int, rows: int) -> list[list[int]]:
     """The batches, those of an input too short to give every worker one cut into consecutive parts of
-    equal size, in order: as many as the idle workers need, but no more than a batch has sentences nor
-    than PART_ROWS decoder rows fit in it (`rows` is the rows a sentence takes: the beam).
+    equal size, in order: as many as the idle workers need, but no more than the batch has sentences, nor
+    than it has PART_ROWS decoder rows (`rows` is the rows a sentence takes: the beam).
 
     Parts rather than a lone batch on several threads: a decoding step's parallel regions are too small
     to share, two batches are not. Below PART_ROWS a part no longer pays for the Python its steps run,
