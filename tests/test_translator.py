@@ -992,7 +992,7 @@ def test_an_input_of_fewer_batches_than_workers_is_shared_out_in_parts():
     assert shared_out(batches[:1], workers=1, rows=5) == batches[:1]
     assert shared_out(batches[:1], workers=2, rows=1) == [list(range(50)), list(range(50, 100))]
     assert shared_out(batches[:1], workers=3, rows=1) == [list(range(33)), list(range(33, 66)), list(range(66, 100))]
-    # Parts of at least PART_ROWS decoder rows (sentences x beam); a batch too small stays whole
+    # Parts of about PART_ROWS decoder rows (sentences x beam) or more; a batch too small stays whole
     assert shared_out(batches[:1], workers=8, rows=1) == [list(range(33)), list(range(33, 66)), list(range(66, 100))]
     assert shared_out([list(range(63))], workers=2, rows=1) == [list(range(63))]
     assert shared_out([list(range(13))], workers=2, rows=5) == [list(range(6)), list(range(6, 13))]
