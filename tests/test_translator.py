@@ -1002,13 +1002,16 @@ def test_an_input_of_fewer_batches_than_workers_is_shared_out_in_parts():
     assert shared_out([[0, 1, 2, 3]], workers=8, rows=40) == [[0], [1], [2], [3]]
 
 
-@pytest.mark.parametrize("workers, threads, cores, expected", [(None, None, 4, (4, 1)), (None, 2, 4, (2, 2)),
-                                                               (2, None, 4, (2, 2)), (3, 2, 4, (3, 2)),
-                                                               (None, 8, 4, (1, 8))])
-def test_workers_and_threads_fill_the_cores(workers, threads, cores, expected, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("workers, threads, cores, device, expected", [
+    (None, None, 4, "cpu", (4, 1)), (None, 2, 4, "cpu", (2, 2)), (2, None, 4, "cpu", (2, 2)), (3, 2, 4, "cpu", (3, 2)),
+    (None, 8, 4, "cpu", (1, 8)),
+    # A GPU: one worker unless --workers asks for more (several threads on one device ran 0.08-0.7x one)
+    (None, None, 16, "cuda", (1, 16)), (None, None, 16, "cuda:1", (1, 16)), (None, 2, 16, "mps", (1, 2)),
+    (4, None, 16, "cuda", (4, 4))])
+def test_workers_and_threads_fill_the_cores(workers, threads, cores, device, expected, monkeypatch: pytest.MonkeyPatch):
     from argparse import Namespace
 
     from seq2seq.cli import parallelism
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
-    assert parallelism(Namespace(workers=workers, threads=threads)) == expected
+    assert parallelism(Namespace(workers=workers, threads=threads, device=device)) == expected
