@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TextIO
 
 import sacrebleu
-import torch
 from tqdm import tqdm
 
 from seq2seq.cli import (
@@ -179,7 +178,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         with contextlib.suppress(OSError):  # an error is already being reported
             output.close()
     print(f"translated {output.lines} lines in {time.perf_counter() - start:.1f}s ({translator.precision}, "
-          f"{torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr)
+          f"{workers_of(translator)}, {describe(search)})", file=sys.stderr)
     if references is not None and best is not None:
         if len(references) != len(best):
             raise SystemExit(f"error: {source_name} had {len(best)} lines but {args.ref} has {len(references)}: no "
@@ -188,6 +187,13 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
         print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
+
+
+def workers_of(translator: Translator) -> str:
+    """How the end-of-run line names the decoding threads: '2 workers x 1 thread', '1 worker x 16 threads'."""
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}" + ("s" if n != 1 else "")
+    return f"{count(translator.workers, 'worker')} x {count(translator.threads, 'thread')}"
 
 
 def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
@@ -215,7 +221,7 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
         output.cut_to_whole_lines()
         raise SystemExit(f"error: cannot write {where(args.output)} ({error.strerror})") from None
     print(f"translated {len(document.sentences)} sentences of {args.format} in {time.perf_counter() - start:.1f}s "
-          f"({translator.precision}, {torch.get_num_threads()} threads, {describe(search)})", file=sys.stderr)
+          f"({translator.precision}, {workers_of(translator)}, {describe(search)})", file=sys.stderr)
 
 
 def paragraphs(translator: Translator, lines: Iterable[str], search: SearchConfig, *, max_tokens: int,

@@ -410,6 +410,9 @@ def test_cli_files_with_references(checkpoint: Path, translator: Translator, tmp
     assert lines[-1] == "" and len(lines[:-1]) == len(sources)
     assert lines[:-1] == translator.translate(sources, SearchConfig(beam_size=5))
     assert lines[1] == lines[3] == ""
+    # The end-of-run line names the precision, the workers and their threads, and the search
+    assert re.search(r"^translated 6 lines in [\d.]+s \((fp32|bf16), \d+ workers? x \d+ threads?, beam 5, ",
+                     result.stderr, re.MULTILINE), result.stderr
     assert re.search(r"^BLEU = [\d.]+ .*nrefs:1\|case:mixed\|eff:no\|tok:13a\|smooth:exp\|version:[\d.]+$",
                      result.stderr, re.MULTILINE), result.stderr
     assert re.search(r"^chrF2 = [\d.]+ .*nrefs:1\|case:mixed\|eff:yes\|nc:6\|nw:0\|space:no\|version:[\d.]+$",
