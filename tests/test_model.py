@@ -270,6 +270,9 @@ def test_cache_grows_past_its_capacity_and_follows_reorders_of_any_size():
         reference = model(src[[1, 1, 1]], torch.cat((done_prefix, tgt_in[rows, 30:]), dim=1))
     assert_relative_close(out, reference[:, 30:])
     assert (state.length, state.rows) == (40, 3)
+    # Growing after rows were dropped makes room for the rows left, not for the 6 there were: each
+    # growth zero-fills its new buffer, and a long greedy tail kept re-filling a whole batch's rows.
+    assert state._cache is not None and state._cache.size(2) == 3
 
 
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])

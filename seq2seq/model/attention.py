@@ -299,8 +299,8 @@ class DecoderState:
     def _resize(self, *, num_layers: int, rows: int, heads: int, capacity: int, head_dim: int,
                 dtype: torch.dtype, device: torch.device) -> Tensor:
         old = self._cache
-        if old is not None:
-            rows = max(rows, old.size(2))
+        if old is not None:  # room for the rows held now, not for those of an earlier, larger buffer: dropped
+            rows = max(rows, self.rows)  # rows would be zero-filled again at every growth (greedy's long tails)
         capacity = (capacity + CACHE_GROWTH - 1) // CACHE_GROWTH * CACHE_GROWTH
         cache = torch.empty(num_layers, 2, rows, heads, capacity, head_dim, dtype=dtype, device=device)
         if old is not None and self.length:
