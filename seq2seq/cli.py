@@ -49,7 +49,8 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batches decoded at once, each on a thread of its own (default: one per core on the CPU, as "
                              "measured fastest, README: Decoding against CTranslate2; one on a GPU)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads of each worker (default: the cores over the workers: 1)")
+                        help="intra-op threads of each worker (default: the cores over the workers: 1 on the CPU, "
+                             "all of them for a GPU's one worker)")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="auto: bf16 where bf16 matmuls are fast here (AMX, AVX512-BF16, a GPU from Ampere on), else fp32; "
                              "int8 (CPU): quantised linear layers, faster, outputs differ slightly (default: auto)")

@@ -178,7 +178,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         with contextlib.suppress(OSError):  # an error is already being reported
             output.close()
     print(f"translated {output.lines} lines in {time.perf_counter() - start:.1f}s ({translator.precision}, "
-          f"{workers_of(translator)}, {describe(search)})", file=sys.stderr)
+          f"{workers_of(translator, search)}, {describe(search)})", file=sys.stderr)
     if references is not None and best is not None:
         if len(references) != len(best):
             raise SystemExit(f"error: {source_name} had {len(best)} lines but {args.ref} has {len(references)}: no "
@@ -189,11 +189,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
 
 
-def workers_of(translator: Translator) -> str:
+def workers_of(translator: Translator, search: SearchConfig) -> str:
     """How the end-of-run line names the decoding threads: '2 workers x 1 thread', '1 worker x 16 threads'."""
     def count(n: int, what: str) -> str:
         return f"{n} {what}" + ("s" if n != 1 else "")
-    return f"{count(translator.workers, 'worker')} x {count(translator.threads, 'thread')}"
+    workers, threads = translator.decoding_threads(search)
+    return f"{count(workers, 'worker')} x {count(threads, 'thread')}"
 
 
 def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
@@ -221,7 +222,7 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
         output.cut_to_whole_lines()
         raise SystemExit(f"error: cannot write {where(args.output)} ({error.strerror})") from None
     print(f"translated {len(document.sentences)} sentences of {args.format} in {time.perf_counter() - start:.1f}s "
-          f"({translator.precision}, {workers_of(translator)}, {describe(search)})", file=sys.stderr)
+          f"({translator.precision}, {workers_of(translator, search)}, {describe(search)})", file=sys.stderr)
 
 
 def paragraphs(translator: Translator, lines: Iterable[str], search: SearchConfig, *, max_tokens: int,

@@ -288,6 +288,15 @@ class Translator:
             else:
                 yield from self._in_parallel(translate_batch, parts)
 
+    def decoding_threads(self, search: SearchConfig) -> tuple[int, int]:
+        """(workers, intra-op threads each) that `search` decodes with: seeded sampling decodes its batches
+        one at a time on the calling thread, with its thread count (a draw must not depend on the workers);
+        any other search on the workers (one batch too small to cut but wide, `_wide`, on one of them with
+        all their threads)."""
+        if search.sampling and search.seed is not None:
+            return 1, torch.get_num_threads()
+        return self.workers, self.threads
+
     def _wide(self, rows: int) -> bool:
         """Whether a batch of `rows` decoder rows pays for several threads on it: its output projection
         takes at least WIDE_WORK multiply-adds a step (rows x d_model x vocabulary; README, "Every core")."""

@@ -941,6 +941,9 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
     one = float64(Translator.from_checkpoint(checkpoint, precision="fp32"))
     two = Translator(model=one.model, tokenizer=one.tokenizer, precision="fp32", workers=2, threads=1)
     assert (two.workers, two.threads) == (2, 1)
+    # What the CLI's end-of-run line reports: seeded sampling decodes on the caller's thread, with its threads
+    assert two.decoding_threads(SearchConfig(beam_size=3)) == two.decoding_threads(SearchConfig(sampling=True)) == (2, 1)
+    assert two.decoding_threads(SearchConfig(sampling=True, seed=7)) == (1, torch.get_num_threads())
     for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=3, nbest=2),
                    SearchConfig(sampling=True, seed=7, top_k=5)):
         assert two.translate_nbest(texts, search, max_tokens=96) == one.translate_nbest(texts, search, max_tokens=96)
