@@ -29,11 +29,11 @@ arrived within --max-wait-ms of the first, decodes it in a decoder thread (the e
 accepting) in calls of at most --max-batch-tokens, and hands each request its own results. There are
 --workers decoder threads (default: one per core; one on a GPU), each with --threads intra-op threads
 (default: 1; all the cores for a GPU's one), shared by the models, and as many batcher tasks per model,
-so that several batches decode at once. Requests with different search options are decoded in separate calls, and seeded sampling requests one at a time (a draw
-must not depend on what else arrived). When a call fails, its requests are decoded again one at a
-time, so that only the one that fails alone gets the error. A request whose client has gone (timed
-out or disconnected) is not decoded. SIGTERM or Ctrl-C stops accepting, finishes the requests
-already in, and exits 0.
+so that several batches decode at once. Requests with different search options are decoded in separate
+calls, and seeded sampling requests one at a time (a draw must not depend on what else arrived). When
+a call fails, its requests are decoded again one at a time, so that only the one that fails alone gets
+the error. A request whose client has gone (timed out or disconnected) is not decoded. SIGTERM or
+Ctrl-C stops accepting, finishes the requests already in, and exits 0.
 
 A request's cost is bounded before it is queued, in decoder tokens: per sentence, its hypotheses
 (the beam; 1 for greedy and sampling) times its output limit (max_len_a x source tokens + max_len_b,
