@@ -177,11 +177,20 @@ class EncoderDecoder(Protocol[State]):
 # Small pure functions: one decoding step, the constraints on it, scoring.
 
 
+class StepLogits(NamedTuple):
+    """What `step_logits` gives for the next token of every row."""
+
+    logits: Tensor  # (R, V) in the model's dtype where narrower than float32 (bf16), else float32
+    normalizer: Tensor  # (R,) float32: log-probabilities are logits - normalizer
+    bounds: Tensor | None  # (R, V // TOP_K_CHUNK) float32, the rows' chunk maxima for top_k_rows (if asked for)
+
+
 def step_logits(
-    model: EncoderDecoder[Any], tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: Any
-) -> tuple[Tensor, Tensor]:
-    """Feed one new token per row (R, 1); the next token's logits (R, V) and their log-normaliser (R,),
-    float32: log-probabilities are logits - normaliser.
+    model: EncoderDecoder[Any], tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: Any, *,
+    bounds: bool = False,
+) -> StepLogits:
+    """Feed one new token per row (R, 1); the next token's logits (R, V), their log-normaliser (R,), and
+    with `bounds` the chunk maxima that `top_k_rows` ranks the logits by, read in the normaliser's pass.
 
     The logits stay in the model's dtype where it is narrower than float32 (bf16): the searches mask and
     rank them there (masking writes -inf, ranking compares, both exact) and take the few they keep to
@@ -191,7 +200,9 @@ def step_logits(
     logits = model.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
     if logits.element_size() >= 4:
         logits = logits.float()
-    return logits, log_normalizer(logits)
+    if bounds:
+        return StepLogits(logits, *normalizer_and_bounds(logits))
+    return StepLogits(logits, log_normalizer(logits), None)
 
 
 NORMALIZER_CHUNK_BYTES = 2**18
@@ -199,6 +210,10 @@ NORMALIZER_CHUNK_BYTES = 2**18
 read from the logits once and its five passes (max, subtract, clamp, exp, sum) run in the core's cache,
 where the whole (R, V) at once (3,000 rows of beam search are 96 MB) would stream through memory five times
 (README, "Kernels, chosen by measuring the machine": the measurement that chose it)."""
+
+TOP_K_CHUNK = 64
+"""`top_k_rows` ranks a row's columns in chunks of this many (README, "Kernels, chosen by measuring the
+machine")."""
 
 
 def log_normalizer(logits: Tensor) -> Tensor:
@@ -210,15 +225,44 @@ def log_normalizer(logits: Tensor) -> Tensor:
     no number: torch reduces each row of a block of two rows or more whole, in one thread, as it does in the
     whole tensor, so no block has one row (torch splits a lone long row's sum across threads).
     """
+    blocks = _row_blocks(logits)
+    if len(blocks) == 1:
+        return _log_normalizer(logits.float())
+    out = torch.empty(logits.size(0), device=logits.device)
+    for first, last in blocks:
+        out[first:last] = _log_normalizer(logits[first:last].float())
+    return out
+
+
+def normalizer_and_bounds(logits: Tensor, *, chunk: int = TOP_K_CHUNK) -> tuple[Tensor, Tensor]:
+    """`log_normalizer(logits)`, the same numbers, and every row's chunk maxima (R, V // chunk) float32 (a last,
+    partial chunk left out): taken from the normaliser's float32 blocks while they are in cache, whose row
+    maximum is the maximum of these (and of the partial chunk), so that `top_k_rows` need not read the
+    logits whole once more to find them (README, "Kernels, chosen by measuring the machine")."""
+    rows, vocab = logits.shape
+    chunks = vocab // chunk
+    normalizer = torch.empty(rows, device=logits.device)
+    bounds = torch.empty(rows, chunks, device=logits.device)
+    for first, last in _row_blocks(logits):
+        x = logits[first:last].float().contiguous()  # (B, V)
+        maxima = x.as_strided((last - first, chunks, chunk), (x.stride(0), chunk, 1)).amax(dim=-1)  # (B, V/chunk)
+        peak = maxima.amax(dim=-1) if chunks else x.amax(dim=-1)  # (B,)
+        if 0 < chunks * chunk < vocab:
+            peak = torch.maximum(peak, x[:, chunks * chunk :].amax(dim=-1))
+        normalizer[first:last] = exp_(x - peak[:, None]).sum(dim=-1).log_() + peak  # as _log_normalizer
+        bounds[first:last] = maxima
+    return normalizer, bounds
+
+
+def _row_blocks(logits: Tensor) -> list[tuple[int, int]]:
+    """The (first, last) rows of the normaliser's blocks: NORMALIZER_CHUNK_BYTES of float32 each on CPU
+    (at least two rows: a lone last row joins the block before), the whole on other devices."""
     rows, vocab = logits.shape
     block = rows if logits.device.type != "cpu" else max(2, NORMALIZER_CHUNK_BYTES // (4 * max(vocab, 1)))
     if rows <= block + 1:
-        return _log_normalizer(logits.float())
-    out = torch.empty(rows, device=logits.device)
-    starts = [first for first in range(0, rows, block) if first != rows - 1]  # a lone last row joins the block before
-    for first, last in zip(starts, [*starts[1:], rows], strict=True):
-        out[first:last] = _log_normalizer(logits[first:last].float())
-    return out
+        return [(0, rows)]
+    starts = [first for first in range(0, rows, block) if first != rows - 1]
+    return list(zip(starts, [*starts[1:], rows], strict=True))
 
 
 def _log_normalizer(logits: Tensor) -> Tensor:  # (R, V) float32 -> (R,)
@@ -226,7 +270,7 @@ def _log_normalizer(logits: Tensor) -> Tensor:  # (R, V) float32 -> (R,)
     return exp_(logits - peak).sum(dim=-1).log_() + peak[:, 0]
 
 
-def top_k_rows(x: Tensor, k: int, *, chunk: int = 64) -> tuple[Tensor, Tensor]:
+def top_k_rows(x: Tensor, k: int, *, chunk: int = TOP_K_CHUNK, bounds: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per row of x (R, V) its k largest values, best first, and their columns; k = 1 is argmax.
 
     torch.topk and argmax over a CPU row of thousands are scalar loops. Here the row is cut into
@@ -234,14 +278,27 @@ def top_k_rows(x: Tensor, k: int, *, chunk: int = 64) -> tuple[Tensor, Tensor]:
     the k chunks with the largest maxima (a chunk holding one of them has a maximum at least as
     large, and fewer than k values are larger), so only those k * chunk columns are ranked. Equal
     values may come out in another order than topk's; argmax's first-occurrence rule is kept.
+
+    `bounds` (R, V // chunk), the chunk maxima as `normalizer_and_bounds` took them before the search's
+    constraints lowered some values to -inf (nothing may have been raised since), stand in for the maxima:
+    each is at least its chunk's maximum now. A row's result is proven where its k-th value is above the
+    largest bound of the chunks left out (at least as large for k > 1, where ties may go either way); the
+    other rows (a banned best token, a forced one) are ranked again on their exact maxima.
     """
     rows, vocab = x.shape
     if k * chunk * 4 > vocab:
         return (x.max(dim=-1, keepdim=True) if k == 1 else x.topk(k, dim=-1))  # type: ignore[return-value]
     x = x.contiguous()
     body = vocab // chunk * chunk
-    chunk_max = x.as_strided((rows, body // chunk, chunk), (x.stride(0), chunk, 1)).amax(dim=-1)  # (R, V/chunk)
-    best = chunk_max.argmax(dim=-1, keepdim=True) if k == 1 else chunk_max.topk(k, dim=-1).indices  # (R, k)
+    if bounds is None:
+        chunk_max = x.as_strided((rows, body // chunk, chunk), (x.stride(0), chunk, 1)).amax(dim=-1)  # (R, V/chunk)
+        best = chunk_max.argmax(dim=-1, keepdim=True) if k == 1 else chunk_max.topk(k, dim=-1).indices  # (R, k)
+    elif bounds.shape != (rows, body // chunk):
+        raise ValueError(f"bounds {tuple(bounds.shape)} are not the chunk maxima of {rows} rows of {vocab} in "
+                         f"chunks of {chunk}")
+    else:
+        ranked = bounds.topk(k + 1, dim=-1)  # (R, k + 1): the k chunks to rank, and the largest bound left out
+        best, left_out = ranked.indices[:, :k], ranked.values[:, k]  # (ties at the top are never proven below)
     if k > 1:
         best = best.sort(dim=-1).values  # candidate columns in increasing order, as in the row itself
     cols = (best[:, :, None] * chunk + torch.arange(chunk, device=x.device)).view(rows, k * chunk)
@@ -249,7 +306,15 @@ def top_k_rows(x: Tensor, k: int, *, chunk: int = 64) -> tuple[Tensor, Tensor]:
         cols = torch.cat((cols, torch.arange(body, vocab, device=x.device).expand(rows, -1)), dim=1)
     values = x.gather(1, cols)  # (R, k * chunk [+ rest])
     top = values.max(dim=-1, keepdim=True) if k == 1 else values.topk(k, dim=-1)
-    return top.values, cols.gather(1, top.indices)
+    top_values, top_cols = top.values, cols.gather(1, top.indices)
+    if bounds is not None:
+        kth = top_values[:, k - 1].float()
+        unproven = (~(kth > left_out if k == 1 else kth >= left_out)).nonzero()[:, 0]
+        if unproven.numel():
+            exact_values, exact_cols = top_k_rows(x[unproven], k, chunk=chunk)
+            top_values = top_values.index_copy(0, unproven, exact_values)
+            top_cols = top_cols.index_copy(0, unproven, exact_cols)
+    return top_values, top_cols
 
 
 def length_normalize(log_prob: Tensor | float, length: int, *, alpha: float) -> Tensor | float:
@@ -565,10 +630,11 @@ def beam_search(
 
     while True:
         n, k_cur, step = live.tokens.shape
-        logits, normalizer = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N*K_cur, V)
+        logits, normalizer, bounds = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state,
+                                                 bounds=True)  # (N*K_cur, V), (N*K_cur,), chunk maxima
         constrain_(logits.view(n, k_cur, -1), live.tokens, live.limits, ids=ids, min_len=config.min_len,
-                   no_repeat_ngram_size=config.no_repeat_ngram_size)
-        top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K): the 2K best are among them
+                   no_repeat_ngram_size=config.no_repeat_ngram_size)  # lowers logits only: the bounds hold
+        top_logits, top_tokens = top_k_rows(logits, 2 * beam_size, bounds=bounds)  # (N*K_cur, 2K): the 2K best among them
         cand_log_probs = (top_logits.float() - normalizer[:, None]).view(n, k_cur, -1)
         cand = beam_step(live.scores, cand_log_probs, tokens=top_tokens.view(n, k_cur, -1), beam_size=beam_size,
                          eos=ids.eos)
@@ -630,7 +696,7 @@ def constrained_beam_search(
     while True:
         n, k_cur, step = live.tokens.shape
         sentences = live.sentence.tolist()
-        logits, normalizer = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N*K_cur, V)
+        logits, normalizer, _ = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N*K_cur, V)
         rows = logits.view(n, k_cur, -1)
         constrain_(rows, live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
@@ -737,11 +803,12 @@ def greedy(
 
     Uses the config's length limits and constraints; beam, n-best and sampling fields do not apply.
     """
-    def pick(logits: Tensor, normalizer: Tensor) -> tuple[Tensor, Tensor]:  # (R, V), (R,) -> (R,), (R,)
-        best, token = top_k_rows(logits, 1)
+    def pick(logits: Tensor, normalizer: Tensor, bounds: Tensor | None) -> tuple[Tensor, Tensor]:  # (R,), (R,)
+        best, token = top_k_rows(logits, 1, bounds=bounds)
         return token[:, 0], best[:, 0].float() - normalizer
 
-    return _one_per_row(model, src, config, pick=pick, ids=SpecialIds(bos=bos, eos=eos, pad=pad), prefix=prefix)
+    return _one_per_row(model, src, config, pick=pick, ids=SpecialIds(bos=bos, eos=eos, pad=pad), prefix=prefix,
+                        bounds=True)
 
 
 @torch.inference_mode()
@@ -755,22 +822,25 @@ def sample(
     reproduce a draw. `log_prob` is the model's (temperature 1, unfiltered) log-probability.
     """
 
-    def pick(logits: Tensor, normalizer: Tensor) -> tuple[Tensor, Tensor]:  # (R, V), (R,) -> (R,), (R,)
+    def pick(logits: Tensor, normalizer: Tensor, bounds: Tensor | None) -> tuple[Tensor, Tensor]:  # (R,), (R,)
         log_probs = logits.float() - normalizer[:, None]  # constrained: banned tokens at -inf
         tempered = F.log_softmax(log_probs / config.temperature, dim=-1)
         filtered = top_p_filter(top_k_filter(tempered, config.top_k), config.top_p)
         token = torch.multinomial(filtered.exp(), 1, generator=generator)[:, 0]
         return token, log_probs.gather(1, token[:, None])[:, 0]
 
-    return _one_per_row(model, src, config, pick=pick, ids=SpecialIds(bos=bos, eos=eos, pad=pad), prefix=prefix)
+    return _one_per_row(model, src, config, pick=pick, ids=SpecialIds(bos=bos, eos=eos, pad=pad), prefix=prefix,
+                        bounds=False)
 
 
 def _one_per_row(
     model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, ids: SpecialIds,
-    prefix: Sequence[Sequence[int]] | None, pick: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    prefix: Sequence[Sequence[int]] | None, pick: Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor]],
+    bounds: bool,
 ) -> list[Hypothesis]:
-    """Greedy and sampling: one hypothesis per sentence; `pick` chooses from the constrained logits and
-    their normaliser, and gives each row's token and its log-probability."""
+    """Greedy and sampling: one hypothesis per sentence; `pick` chooses from the constrained logits, their
+    normaliser and (with `bounds`) the chunk maxima `top_k_rows` takes, and gives each row's token and its
+    log-probability."""
     if src.size(0) == 0:
         return []
     live = Live.start(model, src, config, ids=ids, prefix=prefix)
@@ -778,15 +848,19 @@ def _one_per_row(
     results: dict[int, Hypothesis] = {}
 
     while True:
-        logits, normalizer = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N, V), (N,)
+        logits, normalizer, chunk_max = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state,
+                                                    bounds=bounds)  # (N, V), (N,), chunk maxima or None
         constrain_(logits[:, None], live.tokens, live.limits, ids=ids, min_len=config.min_len,
-                   no_repeat_ngram_size=config.no_repeat_ngram_size)
+                   no_repeat_ngram_size=config.no_repeat_ngram_size)  # lowers logits only: the bounds hold
         unfinished = live.num_finished == 0  # (N,)
         if num_live < unfinished.numel():
             # A finished row's constraints may ban every token, and multinomial cannot draw from none;
             # only its rows are written (a mask over every row read and wrote all the logits).
-            logits.index_fill_(0, (~unfinished).nonzero()[:, 0], 0.0)
-        next_token, next_log_prob = pick(logits, normalizer)  # (N,), (N,)
+            finished = (~unfinished).nonzero()[:, 0]
+            logits.index_fill_(0, finished, 0.0)
+            if chunk_max is not None:  # raised: the rows' chunk maxima are now 0 too
+                chunk_max.index_fill_(0, finished, 0.0)
+        next_token, next_log_prob = pick(logits, normalizer, chunk_max)  # (N,), (N,)
         log_prob = live.scores[:, 0] + next_log_prob  # (N,)
         done = (next_token == ids.eos) & unfinished  # at max_len EOS is the only choice left
         keep = None

@@ -21,6 +21,7 @@ from seq2seq.search import (
     length_normalize,
     log_normalizer,
     max_lengths,
+    normalizer_and_bounds,
     repeated_ngram_mask,
     sample,
     top_k_filter,
@@ -326,6 +327,63 @@ def test_log_normalizer_in_row_blocks_changes_no_number(monkeypatch, dtype):
     assert log_normalizer(logits[:0]).shape == (0,)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("vocab", [3001, 64 * 40, 50])
+def test_normalizer_and_bounds_give_the_normalizer_to_the_bit_and_the_exact_chunk_maxima(monkeypatch, dtype, vocab):
+    """The normaliser and the chunk maxima in one pass over float32 blocks: the same numbers as log_normalizer
+    whole or in blocks (its peak is the maximum of the maxima and the partial chunk), the maxima exact."""
+    import seq2seq.search as search
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(23, vocab, generator=gen) * 6).to(dtype)
+    logits[2, 20:] = NEG
+    logits[3, -1] = 40.0  # the row's maximum in the partial chunk (when there is one)
+    whole = log_normalizer(logits)
+    for block_bytes in (search.NORMALIZER_CHUNK_BYTES, 4 * vocab * 5, 1):
+        monkeypatch.setattr(search, "NORMALIZER_CHUNK_BYTES", block_bytes)
+        normalizer, bounds = normalizer_and_bounds(logits)
+        assert torch.equal(normalizer, whole) and torch.equal(normalizer, log_normalizer(logits))
+        chunks = vocab // 64
+        expected = logits[:, : chunks * 64].float().reshape(23, chunks, 64).amax(dim=-1)
+        assert bounds.dtype == torch.float32 and torch.equal(bounds, expected)
+
+
+@pytest.mark.parametrize("vocab,k", [(8000, 10), (8000, 1), (3001, 6), (3001, 1), (64 * 40 + 63, 10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_rows_on_bounds_taken_before_the_constraints_equals_it_on_exact_maxima(vocab, k, dtype):
+    """The searches take the chunk maxima with the normaliser, then their constraints lower logits to -inf:
+    the bounds are then too high where a chunk's best was banned, so rows they cannot prove are ranked again.
+    Every way a constraint lowers a row gives what top_k_rows finds from scratch, argmax's first column
+    included."""
+    gen = torch.Generator().manual_seed(vocab * 10 + k)
+    x = (torch.randn(40, vocab, generator=gen) * 3).to(dtype)
+    x[30, [9, vocab - 70]] = 50.0  # a tie at the top, across chunks
+    x[31, [70, 71]] = 50.0  # and within one
+    x[32, [10, 200]] = 50.0  # a tie whose later chunk ranks first on a bound about to go stale:
+    x[32, 201] = 60.0  # its 60 is banned below, and argmax must still give column 10
+    _, bounds = normalizer_and_bounds(x)
+    best = x.float().argmax(dim=-1)
+    x[0, best[0]] = NEG  # the best token banned (min_len bans EOS, n-grams ban repeats)
+    x[1, :] = NEG  # nothing allowed
+    x[2, :] = NEG
+    x[2, 5] = x.new_tensor(-1.0)  # a forced token (a prefix, EOS at max_len): all else -inf
+    x[3, torch.randperm(vocab, generator=gen)[: vocab // 2]] = NEG  # half the vocabulary banned
+    x[4, best[4] // 64 * 64 : best[4] // 64 * 64 + 64] = NEG  # the best chunk banned whole
+    x[5:8, [0, 1, 2]] = NEG  # the columns banned on every row (BOS, PAD)
+    x[30, 9] = NEG  # the first of the tied best banned
+    x[32, 201] = NEG
+    values, cols = top_k_rows(x, k, bounds=bounds)
+    exact_values, exact_cols = top_k_rows(x, k)
+    assert torch.equal(values, exact_values)
+    finite = exact_values.isfinite().all(dim=-1) & ~torch.isin(torch.arange(40), torch.tensor([30, 31, 32]))
+    assert torch.equal(cols[finite], exact_cols[finite])  # random values: no ties among them
+    if k == 1:  # argmax's rule on ties: the first column of the maximum
+        assert torch.equal(cols[[30, 31, 32], 0], x[[30, 31, 32]].float().argmax(dim=-1))
+    assert torch.equal(x[finite].gather(1, cols[finite]), values[finite])
+    with pytest.raises(ValueError, match="are not the chunk maxima"):
+        top_k_rows(x, k, bounds=bounds[:, :-1])
+
+
 def constrain_reference(log_probs, tokens, limits, *, bos, eos, pad, min_len, no_repeat_ngram_size):
     """The rules spelled out one entry at a time."""
     out = log_probs.clone()
@@ -500,7 +558,7 @@ def test_early_stopping_and_chunked_top_k_change_no_result(monkeypatch, vocab_si
     fast = beam_search(model, RANDOM_SOURCES, config, **IDS)
     fast_rows = sum(calls)
     monkeypatch.setattr(search, "cannot_be_overtaken", lambda worst, best, max_len, alpha: torch.zeros_like(best, dtype=torch.bool))
-    monkeypatch.setattr(search, "top_k_rows", lambda x, k: x.topk(k, dim=-1))
+    monkeypatch.setattr(search, "top_k_rows", lambda x, k, bounds=None: x.topk(k, dim=-1))
     calls.clear()
     reference = beam_search(model, RANDOM_SOURCES, config, **IDS)
     for got, want in zip(fast, reference, strict=True):
@@ -661,15 +719,15 @@ def test_a_bf16_model_ranks_its_logits_in_bf16_as_in_a_float32_copy(monkeypatch,
     model = Transformer(config).to(torch.bfloat16).eval()
     src = torch.randint(4, 300, (6, 7))
     src[3:, 4:] = PAD
-    logits, normalizer = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
-                                            model.new_state())
+    logits, normalizer, _ = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
+                                               model.new_state())
     assert logits.dtype == torch.bfloat16 and normalizer.dtype == torch.float32
     kept = decode(model, src, search_config, prefix=[[], [9], [], [], [], []], **IDS)
     narrow_step = search.step_logits
 
-    def float32_step(*args):
-        logits, normalizer = narrow_step(*args)
-        return logits.float(), normalizer
+    def float32_step(*args, **kwargs):
+        logits, normalizer, bounds = narrow_step(*args, **kwargs)
+        return search.StepLogits(logits.float(), normalizer, bounds)
 
     monkeypatch.setattr(search, "step_logits", float32_step)
     widened = decode(model, src, search_config, prefix=[[], [9], [], [], [], []], **IDS)
