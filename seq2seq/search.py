@@ -182,7 +182,7 @@ class StepLogits(NamedTuple):
 
     logits: Tensor  # (R, V) in the model's dtype where narrower than float32 (bf16), else float32
     normalizer: Tensor  # (R,) float32: log-probabilities are logits - normalizer
-    bounds: Tensor | None  # (R, V // TOP_K_CHUNK) float32, the rows' chunk maxima for top_k_rows (if asked for)
+    bounds: Tensor | None  # (R, V // TOP_K_CHUNK) float32, the rows' chunk maxima for top_k_rows (greedy's)
 
 
 def step_logits(
@@ -282,8 +282,10 @@ def top_k_rows(x: Tensor, k: int, *, chunk: int = TOP_K_CHUNK, bounds: Tensor | 
     `bounds` (R, V // chunk), the chunk maxima as `normalizer_and_bounds` took them before the search's
     constraints lowered some values to -inf (nothing may have been raised since), stand in for the maxima:
     each is at least its chunk's maximum now. A row's result is proven where its k-th value is above the
-    largest bound of the chunks left out (at least as large for k > 1, where ties may go either way); the
-    other rows (a banned best token, a forced one) are ranked again on their exact maxima.
+    largest bound of the chunks left out; the other rows (a banned best token, a forced one, a tie at the
+    top) are ranked again on their exact maxima. The values are then those found without bounds, and for
+    k = 1 the column too (argmax's first); for k > 1 topk may order equal values differently, since it is
+    given other candidates beside them, which is why beam search takes no bounds.
     """
     rows, vocab = x.shape
     if k * chunk * 4 > vocab:
@@ -309,7 +311,7 @@ def top_k_rows(x: Tensor, k: int, *, chunk: int = TOP_K_CHUNK, bounds: Tensor | 
     top_values, top_cols = top.values, cols.gather(1, top.indices)
     if bounds is not None:
         kth = top_values[:, k - 1].float()
-        unproven = (~(kth > left_out if k == 1 else kth >= left_out)).nonzero()[:, 0]
+        unproven = (~(kth > left_out)).nonzero()[:, 0]
         if unproven.numel():
             exact_values, exact_cols = top_k_rows(x[unproven], k, chunk=chunk)
             top_values = top_values.index_copy(0, unproven, exact_values)
@@ -630,11 +632,12 @@ def beam_search(
 
     while True:
         n, k_cur, step = live.tokens.shape
-        logits, normalizer, bounds = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state,
-                                                 bounds=True)  # (N*K_cur, V), (N*K_cur,), chunk maxima
+        # No bounds here (greedy takes them): with k > 1, which of several equal logits topk keeps depends on
+        # the other candidates it is given, so chunks chosen on bounds could keep another tied token than before.
+        logits, normalizer, _ = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N*K_cur, V)
         constrain_(logits.view(n, k_cur, -1), live.tokens, live.limits, ids=ids, min_len=config.min_len,
-                   no_repeat_ngram_size=config.no_repeat_ngram_size)  # lowers logits only: the bounds hold
-        top_logits, top_tokens = top_k_rows(logits, 2 * beam_size, bounds=bounds)  # (N*K_cur, 2K): the 2K best among them
+                   no_repeat_ngram_size=config.no_repeat_ngram_size)
+        top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K): the 2K best are among them
         cand_log_probs = (top_logits.float() - normalizer[:, None]).view(n, k_cur, -1)
         cand = beam_step(live.scores, cand_log_probs, tokens=top_tokens.view(n, k_cur, -1), beam_size=beam_size,
                          eos=ids.eos)
