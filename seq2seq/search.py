@@ -249,7 +249,7 @@ def normalizer_and_bounds(logits: Tensor, *, chunk: int = TOP_K_CHUNK) -> tuple[
         peak = maxima.amax(dim=-1) if chunks else x.amax(dim=-1)  # (B,)
         if 0 < chunks * chunk < vocab:
             peak = torch.maximum(peak, x[:, chunks * chunk :].amax(dim=-1))
-        normalizer[first:last] = exp_(x - peak[:, None]).sum(dim=-1).log_() + peak  # as _log_normalizer
+        normalizer[first:last] = _log_normalizer(x, peak=peak[:, None])
         bounds[first:last] = maxima
     return normalizer, bounds
 
@@ -265,8 +265,9 @@ def _row_blocks(logits: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, [*starts[1:], rows], strict=True))
 
 
-def _log_normalizer(logits: Tensor) -> Tensor:  # (R, V) float32 -> (R,)
-    peak = logits.amax(dim=-1, keepdim=True)  # (R, 1)
+def _log_normalizer(logits: Tensor, *, peak: Tensor | None = None) -> Tensor:  # (R, V) float32 -> (R,)
+    if peak is None:  # (the row maxima, when the caller has them)
+        peak = logits.amax(dim=-1, keepdim=True)  # (R, 1)
     return exp_(logits - peak).sum(dim=-1).log_() + peak[:, 0]
 
 
