@@ -71,7 +71,7 @@ def test_the_attention_read_is_the_one_the_layer_computes_with():
     assert attention.shape == (5, 3, 9)
     torch.testing.assert_close(attention.sum(-1), torch.ones(5, 3, dtype=torch.float64))
     assert (attention[~src_mask[:, None, :].expand(-1, 3, -1)] == 0).all()  # padding gets nothing
-    heads = layer.weights(seen["x"], keys=seen["keys"], mask=seen["mask"]).double()  # (B, H, T, S)
+    heads = layer.weights(seen["queries"], keys=seen["keys"], mask=seen["mask"]).double()  # (B, H, T, S)
     mixed = heads @ seen["values"]  # (B, H, T, Dh)
     torch.testing.assert_close(layer.out_proj(mixed.transpose(1, 2).reshape(5, 3, -1)), seen["out"])
     torch.testing.assert_close(heads.mean(1), attention)

@@ -134,7 +134,7 @@ class MultiHeadAttention(nn.Module):
         queries: Tensor | None = None,
     ) -> Tensor:
         # x: (B, Tq, D); keys, values: (B, H, Tk, Dh); mask: bool, broadcastable to (B, H, Tq, Tk);
-        # queries: x's, (B, H, Tq, Dh), where the caller projected them with the keys (self_projections)
+        # queries: x's, (B, H, Tq, Dh), where the caller projected them (self_projections; the alignments' weights)
         if queries is None:
             queries = self.split_heads(self.q_proj(x))  # (R, H, Tq, Dh)
         rows, _, length, _ = queries.shape
@@ -174,11 +174,10 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(rows, length, -1))  # (R, Tq, D)
 
 
-    def weights(self, x: Tensor, *, keys: Tensor, mask: Tensor | None) -> Tensor:
+    def weights(self, queries: Tensor, *, keys: Tensor, mask: Tensor | None) -> Tensor:
         """The attention probabilities forward computes (float32 at least, no dropout), (B, H, Tq, Tk), for reading
-        rather than computing with (SDPA does not return them); x: (B, Tq, D), one query row per key row;
-        no relative positions (cross-attention has none)."""
-        queries = self.split_heads(self.q_proj(x))  # (B, H, Tq, Dh)
+        rather than computing with (SDPA does not return them); queries: (B, H, Tq, Dh) as forward takes them,
+        one query row per key row; no relative positions (cross-attention has none)."""
         dtype = torch.promote_types(queries.dtype, torch.float32)
         scores = queries.to(dtype) @ keys.to(dtype).transpose(-1, -2) * self.head_dim**-0.5  # (B, H, Tq, Tk)
         if mask is not None:

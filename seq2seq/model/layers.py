@@ -177,9 +177,11 @@ class DecoderLayer(nn.Module):
         x = self.self_attn_residual.after(x, h)
 
         h = self.cross_attn_residual.before(x)
-        if cross_weights is not None:
-            cross_weights.append(self.cross_attn.weights(h, keys=cross_kv[0], mask=cross_mask))
-        h = self.cross_attn(h, keys=cross_kv[0], values=cross_kv[1], mask=cross_mask)
+        cross_queries = None
+        if cross_weights is not None:  # the queries projected once, for the weights and the attention
+            cross_queries = self.cross_attn.split_heads(self.cross_attn.q_proj(h))  # (R, H, T, Dh)
+            cross_weights.append(self.cross_attn.weights(cross_queries, keys=cross_kv[0], mask=cross_mask))
+        h = self.cross_attn(h, queries=cross_queries, keys=cross_kv[0], values=cross_kv[1], mask=cross_mask)
         x = self.cross_attn_residual.after(x, h)
 
         return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
