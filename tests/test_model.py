@@ -272,7 +272,21 @@ def test_cache_grows_past_its_capacity_and_follows_reorders_of_any_size():
     assert (state.length, state.rows) == (40, 3)
     # Growing after rows were dropped makes room for the rows left, not for the 6 there were: each
     # growth zero-fills its new buffer, and a long greedy tail kept re-filling a whole batch's rows.
-    assert state._cache is not None and state._cache.size(2) == 3
+    assert [cache.size(1) for cache in state._layers] == [3, 3]
+    # One spare of a layer's shape, not of all layers': beam search's peak memory is mostly this cache.
+    state.reorder(torch.tensor([2, 2, 0]))
+    assert state._spare is not None and state._spare.shape == state._layers[0].shape
+    held = {cache.data_ptr() for cache in [*state._layers, state._spare]}
+    assert len(held) == 3  # 2 layers and the spare
+    state.reorder(torch.tensor([1, 0, 2]))
+    assert {cache.data_ptr() for cache in [*state._layers, state._spare]} == held  # the buffers go round
+    # ... and carry every row's prefix: rows 2, 2, 0 of those before, whichever buffer holds them now
+    prefix = torch.cat((done_prefix, tgt_in[rows, 30:]), dim=1)[[2, 2, 0]]
+    step = random_tokens(3, 1, generator=gen)
+    with torch.no_grad():
+        out = model.decode(step, memory[1:], src_mask[1:], state=state)
+        reference = model(src[[1, 1, 1]], torch.cat((prefix, step), dim=1))
+    assert_relative_close(out, reference[:, 40:])
 
 
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])

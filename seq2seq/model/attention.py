@@ -238,11 +238,14 @@ class DecoderState:
     values of every target position fed so far, and the cross-attention keys and values of the source.
 
     Rows are hypotheses (R); `reorder` selects, shuffles and duplicates them (beam search) or drops
-    finished ones. The self-attention cache is one preallocated buffer for all layers,
-    (layers, keys|values, R, H, capacity, Dh): each step writes its position in place, the capacity
-    grows by CACHE_GROWTH positions when full, and a reorder gathers the filled part into a second
-    buffer of the same shape that then takes its place, so that a step neither concatenates nor
-    allocates. Positions past `length` always hold finite numbers (zeros when a buffer is made).
+    finished ones. The self-attention cache is one preallocated buffer per layer, (keys|values, R, H,
+    capacity, Dh): each step writes its position in place, the capacity grows by CACHE_GROWTH positions
+    when full, and a reorder gathers each layer's filled part into one spare buffer of a layer's shape,
+    which then takes that layer's place while the layer's old buffer becomes the spare for the next
+    layer. So a step neither concatenates nor allocates, and the cache takes (L + 1) / L times the
+    memory of its contents, where a spare for all layers at once would take twice (beam search's peak
+    memory is mostly this cache). Positions past `length` always hold finite numbers (zeros when a
+    buffer is made).
 
     Cross-attention keys and values, (N, H, S, Dh), have one row per *sentence*, shared by its
     K = R / N hypotheses (see MultiHeadAttention): a reorder within sentences leaves them alone, and
@@ -255,8 +258,8 @@ class DecoderState:
         self.rows = 0
         self.cross_keys: list[Tensor] = []
         self.cross_values: list[Tensor] = []
-        self._cache: Tensor | None = None  # (L, 2, rows capacity, H, capacity, Dh)
-        self._spare: Tensor | None = None  # the same shape: where the next reorder writes
+        self._layers: list[Tensor] = []  # per layer (2, rows capacity, H, capacity, Dh)
+        self._spare: Tensor | None = None  # a layer's shape: where the next reorder writes a layer
 
     def extend(self, layer: int, keys: Tensor, values: Tensor, *, num_layers: int,
                whole: bool = False) -> tuple[Tensor, Tensor]:
@@ -271,42 +274,49 @@ class DecoderState:
         rows, heads, new, head_dim = keys.shape
         end = self.length + new
         cache = self._reserve(num_layers=num_layers, rows=rows, heads=heads, end=end, head_dim=head_dim,
-                              dtype=keys.dtype, device=keys.device)
+                              dtype=keys.dtype, device=keys.device)[layer]
         self.rows = rows
-        cache[layer, 0, :rows, :, self.length : end] = keys
-        cache[layer, 1, :rows, :, self.length : end] = values
+        cache[0, :rows, :, self.length : end] = keys
+        cache[1, :rows, :, self.length : end] = values
         filled = slice(None) if whole else slice(0, end)
-        return cache[layer, 0, :rows, :, filled], cache[layer, 1, :rows, :, filled]
+        return cache[0, :rows, :, filled], cache[1, :rows, :, filled]
 
     def capacity_for(self, *, new: int, num_layers: int, rows: int, heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device) -> int:
         """The capacity (positions) the cache has once `new` positions are added: grown now if need be."""
         return self._reserve(num_layers=num_layers, rows=rows, heads=heads, end=self.length + new,
-                             head_dim=head_dim, dtype=dtype, device=device).size(4)
+                             head_dim=head_dim, dtype=dtype, device=device)[0].size(3)
 
     def _reserve(self, *, num_layers: int, rows: int, heads: int, end: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> Tensor:
-        cache = self._cache
-        if cache is None or end > cache.size(4) or rows > cache.size(2) or cache.dtype != dtype:
-            cache = self._resize(num_layers=num_layers, rows=rows, heads=heads, capacity=end, head_dim=head_dim,
-                                 dtype=dtype, device=device)
-        return cache
+                 device: torch.device) -> list[Tensor]:
+        layers = self._layers
+        if (len(layers) != num_layers or end > layers[0].size(3) or rows > layers[0].size(1)
+                or layers[0].dtype != dtype):
+            self._resize(num_layers=num_layers, rows=rows, heads=heads, capacity=end, head_dim=head_dim,
+                         dtype=dtype, device=device)
+        return self._layers
 
     def advance(self, new: int) -> None:
         self.length += new
 
     def _resize(self, *, num_layers: int, rows: int, heads: int, capacity: int, head_dim: int,
-                dtype: torch.dtype, device: torch.device) -> Tensor:
-        old = self._cache
-        if old is not None:  # room for the rows held now, not for those of an earlier, larger buffer: dropped
+                dtype: torch.dtype, device: torch.device) -> None:
+        """Every layer's buffer made anew for `capacity` positions and `rows` rows, its filled part copied
+        over, one layer after the other (so that only one layer's old buffer is held beside the new ones)."""
+        if self._layers:  # room for the rows held now, not for those of an earlier, larger buffer: dropped
             rows = max(rows, self.rows)  # rows would be zero-filled again at every growth (greedy's long tails)
         capacity = (capacity + CACHE_GROWTH - 1) // CACHE_GROWTH * CACHE_GROWTH
-        cache = torch.empty(num_layers, 2, rows, heads, capacity, head_dim, dtype=dtype, device=device)
-        if old is not None and self.length:
-            cache[:, :, : self.rows, :, : self.length] = old[:, :, : self.rows, :, : self.length]
-        cache[:, :, :, :, self.length :] = 0  # (the filled part is overwritten before it is read)
-        self._cache, self._spare = cache, None
-        return cache
+        self._spare = None
+        for layer in range(num_layers):
+            cache = torch.empty(2, rows, heads, capacity, head_dim, dtype=dtype, device=device)
+            if layer < len(self._layers) and self.length:
+                cache[:, : self.rows, :, : self.length] = self._layers[layer][:, : self.rows, :, : self.length]
+            cache[:, :, :, self.length :] = 0  # (the filled part is overwritten before it is read)
+            if layer < len(self._layers):
+                self._layers[layer] = cache
+            else:
+                self._layers.append(cache)
+        del self._layers[num_layers:]
 
     def reorder(self, indices: Tensor, *, sentences: Tensor | None = None) -> "DecoderState":
         """In place: row j becomes what row indices[j] was; `sentences` likewise selects the
@@ -314,15 +324,15 @@ class DecoderState:
         if sentences is not None:
             self.cross_keys = [t.index_select(0, sentences) for t in self.cross_keys]
             self.cross_values = [t.index_select(0, sentences) for t in self.cross_values]
-        cache = self._cache
-        if cache is None:
-            return self
         rows = indices.numel()
-        spare = self._spare
-        if spare is None or spare.size(2) < rows or spare.shape[4:] != cache.shape[4:]:
-            spare = cache.new_empty(cache.size(0), 2, max(rows, cache.size(2)), *cache.shape[3:])
-            spare[:, :, :, :, self.length :] = 0
         filled = slice(0, self.length)
-        torch.index_select(cache[:, :, : self.rows, :, filled], 2, indices, out=spare[:, :, :rows, :, filled])
-        self._cache, self._spare, self.rows = spare, cache, rows
+        spare = self._spare
+        for layer, cache in enumerate(self._layers):
+            if spare is None or spare.size(1) < rows or spare.shape[2:] != cache.shape[2:]:
+                spare = cache.new_empty(2, max(rows, cache.size(1)), *cache.shape[2:])
+                spare[:, :, :, self.length :] = 0
+            torch.index_select(cache[:, : self.rows, :, filled], 1, indices, out=spare[:, :rows, :, filled])
+            self._layers[layer], spare = spare, cache
+        if self._layers:
+            self._spare, self.rows = spare, rows
         return self
