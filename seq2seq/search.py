@@ -639,6 +639,7 @@ def beam_search(
         constrain_(logits.view(n, k_cur, -1), live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
         top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K): the 2K best are among them
+        del logits  # freed now, not once the next step has computed its own: one (R, V) buffer at a time
         cand_log_probs = (top_logits.float() - normalizer[:, None]).view(n, k_cur, -1)
         cand = beam_step(live.scores, cand_log_probs, tokens=top_tokens.view(n, k_cur, -1), beam_size=beam_size,
                          eos=ids.eos)
@@ -865,6 +866,7 @@ def _one_per_row(
             if chunk_max is not None:  # raised: the rows' chunk maxima are now 0 too
                 chunk_max.index_fill_(0, finished, 0.0)
         next_token, next_log_prob = pick(logits, normalizer, chunk_max)  # (N,), (N,)
+        del logits, chunk_max  # freed now, not once the next step has computed its own
         log_prob = live.scores[:, 0] + next_log_prob  # (N,)
         done = (next_token == ids.eos) & unfinished  # at max_len EOS is the only choice left
         keep = None
