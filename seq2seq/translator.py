@@ -19,6 +19,7 @@ file's translations can be written as they are made.
 import dataclasses
 import itertools
 import re
+import unicodedata
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -548,9 +549,25 @@ def check_glossary(glossary: Mapping[str, str]) -> dict[str, str]:
 
 
 def glossary_terms(text: str, glossary: Mapping[str, str]) -> list[str]:
-    """The target terms of the glossary's source terms that `text` holds as whole words (case-sensitive)."""
-    return [target for source, target in glossary.items()
-            if source.strip() and re.search(rf"(?<!\w){re.escape(source.strip())}(?!\w)", text)]
+    """The target terms of the glossary's source terms that `text` holds as whole words (case-sensitive).
+
+    A word's edge is where no letter, digit or "_" of a script written with spaces is next to it; in a script
+    written without them (`unspaced`: 東京 in 我去東京了, Tokyo in Tokyoに) nothing marks one, so a term
+    matches there whatever follows (without a word segmenter, also inside a longer word)."""
+
+    def spaced_word_char(char: str) -> bool:
+        return (char.isalnum() or char == "_") and not unspaced(char)
+
+    found = []
+    for source, target in glossary.items():
+        term = source.strip()
+        for match in re.finditer(f"(?={re.escape(term)})", text) if term else ():  # overlapping ones too
+            start, end = match.start(), match.start() + len(term)
+            if ((start == 0 or unspaced(term[0]) or not spaced_word_char(text[start - 1]))
+                    and (end == len(text) or unspaced(term[-1]) or not spaced_word_char(text[end]))):
+                found.append(target)
+                break
+    return found
 
 
 def as_constraint_lists(constraints: Iterable[Sequence[str]]) -> list[Sequence[str]]:
@@ -561,8 +578,23 @@ def as_constraint_lists(constraints: Iterable[Sequence[str]]) -> list[Sequence[s
 
 def continues_word(piece: str) -> bool:
     """Whether a piece goes on with the word before it: no leading "▁", and a letter or digit first (or
-    a byte of a character the vocabulary lacks); punctuation does not."""
-    return not piece.startswith("\u2581") and (piece[:1].isalnum() or piece.startswith("<0x"))
+    a byte of a character the vocabulary lacks); punctuation does not, nor a letter of a script written
+    without spaces (`unspaced`: に after 東京 is the next word)."""
+    return not piece.startswith("\u2581") and ((piece[:1].isalnum() and not unspaced(piece[0]))
+                                              or piece.startswith("<0x"))
+
+
+UNSPACED_SCRIPTS = ("CJK ", "IDEOGRAPHIC ", "HIRAGANA", "KATAKANA", "HALFWIDTH KATAKANA", "BOPOMOFO", "HANGUL",
+                    "HALFWIDTH HANGUL", "THAI ", "LAO ", "KHMER ", "MYANMAR ", "TIBETAN ", "YI ")
+"""Unicode name prefixes of the letters of scripts whose words are not separated by spaces (Chinese,
+Japanese, Thai, Lao, Khmer, Burmese, Tibetan, Yi), and of Hangul, whose particles join the word before
+them (서울에서: in Seoul)."""
+
+
+def unspaced(char: str) -> bool:
+    """Whether `char` is a letter of a script whose words are not separated by spaces (UNSPACED_SCRIPTS):
+    a word boundary there is not marked in the text, so none is required next to it."""
+    return unicodedata.name(char, "").startswith(UNSPACED_SCRIPTS)
 
 
 def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:

@@ -15,7 +15,7 @@ from seq2seq.constraints import Progress, advance, all_met, allocate, met, next_
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.search import SearchConfig, beam_search, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from seq2seq.translator import Translator, glossary_terms
+from seq2seq.translator import Translator, continues_word, glossary_terms
 
 IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
 
@@ -214,6 +214,25 @@ def test_glossaries_are_checked_and_sampling_refused(translator: Translator):
     with pytest.raises(ValueError, match="need a search .*not sampling"):  # refused before any line, matched or not
         translator.translate(["nothing to match"], SearchConfig(sampling=True), glossary={"dog": "Hund"})
     assert glossary_terms("A (dog).", {"dog": "Hund", "c++": "C++", "og": "x"}) == ["Hund"]
+
+
+def test_scripts_without_spaces_match_terms_and_end_phrases_where_no_space_marks_a_word():
+    """Chinese, Japanese, Thai and Korean text marks no word boundary with a space (Korean's particles join the
+    word before them): a glossary term there is found without one, and a placed phrase may be followed by a
+    letter of such a script; a term's edge in a spaced script keeps its boundary."""
+    glossary = {"東京": "Tokyo", "タワー": "tower", "ไทย": "Thai", "서울": "Seoul", "dog": "Hund", "Tokyo": "東京"}
+    assert glossary_terms("我去東京了", glossary) == ["Tokyo"]
+    assert glossary_terms("東京タワーに行く", glossary) == ["Tokyo", "tower"]
+    assert glossary_terms("ภาษาไทยดี", glossary) == ["Thai"]
+    assert glossary_terms("서울에서 만나요", glossary) == ["Seoul"]
+    assert glossary_terms("Tokyoに行く", glossary) == ["東京"]  # the Latin edge: no letter of its script beside it
+    assert glossary_terms("Tokyoites and dogs", glossary) == []
+    assert glossary_terms("東京dog", glossary) == ["Tokyo", "Hund"]
+    assert glossary_terms("dodog dog", {"dog": "Hund"}) == glossary_terms("dogdog dog", {"dog": "Hund"}) == ["Hund"]
+    assert glossary_terms("aaa a", {"aa": "x"}) == [] and glossary_terms("aa", {"aa": "x"}) == ["x"]
+    # After a placed phrase the next piece may not continue its word, unless it starts a word itself
+    assert [continues_word(piece) for piece in ["ing", "s", "2", "<0xE6>"]] == [True] * 4
+    assert not any(continues_word(piece) for piece in ["に", "東", "タワー", "ー", "ดี", "에서", "▁dog", "、", ","])
 
 
 def test_bad_constraints_name_the_line(translator: Translator):
