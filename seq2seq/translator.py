@@ -120,7 +120,8 @@ class Translator:
         input makes fewer batches than there are workers: those are cut into parts for the idle workers
         (shared_out), which can change a bf16 translation slightly (fp32: the same tokens), and a lone batch
         too small to cut but wide enough (_wide) decodes on all the workers' threads; seeded sampling,
-        whose draws run through one generator, decodes one batch at a time."""
+        whose draws run through one generator, decodes one batch at a time. On a device other than the CPU
+        one worker is faster (several wait on each other's kernels): more are taken, with a warning."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -131,6 +132,9 @@ class Translator:
         self._pools: dict[str, ThreadPoolExecutor] = {}  # _pool_of(), each made on first use
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
+        if workers > 1 and self.device.type != "cpu":
+            warnings.warn(f"{workers} decoder workers on {self.device} share one device and wait on each other's "
+                          f"kernels: one worker is faster there (README, \"Every core\")", stacklevel=2)
         self.precision = resolve_precision(precision, self.device)
         packed = onednn_linears(self.device, self.precision).pays
         if self.device.type == "cpu" and self.precision == "bf16":  # a machine's choice: the same for every model
