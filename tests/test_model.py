@@ -10,6 +10,7 @@ import torch
 
 from seq2seq.loss import training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig, transformer_base, transformer_big
+from seq2seq.model.attention import DecoderState
 from seq2seq.model.config import transformer_small
 from seq2seq.model.layers import Dropout
 from seq2seq.model.transformer import deepnorm_constants
@@ -287,6 +288,32 @@ def test_cache_grows_past_its_capacity_and_follows_reorders_of_any_size():
         out = model.decode(step, memory[1:], src_mask[1:], state=state)
         reference = model(src[[1, 1, 1]], torch.cat((prefix, step), dim=1))
     assert_relative_close(out, reference[:, 40:])
+
+
+def test_a_cache_whose_layers_came_to_hold_different_row_capacities_still_takes_more_rows():
+    """Reorders pass buffers from layer to layer, so after rows open (3 -> 6) and shrink (-> 2) the layers
+    can hold 6 and 3 rows: a step with more rows than the smallest holds makes room in every layer (a review's
+    case: it wrote 5 rows into a 3-row buffer)."""
+    state, layers = DecoderState(), 2
+
+    def step(rows: int) -> list[torch.Tensor]:
+        out = []
+        for layer in range(layers):
+            keys = torch.arange(rows * 2, dtype=torch.float32).view(rows, 1, 1, 2) + 100 * state.length
+            out.append(state.extend(layer, keys, -keys, num_layers=layers)[0])
+        state.advance(1)
+        return out
+
+    step(3)
+    state.reorder(torch.tensor([0, 1, 2, 0, 1, 2]))
+    step(6)
+    for _ in range(2):
+        state.reorder(torch.tensor([0, 1]))
+        step(2)
+    assert sorted(cache.size(1) for cache in state._layers) == [3, 6]
+    for keys in step(5):  # (5, 1, length, 2): the rows' new position written, whatever buffer holds them
+        assert keys.shape == (5, 1, 5, 2)
+        assert torch.equal(keys[:, 0, 4], torch.arange(10, dtype=torch.float32).view(5, 2) + 400)
 
 
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])

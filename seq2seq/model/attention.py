@@ -242,10 +242,9 @@ class DecoderState:
     capacity, Dh): each step writes its position in place, the capacity grows by CACHE_GROWTH positions
     when full, and a reorder gathers each layer's filled part into one spare buffer of a layer's shape,
     which then takes that layer's place while the layer's old buffer becomes the spare for the next
-    layer. So a step neither concatenates nor allocates, and the cache takes (L + 1) / L times the
-    memory of its contents, where a spare for all layers at once would take twice (beam search's peak
-    memory is mostly this cache). Positions past `length` always hold finite numbers (zeros when a
-    buffer is made).
+    layer. So a step neither concatenates nor allocates, and the cache holds L + 1 layer buffers, where a
+    spare for all layers at once made it 2L (beam search's peak memory is mostly this cache). Positions past
+    `length` always hold finite numbers (zeros when a buffer is made).
 
     Cross-attention keys and values, (N, H, S, Dh), have one row per *sentence*, shared by its
     K = R / N hypotheses (see MultiHeadAttention): a reorder within sentences leaves them alone, and
@@ -290,7 +289,8 @@ class DecoderState:
     def _reserve(self, *, num_layers: int, rows: int, heads: int, end: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> list[Tensor]:
         layers = self._layers
-        if (len(layers) != num_layers or end > layers[0].size(3) or rows > layers[0].size(1)
+        # (the layers' row capacities may differ: reorders pass buffers from layer to layer)
+        if (len(layers) != num_layers or end > layers[0].size(3) or rows > min(cache.size(1) for cache in layers)
                 or layers[0].dtype != dtype):
             self._resize(num_layers=num_layers, rows=rows, heads=heads, capacity=end, head_dim=head_dim,
                          dtype=dtype, device=device)
