@@ -245,13 +245,20 @@ def normalizer_and_bounds(logits: Tensor, *, chunk: int = TOP_K_CHUNK) -> tuple[
     bounds = torch.empty(rows, chunks, device=logits.device)
     for first, last in _row_blocks(logits):
         x = logits[first:last].float().contiguous()  # (B, V)
-        maxima = x.as_strided((last - first, chunks, chunk), (x.stride(0), chunk, 1)).amax(dim=-1)  # (B, V/chunk)
+        maxima = chunk_maxima(x, chunk=chunk)  # (B, V/chunk)
         peak = maxima.amax(dim=-1) if chunks else x.amax(dim=-1)  # (B,)
         if 0 < chunks * chunk < vocab:
             peak = torch.maximum(peak, x[:, chunks * chunk :].amax(dim=-1))
         normalizer[first:last] = _log_normalizer(x, peak=peak[:, None])
         bounds[first:last] = maxima
     return normalizer, bounds
+
+
+def chunk_maxima(x: Tensor, *, chunk: int) -> Tensor:
+    """(R, V) contiguous -> (R, V // chunk): the maximum of each row's whole chunks of `chunk` columns (a last,
+    partial chunk left out), what `top_k_rows` ranks chunks by, with bounds or without."""
+    rows, vocab = x.shape
+    return x.as_strided((rows, vocab // chunk, chunk), (x.stride(0), chunk, 1)).amax(dim=-1)
 
 
 def _row_blocks(logits: Tensor) -> list[tuple[int, int]]:
@@ -294,7 +301,7 @@ def top_k_rows(x: Tensor, k: int, *, chunk: int = TOP_K_CHUNK, bounds: Tensor | 
     x = x.contiguous()
     body = vocab // chunk * chunk
     if bounds is None:
-        chunk_max = x.as_strided((rows, body // chunk, chunk), (x.stride(0), chunk, 1)).amax(dim=-1)  # (R, V/chunk)
+        chunk_max = chunk_maxima(x, chunk=chunk)  # (R, V/chunk)
         best = chunk_max.argmax(dim=-1, keepdim=True) if k == 1 else chunk_max.topk(k, dim=-1).indices  # (R, k)
     elif bounds.shape != (rows, body // chunk):
         raise ValueError(f"bounds {tuple(bounds.shape)} are not the chunk maxima of {rows} rows of {vocab} in "
