@@ -9,9 +9,11 @@ running the same checkpoint exported by seq2seq.export, fp32 and int8. Equal wor
 same sentences, beam, length limit (a fixed number of tokens, as CTranslate2 has no per-sentence
 a * length + b), ranking by raw log-probability (length penalty 0: CTranslate2's normalisation is
 not GNMT's), PAD and BOS never generated, batches of at most --max-tokens source tokens sorted by
-length. Equal hardware: for each core count in --threads every engine runs in every configuration
-that uses those cores (ours: workers x threads per worker; CTranslate2: inter_threads x
-intra_threads), and its fastest counts. For each core count and beam the engines and configurations
+length, and no scores unless --scores asks both for them (CTranslate2's translate_batch returns none by
+default, and its greedy search then computes no log-softmax; ours with SearchConfig(scores=False), as its
+translate() and CLI do, skips the same normaliser; beam search computes it in both). Equal hardware:
+for each core count in --threads every engine runs in every configuration that uses those cores (ours:
+workers x threads per worker; CTranslate2: inter_threads x intra_threads), and its fastest counts. For each core count and beam the engines and configurations
 take turns, --repeats times, and the fastest run of each counts, so a burst of load hits all alike.
 
 --base builds a random-weight transformer-base (d_model 512, 8 heads, d_ff 2048, 6+6 layers) with a
@@ -71,6 +73,8 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, help="output tokens at most, EOS excluded (default: 100; --base: 20)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scores", action="store_true",
+                        help="both engines compute each translation's score (CTranslate2: return_scores)")
     args = parser.parse_args()
     if args.base == bool(args.checkpoint):
         parser.error("give --checkpoint or --base")
@@ -144,7 +148,8 @@ def run(args: argparse.Namespace, translator: Translator, sources: list[str], so
     precisions = list(dict.fromkeys([auto, "int8", *(["fp32"] if auto != "fp32" else [])]))
     print(f"{cpu_model()}; torch {torch.__version__}, ctranslate2 {ctranslate2.__version__}; "
           f"{len(sources)} sentences, max {max_len} tokens, batches <= {args.max_tokens} source tokens; "
-          f"{'random transformer-base' if args.base else args.checkpoint}; auto chose {auto}")
+          f"{'random transformer-base' if args.base else args.checkpoint}; auto chose {auto}; "
+          f"scores {'on in both' if args.scores else 'off in both (CTranslate2 default)'}")
     print("| cores | search | engine | best configuration | tgt tok/s | vs best CTranslate2 | peak RSS rise | "
           "1-sentence p50 | identical to ours fp32 |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -160,7 +165,7 @@ def run(args: argparse.Namespace, translator: Translator, sources: list[str], so
                                          for w, t in configurations(cores)}
         for beam in args.beams:
             compare(engines, sources, source_pieces, translator.tokenizer, beam=beam, cores=cores, max_len=max_len,
-                    max_tokens=args.max_tokens, repeats=args.repeats)
+                    max_tokens=args.max_tokens, repeats=args.repeats, scores=args.scores)
 
 
 class Ours:
@@ -180,7 +185,8 @@ class Theirs:
                   max_tokens: int) -> list[list[int]]:
         results = self.translator.translate_batch(
             pieces, beam_size=search.beam_size, length_penalty=0.0, max_decoding_length=int(search.max_len_b) + 1,
-            max_batch_size=max_tokens, batch_type="tokens", suppress_sequences=[["<pad>"], ["<s>"]])
+            max_batch_size=max_tokens, batch_type="tokens", suppress_sequences=[["<pad>"], ["<s>"]],
+            return_scores=search.scores)
         # CTranslate2 does not force EOS at the limit: a hypothesis that reaches it has max_len + 1
         # tokens where ours has max_len and EOS; count and compare the same max_len.
         return [[self.index[p] for p in r.hypotheses[0] if p != "</s>"][: int(search.max_len_b)] for r in results]
@@ -192,11 +198,12 @@ Engine = Ours | Theirs
 
 
 def compare(engines: dict[str, dict[tuple[int, int], Engine]], sources: list[str], source_pieces: list[list[str]],
-            tokenizer: Any, *, beam: int, cores: int, max_len: int, max_tokens: int, repeats: int) -> None:
+            tokenizer: Any, *, beam: int, cores: int, max_len: int, max_tokens: int, repeats: int,
+            scores: bool) -> None:
     """One row per engine, in its fastest configuration (workers x threads for ours, inter x intra threads
     for CTranslate2, on `cores` cores): every engine and configuration takes turns `repeats` times, the
     fastest run counts."""
-    search = SearchConfig(beam_size=beam, length_penalty=0.0, max_len_a=0.0, max_len_b=max_len)
+    search = SearchConfig(beam_size=beam, length_penalty=0.0, max_len_a=0.0, max_len_b=max_len, scores=scores)
     Theirs.index = {piece: i for i, piece in enumerate(tokenizer.pieces())}
     outputs: dict[tuple[str, tuple[int, int]], list[list[int]]] = {}
     rss: dict[tuple[str, tuple[int, int]], float] = {}

@@ -24,8 +24,10 @@ from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, resolve_
 
 def search_flags() -> dict[str, list[str]]:
     """Each SearchConfig field's CLI flags: its older spelling first where it has one (`--beam`), then its
-    name with dashes (`--beam-size`). The first is the one messages use."""
-    return {f.name: [flag for flag in (f.metadata["flag"], f"--{f.name.replace('_', '-')}") if flag]
+    name with dashes (`--beam-size`), or `--no-` and the name for a switch that is on unless turned off
+    (`--no-scores`). The first is the one messages use."""
+    return {f.name: [f"--no-{f.name.replace('_', '-')}"] if f.default is True else
+            [flag for flag in (f.metadata["flag"], f"--{f.name.replace('_', '-')}") if flag]
             for f in fields(SearchConfig)}
 
 
@@ -36,8 +38,9 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     all_flags = search_flags()
     for f in fields(SearchConfig):
         flags = all_flags[f.name]
-        if hints[f.name] is bool:
-            group.add_argument(*flags, dest=f.name, action="store_true", help=f.metadata["help"])
+        if hints[f.name] is bool:  # None when not given: the checkpoint's value (its search defaults) applies
+            group.add_argument(*flags, dest=f.name, action="store_const", const=f.default is not True, default=None,
+                               help=f.metadata["help"])
         else:
             kind = float if hints[f.name] is float else int  # int | None (the seed) is an int when given
             # None: not given. The checkpoint's tuned value (its search defaults) then applies, else ours.
@@ -67,8 +70,7 @@ def search_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
                   defaults: SearchConfig = DEFAULT_SEARCH) -> SearchConfig:
     """The flags given, over `defaults` (a checkpoint's `translator.search` once it is loaded), as a
     SearchConfig, or a usage error naming the flag."""
-    given = {f.name: getattr(args, f.name) for f in fields(SearchConfig)
-             if getattr(args, f.name) is not None and getattr(args, f.name) is not False}
+    given = {f.name: getattr(args, f.name) for f in fields(SearchConfig) if getattr(args, f.name) is not None}
     try:
         return dataclasses.replace(defaults, **given)
     except ConfigError as error:

@@ -29,6 +29,7 @@ Callers put the model in eval mode; the searches run under `torch.inference_mode
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple, Protocol, TypeVar, cast
@@ -71,6 +72,9 @@ class SearchConfig:
     top_p: float = _option(1.0, "sampling: draw from the smallest set of tokens with this much probability")
     seed: int | None = _option(None, "sampling: seed of the random draws, for a reproducible run")
     token_scores: bool = _option(False, "also report each output token's log-probability (then the final EOS's)")
+    scores: bool = _option(True, "compute each translation's score; off, greedy search skips the normaliser over "
+                                 "the vocabulary at every step (as CTranslate2 without return_scores) and its "
+                                 "scores are nan, the same tokens (beam search and sampling need the scores)")
     alignments: bool = _option(False, "also report word alignments (source word - output word), from the "
                                       "decoder's cross-attention")
 
@@ -181,16 +185,18 @@ class StepLogits(NamedTuple):
     """What `step_logits` gives for the next token of every row."""
 
     logits: Tensor  # (R, V) in the model's dtype where narrower than float32 (bf16), else float32
-    normalizer: Tensor  # (R,) float32: log-probabilities are logits - normalizer
+    normalizer: Tensor  # (R,) float32: log-probabilities are logits - normalizer (NaN: not computed)
     bounds: Tensor | None  # (R, V // TOP_K_CHUNK) float32, the rows' chunk maxima for top_k_rows (greedy's)
 
 
 def step_logits(
     model: EncoderDecoder[Any], tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: Any, *,
-    bounds: bool = False,
+    bounds: bool = False, normalize: bool = True,
 ) -> StepLogits:
     """Feed one new token per row (R, 1); the next token's logits (R, V), their log-normaliser (R,), and
     with `bounds` the chunk maxima that `top_k_rows` ranks the logits by, read in the normaliser's pass.
+    Without `normalize` the normaliser is NaN and no pass over the rows is made (nor bounds taken): for a
+    search that ranks the logits alone and reports no scores (greedy with SearchConfig.scores off).
 
     The logits stay in the model's dtype where it is narrower than float32 (bf16): the searches mask and
     rank them there (masking writes -inf, ranking compares, both exact) and take the few they keep to
@@ -200,6 +206,8 @@ def step_logits(
     logits = model.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
     if logits.element_size() >= 4:
         logits = logits.float()
+    if not normalize:
+        return StepLogits(logits, torch.full(logits.shape[:1], math.nan, device=logits.device), None)
     if bounds:
         return StepLogits(logits, *normalizer_and_bounds(logits))
     return StepLogits(logits, log_normalizer(logits), None)
@@ -813,14 +821,16 @@ def greedy(
 ) -> list[Hypothesis]:
     """The most likely next token at every step; one hypothesis per source sentence (B, S).
 
-    Uses the config's length limits and constraints; beam, n-best and sampling fields do not apply.
+    Uses the config's length limits and constraints; beam, n-best and sampling fields do not apply. With
+    `config.scores` off the argmax is taken from the logits alone (the same tokens: the normaliser is one
+    number per row) and the scores are NaN.
     """
     def pick(logits: Tensor, normalizer: Tensor, bounds: Tensor | None) -> tuple[Tensor, Tensor]:  # (R,), (R,)
         best, token = top_k_rows(logits, 1, bounds=bounds)
         return token[:, 0], best[:, 0].float() - normalizer
 
     return _one_per_row(model, src, config, pick=pick, ids=SpecialIds(bos=bos, eos=eos, pad=pad), prefix=prefix,
-                        bounds=True)
+                        bounds=config.scores, normalize=config.scores)
 
 
 @torch.inference_mode()
@@ -848,11 +858,11 @@ def sample(
 def _one_per_row(
     model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, ids: SpecialIds,
     prefix: Sequence[Sequence[int]] | None, pick: Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor]],
-    bounds: bool,
+    bounds: bool, normalize: bool = True,
 ) -> list[Hypothesis]:
     """Greedy and sampling: one hypothesis per sentence; `pick` chooses from the constrained logits, their
-    normaliser and (with `bounds`) the chunk maxima `top_k_rows` takes, and gives each row's token and its
-    log-probability."""
+    normaliser (NaN without `normalize`) and (with `bounds`) the chunk maxima `top_k_rows` takes, and gives
+    each row's token and its log-probability."""
     if src.size(0) == 0:
         return []
     live = Live.start(model, src, config, ids=ids, prefix=prefix)
@@ -861,7 +871,7 @@ def _one_per_row(
 
     while True:
         logits, normalizer, chunk_max = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state,
-                                                    bounds=bounds)  # (N, V), (N,), chunk maxima or None
+                                                    bounds=bounds, normalize=normalize)  # (N, V), (N,), maxima
         constrain_(logits[:, None], live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)  # lowers logits only: the bounds hold
         unfinished = live.num_finished == 0  # (N,)

@@ -52,7 +52,7 @@ from seq2seq.textio import (
     read_text,
     where,
 )
-from seq2seq.translator import Translation, Translator, document_of
+from seq2seq.translator import Translation, Translator, document_of, text_only
 
 FORMATS = {".html": "html", ".htm": "html", ".srt": "srt"}  # --format by --input's extension (else lines)
 WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
@@ -151,8 +151,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.split_sentences:
         results = paragraphs(translator, lines, search, max_tokens=args.max_tokens, glossary=glossary)
     else:
-        results = translator.translate_stream(lines, search, max_tokens=args.max_tokens, window=WINDOW,
-                                              prefixes=prefixes, constraints=constraints, glossary=glossary)
+        # One translation a line is written without its score: greedy search need not compute it
+        results = translator.translate_stream(lines, search if search.nbest > 1 else text_only(search),
+                                              max_tokens=args.max_tokens, window=WINDOW, prefixes=prefixes,
+                                              constraints=constraints, glossary=glossary)
     try:
         write_translations(results, output, search=search, best=best, total=total)
         output.close()

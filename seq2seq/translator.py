@@ -162,10 +162,10 @@ class Translator:
                   prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
                   glossary: Mapping[str, str] | None = None) -> list[str]:
         """One translation per input line, in input order (the best of `search`'s n-best); the options as
-        translate_nbest's."""
+        translate_nbest's. Only text comes back, so no scores are computed (`text_only`)."""
         return [hyps[0].text if hyps else ""
-                for hyps in self.translate_nbest(texts, search, max_tokens=max_tokens, prefixes=prefixes,
-                                                 constraints=constraints, glossary=glossary)]
+                for hyps in self.translate_nbest(texts, text_only(search or self.search), max_tokens=max_tokens,
+                                                 prefixes=prefixes, constraints=constraints, glossary=glossary)]
 
     def translate_paragraphs(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                              glossary: Mapping[str, str] | None = None) -> list[str]:
@@ -192,7 +192,8 @@ class Translator:
         where a document has markup to place), each as it would be alone."""
         sentences = [sentence for document in documents for sentence in document.sentences]
         best = [hyps[0] if hyps else EMPTY for hyps in self.translate_nbest(
-            sentences, search_for(documents, search or self.search), max_tokens=max_tokens, glossary=glossary)]
+            sentences, search_for(documents, text_only(search or self.search)), max_tokens=max_tokens,
+            glossary=glossary)]
         return [d.render(own) for d, own in zip(documents, per_document(documents, best), strict=True)]
 
     def sentence_spans(self, text: str) -> list[tuple[int, int]]:
@@ -515,6 +516,12 @@ def document_of(text: str, *, format: str, split: Callable[[str], list[tuple[int
     if format == "srt":
         return SrtDocument(text, split=split)
     return Paragraphs(text, split=split)
+
+
+def text_only(search: SearchConfig) -> SearchConfig:
+    """`search` for a caller that returns text alone: without scores, which greedy search then does not
+    compute (the same tokens; SearchConfig.scores). Anything else is passed on for translate_nbest to refuse."""
+    return dataclasses.replace(search, scores=False) if isinstance(search, SearchConfig) else search
 
 
 def search_for(documents: Sequence[Document], search: SearchConfig) -> SearchConfig:

@@ -63,6 +63,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import math
 import signal
 import sys
 import time
@@ -99,6 +100,7 @@ from seq2seq.translator import (
     per_document,
     search_for,
     start_decoder_thread,
+    text_only,
 )
 
 # The server's own modules sit beside it (serve/ is on sys.path when it runs as `python serve/server.py`).
@@ -139,9 +141,11 @@ async def until_disconnected(request: Request) -> None:
 
 
 def translation_json(translation: Translation) -> dict[str, Any]:
-    """/v1's answer for one translation: its text and score, and what the request asked for besides:
-    `alignment` ([[source word, translation word], ...]) and `token_scores`."""
-    out: dict[str, Any] = {"text": translation.text, "score": translation.score}
+    """/v1's answer for one translation: its text and score (null where the request turned scores off:
+    JSON has no NaN), and what the request asked for besides: `alignment` ([[source word, translation
+    word], ...]) and `token_scores`."""
+    score = translation.score if not math.isnan(translation.score) else None
+    out: dict[str, Any] = {"text": translation.text, "score": score}
     if translation.alignment is not None:
         out["alignment"] = [list(pair) for pair in translation.alignment]
     if translation.token_scores is not None:
@@ -286,7 +290,9 @@ class Server:
             if alternatives:  # n-best: the beam must hold them
                 nbest = alternatives + 1
                 search = dataclasses.replace(search, nbest=nbest, beam_size=max(search.beam_size, nbest), sampling=False)
-            futures.append(self.submit(model, [s for d in documents for s in d.sentences], search_for(documents, search)))
+            # (LibreTranslate's answers carry no scores: text_only spares greedy search their normaliser)
+            futures.append(self.submit(model, [s for d in documents for s in d.sentences],
+                                       search_for(documents, text_only(search))))
         return await self.wait(request, futures)
 
     # -- endpoints -------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 incremental state, and the real Transformer decoded with and without its cache."""
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -747,6 +748,41 @@ def test_a_bf16_model_ranks_its_logits_in_bf16_as_in_a_float32_copy(monkeypatch,
     widened = decode(model, src, search_config, prefix=[[], [9], [], [], [], []], **IDS)
     for got, want in zip(kept, widened, strict=True):
         assert [(h.tokens, h.log_prob, h.score) for h in got] == [(h.tokens, h.log_prob, h.score) for h in want]
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [{}, {"min_len": 3, "no_repeat_ngram_size": 2}])
+def test_greedy_without_scores_gives_the_same_tokens_and_never_normalizes(monkeypatch, dtype, options):
+    """SearchConfig(scores=False): greedy search takes its argmax from the logits alone, as it does with
+    scores (the normaliser is one number per row), never runs the normaliser's pass, and its scores are NaN.
+    Beam search and sampling need the normaliser, and keep their scores."""
+    import seq2seq.search as search
+    from seq2seq.model import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=300, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=1,
+                               num_decoder_layers=2, dropout=0.0, max_positions=40, pad_id=PAD)
+    model = Transformer(config).to(dtype).eval()
+    src = torch.randint(4, 300, (6, 7))
+    src[3:, 4:] = PAD
+    prefix = [[], [9, 10], [], [], [], []]
+    base = SearchConfig(beam_size=1, max_len_a=1.0, max_len_b=6, **options)
+    scored = decode(model, src, base, prefix=prefix, **IDS)
+    assert all(math.isfinite(h.score) for hyps in scored for h in hyps)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the normaliser ran for a search that reports no scores")
+
+    monkeypatch.setattr(search, "log_normalizer", refused)
+    monkeypatch.setattr(search, "normalizer_and_bounds", refused)
+    plain = decode(model, src, replace(base, scores=False), prefix=prefix, **IDS)
+    assert [h.tokens for hyps in plain for h in hyps] == [h.tokens for hyps in scored for h in hyps]
+    assert all(math.isnan(h.score) and math.isnan(h.log_prob) for hyps in plain for h in hyps)
+    logits, normalizer, bounds = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
+                                                    model.new_state(), bounds=True, normalize=False)
+    assert logits.shape == (6, 300) and normalizer.isnan().all() and bounds is None
+    with pytest.raises(AssertionError, match="normaliser ran"):  # beam search ranks by log-probabilities
+        decode(model, src, replace(base, beam_size=2, scores=False), **IDS)
+
 
 # ---------------------------------------------------------------------------------------------
 # SearchConfig: every option checked once, when it is built, with the field named.

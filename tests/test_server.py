@@ -144,6 +144,18 @@ def test_v1_gives_alignments_and_token_scores_when_asked(server: Running, transl
     assert wrong.status_code == 400 and "alignments" in wrong.json()["error"]
 
 
+def test_v1_scores_turned_off_are_null(server: Running, translator: Translator):
+    """"scores": false spares greedy search its normaliser; JSON has no NaN, so the score is null."""
+    body = {"q": SENTENCES[:3], "beam_size": 1}
+    scored = httpx.post(server.url + "/v1/translate", json=body).json()["translations"]
+    plain = httpx.post(server.url + "/v1/translate", json={**body, "scores": False})
+    assert plain.status_code == 200 and "NaN" not in plain.text
+    expected = translator.translate_nbest(body["q"], SearchConfig(beam_size=1))
+    for got, with_score, want in zip(plain.json()["translations"], scored, expected, strict=True):
+        assert got == [{"text": want[0].text, "score": None}]
+        assert with_score[0]["text"] == want[0].text and with_score[0]["score"] == pytest.approx(want[0].score)
+
+
 def test_v1_constraints_and_glossary(server: Running, translator: Translator):
     url = server.url + "/v1/translate"
     one = httpx.post(url, json={"q": SENTENCES[0], "constraints": ["Katze"]}).json()["translations"]

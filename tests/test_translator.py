@@ -8,10 +8,12 @@ the outputs vary in length and content. Where results must match to the last tok
 in float64, so that padding a sentence among others cannot flip a near-tie.
 """
 
+import argparse
 import contextlib
 import copy
 import gzip
 import io
+import math
 import os
 import random
 import re
@@ -154,6 +156,49 @@ def test_beam_size_1_is_greedy_search(model64: Translator):
     # ... and a beam of one ranked by raw log-probability finds the same (joeynmt's test).
     beam_one = beam_search(model64.model, src, SearchConfig(beam_size=1, length_penalty=0.0), **IDS)
     assert [hyps[0].tokens for hyps in beam_one] == [h.tokens for h in expected]
+
+
+def test_text_only_callers_compute_no_scores_in_greedy_search(checkpoint: Path, translator: Translator,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """translate, translate_paragraphs and the translate CLI's one-best lines return text alone: greedy search
+    there skips the normaliser over the vocabulary (SearchConfig.scores), with the same tokens;
+    translate_nbest keeps the scores unless told otherwise, and then they are NaN."""
+    import seq2seq.search as search_module
+
+    greedy_search = SearchConfig(beam_size=1)
+    scored = translator.translate_nbest(SENTENCES, greedy_search)
+    assert all(math.isfinite(hyps[0].score) for hyps in scored)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the normaliser ran for text alone")
+
+    monkeypatch.setattr(search_module, "log_normalizer", refused)
+    monkeypatch.setattr(search_module, "normalizer_and_bounds", refused)
+    texts = [hyps[0].text for hyps in scored]
+    assert translator.translate(SENTENCES, greedy_search) == texts
+    assert translator.translate_paragraphs(SENTENCES, greedy_search) == texts
+    unscored = translator.translate_nbest(SENTENCES, SearchConfig(beam_size=1, scores=False))
+    assert [hyps[0].text for hyps in unscored] == texts and all(math.isnan(hyps[0].score) for hyps in unscored)
+    (tmp_path / "in.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(tmp_path / "out.en"),
+          "--beam", "1"])
+    assert (tmp_path / "out.en").read_text(encoding="utf-8").splitlines() == texts
+    with pytest.raises(AssertionError, match="normaliser ran"):  # what the caller is shown needs the scores
+        translator.translate_nbest(SENTENCES, greedy_search)
+
+
+def test_cli_switch_flags_are_none_until_given():
+    """A SearchConfig switch's flag is None when absent (the checkpoint's value then applies): --alignments
+    turns an off switch on, --no-scores an on switch off."""
+    from seq2seq.cli import add_search_arguments, search_config, search_flags
+
+    parser = argparse.ArgumentParser()
+    add_search_arguments(parser)
+    assert search_flags()["scores"] == ["--no-scores"] and search_flags()["alignments"] == ["--alignments"]
+    stored = SearchConfig(alignments=True, scores=False, beam_size=3)
+    assert search_config(parser, parser.parse_args([]), stored) == stored
+    given = search_config(parser, parser.parse_args(["--no-scores", "--token-scores"]), SearchConfig())
+    assert (given.scores, given.token_scores, given.alignments) == (False, True, False)
 
 
 def test_nbest_is_sorted_and_its_first_is_the_translation(model64: Translator):

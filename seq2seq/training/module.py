@@ -21,7 +21,7 @@ Every checkpoint carries what inference needs under the key "seq2seq", written b
 
 import math
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, get_args
@@ -287,7 +287,9 @@ class TranslationModule(L.LightningModule):
     def translate_batch(self, src: Tensor) -> list[str]:
         assert self.tokenizer is not None
         tokenizer = self.tokenizer
-        nbest = decode(self.model, src, self.val_search, bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id)
+        # Validation reads the text alone: without scores greedy search skips the normaliser (the same tokens)
+        search = replace(self.val_search, scores=False)
+        nbest = decode(self.model, src, search, bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id)
         return self.tokenizer.decode([hyps[0].tokens for hyps in nbest])
 
     def on_validation_epoch_end(self) -> None:

@@ -5,6 +5,7 @@ import math
 import typing
 from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -12,6 +13,7 @@ import torch
 from conftest import write_tiny_run
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+import seq2seq.search as search_module
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.precision import Verdict
@@ -84,6 +86,24 @@ def test_hyperparameters_are_plain_data_for_weights_only_checkpoints():
     assert module.hparams["val_search"]["beam_size"] == 4
     assert module.val_search.length_penalty == 1.0 and module.config is SMALL
     torch.save(dict(module.hparams), "/dev/null")  # plain types: no pickle of our classes needed
+
+
+def test_validation_decodes_without_scores(monkeypatch: pytest.MonkeyPatch):
+    """Validation reads the translations' text alone, so its greedy search skips the normaliser
+    (SearchConfig.scores), with the tokens the scored search gives."""
+    torch.manual_seed(0)
+    module = TranslationModule(transformer=SMALL, val_search=SearchConfig(beam_size=1, max_len_a=1.0, max_len_b=4))
+    module.tokenizer = SimpleNamespace(bos_id=1, eos_id=2, pad_id=SMALL.pad_id, decode=lambda ids: [str(t) for t in ids])
+    src = torch.tensor([[5, 6, 7, 8], [9, 10, 11, SMALL.pad_id]])
+    module.eval()
+    scored = search_module.decode(module.model, src, module.val_search, bos=1, eos=2, pad=SMALL.pad_id)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("validation ran the normaliser")
+
+    monkeypatch.setattr(search_module, "log_normalizer", refused)
+    monkeypatch.setattr(search_module, "normalizer_and_bounds", refused)
+    assert module.translate_batch(src) == [str(hyps[0].tokens) for hyps in scored]
 
 
 # ---- every precision and device a machine may bring ----------------------------------------------
