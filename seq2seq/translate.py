@@ -192,11 +192,18 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def workers_of(translator: Translator, search: SearchConfig) -> str:
-    """How the end-of-run line names the decoding threads: '2 workers x 1 thread', '1 worker x 16 threads'."""
+    """How the end-of-run line names the decoding threads the batches ran on (Translator.decoded): '2 workers
+    x 1 thread', '1 worker x 16 threads', the most batches' first and the others after it ('2 workers x 1
+    thread; 1 batch on 1 worker x 2 threads'); with no batch, those `search` would have taken."""
     def count(n: int, what: str) -> str:
         return f"{n} {what}" + ("s" if n != 1 else "")
-    workers, threads = translator.decoding_threads(search)
-    return f"{count(workers, 'worker')} x {count(threads, 'thread')}"
+
+    def threads(workers: int, each: int) -> str:
+        return f"{count(workers, 'worker')} x {count(each, 'thread')}"
+
+    used = translator.decoded.most_common() or [(translator.decoding_threads(search), 0)]
+    return "; ".join([threads(*used[0][0]), *(f"{n} batch{'es' if n != 1 else ''} on {threads(*config)}"
+                                              for config, n in used[1:])])
 
 
 def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace, *,

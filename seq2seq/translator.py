@@ -21,7 +21,7 @@ import itertools
 import re
 import unicodedata
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -130,6 +130,9 @@ class Translator:
         self.threads = threads if threads is not None else max(1, torch.get_num_threads() // workers)
         self._own_threads = threads is not None  # else one worker decodes on the caller's thread, with its threads
         self._pools: dict[str, ThreadPoolExecutor] = {}  # _pool_of(), each made on first use
+        self.decoded: Counter[tuple[int, int]] = Counter()
+        """Batches decoded so far (parts of one counted apart), by the (workers, intra-op threads each) they
+        ran on: what a run's end-of-run line names (a lone wide batch runs on one worker with all threads)."""
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
         if workers > 1 and self.device.type != "cpu":
@@ -283,15 +286,18 @@ class Translator:
         batches = length_sorted_batches(ids, max_tokens=max_tokens)
         if generator is not None or (self.workers == 1 and not self._own_threads):
             for batch in batches:
+                self.decoded[1, torch.get_num_threads()] += 1
                 yield from translate_batch(batch)
         else:
             rows = 1 if search.sampling else search.beam_size
             parts = shared_out(batches, workers=self.workers, rows=rows)
             if len(parts) == 1 and self.workers > 1 and self._wide(len(parts[0]) * rows):
                 # Too few rows to cut, enough for every core's threads on one batch
+                self.decoded[1, self.workers * self.threads] += 1
                 wide = self._pool_of("wide", 1, self.workers * self.threads)
                 yield from wide.submit(translate_batch, parts[0]).result()
-            else:
+            elif parts:
+                self.decoded[min(self.workers, len(parts)), self.threads] += len(parts)
                 yield from self._in_parallel(translate_batch, parts)
 
     def decoding_threads(self, search: SearchConfig) -> tuple[int, int]:

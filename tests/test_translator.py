@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ from seq2seq.model.numerics import PackedLinear
 from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig, beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from seq2seq.translate import format_nbest, main, one_line, read_lines, write_translations
+from seq2seq.translate import format_nbest, main, one_line, read_lines, workers_of, write_translations
 from seq2seq.translator import Translation, Translator, length_sorted_batches, pad_batch, shared_out
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1028,9 +1029,15 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
     # A lone batch too small to cut, but whose output projection is wide enough: on both workers' threads
     monkeypatch.setattr("seq2seq.translator.WIDE_WORK", 0)
     sizes.clear()
+    two.decoded.clear()
     got = two.translate_nbest(texts[:5], SearchConfig(beam_size=3))
     assert sizes == [5] and "wide" in two._pools
     assert got == one.translate_nbest(texts[:5], SearchConfig(beam_size=3))
+    # ... which the end-of-run line names as it ran, beside the batches that ran on the workers
+    assert two.decoded == Counter({(1, 2): 1}) and workers_of(two, SearchConfig()) == "1 worker x 2 threads"
+    two.translate_nbest(texts, SearchConfig(beam_size=3), max_tokens=64)
+    assert len(two.decoded) == 2 and two.decoded[1, 2] == 1 and two.decoded[2, 1] >= 2
+    assert workers_of(two, SearchConfig()) == "2 workers x 1 thread; 1 batch on 1 worker x 2 threads"
     stream = two.translate_stream(texts, SearchConfig(beam_size=2), max_tokens=32)
     next(stream)
     stream.close()  # a reader that stops early: what was queued for it is cancelled
