@@ -132,7 +132,8 @@ class Translator:
         self._pools: dict[str, ThreadPoolExecutor] = {}  # _pool_of(), each made on first use
         self.decoded: Counter[tuple[int, int]] = Counter()
         """Batches decoded so far (parts of one counted apart), by the (workers, intra-op threads each) they
-        ran on: what a run's end-of-run line names (a lone wide batch runs on one worker with all threads)."""
+        ran on: what a run's end-of-run line names (a lone wide batch runs on one worker with all threads). A
+        tally for reading, not a lock: calls from several threads at once may lose a count."""
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
         self.device = resolve_device(device)
         if workers > 1 and self.device.type != "cpu":
