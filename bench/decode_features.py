@@ -79,7 +79,9 @@ def main() -> None:
         for name, search in configs.items():
             seq2seq.translator.decode = decoders[name]  # what Translator decodes with
             start = time.perf_counter()
-            outputs[name] = translator.translate(texts, search)
+            # (translate_nbest, which keeps the scores: translate() would spare today's greedy search its
+            # normaliser, which search.py as of --before computes)
+            outputs[name] = [hyps[0].text if hyps else "" for hyps in translator.translate_nbest(texts, search)]
             seconds[name].append(time.perf_counter() - start)
     assert all(out == outputs["plain"] for out in outputs.values()), "the options changed a translation"
     print(f"{len(texts)} sentences, beam {args.beam}, {translator.precision}, {torch.get_num_threads()} threads; "

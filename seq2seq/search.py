@@ -72,9 +72,10 @@ class SearchConfig:
     top_p: float = _option(1.0, "sampling: draw from the smallest set of tokens with this much probability")
     seed: int | None = _option(None, "sampling: seed of the random draws, for a reproducible run")
     token_scores: bool = _option(False, "also report each output token's log-probability (then the final EOS's)")
-    scores: bool = _option(True, "compute each translation's score; off, greedy search skips the normaliser over "
-                                 "the vocabulary at every step (as CTranslate2 without return_scores) and its "
-                                 "scores are nan, the same tokens (beam search and sampling need the scores)")
+    scores: bool = _option(True, "each translation's score (on by default); off (--no-scores), greedy search "
+                                 "skips the normaliser over the vocabulary at every step, as CTranslate2 without "
+                                 "return_scores: the same tokens, scores nan (beam search, sampling and a "
+                                 "constrained search compute them anyway)")
     alignments: bool = _option(False, "also report word alignments (source word - output word), from the "
                                       "decoder's cross-attention")
 

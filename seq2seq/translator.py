@@ -168,7 +168,8 @@ class Translator:
         """One translation per input line, in input order (the best of `search`'s n-best); the options as
         translate_nbest's. Only text comes back, so no scores are computed (`text_only`)."""
         return [hyps[0].text if hyps else ""
-                for hyps in self.translate_nbest(texts, text_only(search or self.search), max_tokens=max_tokens,
+                for hyps in self.translate_nbest(texts, text_only(self.search if search is None else search),
+                                                 max_tokens=max_tokens,
                                                  prefixes=prefixes, constraints=constraints, glossary=glossary)]
 
     def translate_paragraphs(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
@@ -196,7 +197,7 @@ class Translator:
         where a document has markup to place), each as it would be alone."""
         sentences = [sentence for document in documents for sentence in document.sentences]
         best = [hyps[0] if hyps else EMPTY for hyps in self.translate_nbest(
-            sentences, search_for(documents, text_only(search or self.search)), max_tokens=max_tokens,
+            sentences, search_for(documents, text_only(self.search if search is None else search)), max_tokens=max_tokens,
             glossary=glossary)]
         return [d.render(own) for d, own in zip(documents, per_document(documents, best), strict=True)]
 
@@ -526,9 +527,13 @@ def document_of(text: str, *, format: str, split: Callable[[str], list[tuple[int
 
 
 def text_only(search: SearchConfig) -> SearchConfig:
-    """`search` for a caller that returns text alone: without scores, which greedy search then does not
-    compute (the same tokens; SearchConfig.scores). Anything else is passed on for translate_nbest to refuse."""
-    return dataclasses.replace(search, scores=False) if isinstance(search, SearchConfig) else search
+    """`search` for a caller that returns text alone: a greedy search without scores, which it then does not
+    compute (the same tokens; SearchConfig.scores). Other searches compute them anyway and are left equal to
+    what other callers pass (the server batches equal searches together); anything else is passed on for
+    translate_nbest to refuse."""
+    if isinstance(search, SearchConfig) and search.beam_size == 1 and not search.sampling:
+        return dataclasses.replace(search, scores=False)
+    return search
 
 
 def search_for(documents: Sequence[Document], search: SearchConfig) -> SearchConfig:

@@ -6,6 +6,7 @@ import ctypes
 import gc
 import json
 import logging
+import math
 import re
 import resource
 import select
@@ -457,6 +458,38 @@ class Recording:
         if self.error is not None and any("boom" in text for text in texts):
             raise self.error
         return self.translator.translate_nbest(texts, search, **options)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_libretranslate_answers_ask_greedy_search_for_no_scores_and_batch_with_v1(translator: Translator,
+                                                                                  beam_size: int):
+    """LibreTranslate's answers carry no scores: its greedy searches skip them (text_only); a beam search
+    computes them anyway, so its search stays equal to /v1's and the two are decoded in one call."""
+    recording = Recording(translator)
+    searches: list[SearchConfig] = []
+    decode = recording.translate_nbest
+
+    def record(texts, search, **options):
+        searches.append(search)
+        return decode(texts, search, **options)
+
+    recording.translate_nbest = record
+    running = Running(create_app(recording, SearchConfig(beam_size=beam_size), max_wait=0.5))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            libre = pool.submit(httpx.post, running.url + "/translate", timeout=60,
+                                json={"q": SENTENCES[0], "source": "en", "target": "de"})
+            own = pool.submit(httpx.post, running.url + "/v1/translate", timeout=60, json={"q": SENTENCES[1]})
+            replies = [libre.result(), own.result()]
+        assert [r.status_code for r in replies] == [200, 200]
+        assert replies[0].json()["translatedText"] == alone(translator, SENTENCES[0], SearchConfig(beam_size=beam_size))
+        assert math.isfinite(replies[1].json()["translations"][0][0]["score"])
+        if beam_size == 1:
+            assert sorted(search.scores for search in searches) == [False, True] and len(recording.calls) == 2
+        else:
+            assert [search.scores for search in searches] == [True] and len(recording.calls) == 1
+    finally:
+        running.stop()
 
 
 def test_a_batch_is_decoded_in_calls_within_its_token_budget(translator: Translator):

@@ -186,6 +186,9 @@ def test_text_only_callers_compute_no_scores_in_greedy_search(checkpoint: Path, 
     assert (tmp_path / "out.en").read_text(encoding="utf-8").splitlines() == texts
     with pytest.raises(AssertionError, match="normaliser ran"):  # what the caller is shown needs the scores
         translator.translate_nbest(SENTENCES, greedy_search)
+    for not_a_search in ({}, 0, ""):  # refused as translate_nbest refuses them, not taken for the default
+        with pytest.raises(TypeError, match="search must be a SearchConfig"):
+            translator.translate(SENTENCES, not_a_search)  # type: ignore[arg-type]
 
 
 def test_cli_switch_flags_are_none_until_given():
