@@ -7,7 +7,7 @@ import asyncio
 import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -61,6 +61,8 @@ class Job:
         return sum(self.costs)
 
     def answer(self, index: int, translations: list[Translation]) -> None:
+        if not self.search.scores:  # decoded beside a request that asked for them: not what this one asked
+            translations = [replace(t, score=math.nan) for t in translations]
         self.answers[index] = translations
         if len(self.answers) == len(self.texts) and not self.result.done():
             self.result.set_result([self.answers[i] for i in range(len(self.texts))])
@@ -142,8 +144,8 @@ class Batcher:
 
     async def _decode(self, jobs: list[Job]) -> None:
         by_search: dict[SearchConfig, list[Job]] = {}
-        for job in jobs:
-            by_search.setdefault(job.search, []).append(job)
+        for job in jobs:  # with and without scores, one search: decoded with them where any job asks (_decode_call)
+            by_search.setdefault(replace(job.search, scores=True), []).append(job)
         groups = [group for search, group in by_search.items() if not (search.sampling and search.seed is not None)]
         # A seeded draw must not depend on what else arrived: such requests are decoded alone.
         groups += [[job] for search, group in by_search.items() if search.sampling and search.seed is not None
@@ -175,10 +177,11 @@ class Batcher:
         prefixes = [job.prefixes[i] if job.prefixes else "" for job, i in call] if any(j.prefixes for j in jobs) else None
         constraints = ([job.constraints[i] if job.constraints else [] for job, i in call]
                        if any(j.constraints for j in jobs) else None)
+        search = replace(jobs[0].search, scores=any(j.search.scores for j in jobs))
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self.pool, lambda: self.translator.translate_nbest(
-                    texts, jobs[0].search, max_tokens=self.max_tokens, generator=jobs[0].generator, prefixes=prefixes,
+                    texts, search, max_tokens=self.max_tokens, generator=jobs[0].generator, prefixes=prefixes,
                     constraints=constraints))
         except Exception as error:  # noqa: BLE001  # every waiting request must hear of it
             if len(jobs) == 1:

@@ -461,10 +461,10 @@ class Recording:
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
-def test_libretranslate_answers_ask_greedy_search_for_no_scores_and_batch_with_v1(translator: Translator,
-                                                                                  beam_size: int):
-    """LibreTranslate's answers carry no scores: its greedy searches skip them (text_only); a beam search
-    computes them anyway, so its search stays equal to /v1's and the two are decoded in one call."""
+def test_requests_with_and_without_scores_are_decoded_together(translator: Translator, beam_size: int):
+    """LibreTranslate's answers carry no scores: alone, its greedy searches skip them (text_only). Beside a /v1
+    request that asks for them, both are decoded in one call, with scores, and a request that asked for none
+    still answers none (null)."""
     recording = Recording(translator)
     searches: list[SearchConfig] = []
     decode = recording.translate_nbest
@@ -475,19 +475,22 @@ def test_libretranslate_answers_ask_greedy_search_for_no_scores_and_batch_with_v
 
     recording.translate_nbest = record
     running = Running(create_app(recording, SearchConfig(beam_size=beam_size), max_wait=0.5))
+    libre = {"q": SENTENCES[0], "source": "en", "target": "de"}
     try:
-        with ThreadPoolExecutor(2) as pool:
-            libre = pool.submit(httpx.post, running.url + "/translate", timeout=60,
-                                json={"q": SENTENCES[0], "source": "en", "target": "de"})
-            own = pool.submit(httpx.post, running.url + "/v1/translate", timeout=60, json={"q": SENTENCES[1]})
-            replies = [libre.result(), own.result()]
-        assert [r.status_code for r in replies] == [200, 200]
+        with ThreadPoolExecutor(3) as pool:
+            replies = [future.result() for future in [
+                pool.submit(httpx.post, running.url + "/translate", timeout=60, json=libre),
+                pool.submit(httpx.post, running.url + "/v1/translate", timeout=60, json={"q": SENTENCES[1]}),
+                pool.submit(httpx.post, running.url + "/v1/translate", timeout=60,
+                            json={"q": SENTENCES[2], "scores": False})]]
+        assert [r.status_code for r in replies] == [200, 200, 200]
         assert replies[0].json()["translatedText"] == alone(translator, SENTENCES[0], SearchConfig(beam_size=beam_size))
         assert math.isfinite(replies[1].json()["translations"][0][0]["score"])
-        if beam_size == 1:
-            assert sorted(search.scores for search in searches) == [False, True] and len(recording.calls) == 2
-        else:
-            assert [search.scores for search in searches] == [True] and len(recording.calls) == 1
+        assert replies[2].json()["translations"][0][0]["score"] is None
+        assert len(recording.calls) == 1 and [search.scores for search in searches] == [True]
+        searches.clear()
+        assert httpx.post(running.url + "/translate", timeout=60, json=libre).status_code == 200
+        assert [search.scores for search in searches] == [beam_size > 1]  # a beam search keeps its own search
     finally:
         running.stop()
 
