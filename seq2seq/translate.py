@@ -151,8 +151,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.split_sentences:
         results = paragraphs(translator, lines, search, max_tokens=args.max_tokens, glossary=glossary)
     else:
-        # One translation a line is written without its score: greedy search need not compute it
-        results = translator.translate_stream(lines, search if search.nbest > 1 else text_only(search),
+        # One translation a line is written without its score (n-best lines, a beam search's, have theirs)
+        results = translator.translate_stream(lines, text_only(search),
                                               max_tokens=args.max_tokens, window=WINDOW, prefixes=prefixes,
                                               constraints=constraints, glossary=glossary)
     try:

@@ -169,8 +169,8 @@ class Translator:
         translate_nbest's. Only text comes back, so no scores are computed (`text_only`)."""
         return [hyps[0].text if hyps else ""
                 for hyps in self.translate_nbest(texts, text_only(self.search if search is None else search),
-                                                 max_tokens=max_tokens,
-                                                 prefixes=prefixes, constraints=constraints, glossary=glossary)]
+                                                 max_tokens=max_tokens, prefixes=prefixes, constraints=constraints,
+                                                 glossary=glossary)]
 
     def translate_paragraphs(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                              glossary: Mapping[str, str] | None = None) -> list[str]:
@@ -196,9 +196,9 @@ class Translator:
         its translation: the sentences of all of them translated as one batch (with word alignments
         where a document has markup to place), each as it would be alone."""
         sentences = [sentence for document in documents for sentence in document.sentences]
+        search = text_only(self.search if search is None else search)  # the documents show no scores
         best = [hyps[0] if hyps else EMPTY for hyps in self.translate_nbest(
-            sentences, search_for(documents, text_only(self.search if search is None else search)), max_tokens=max_tokens,
-            glossary=glossary)]
+            sentences, search_for(documents, search), max_tokens=max_tokens, glossary=glossary)]
         return [d.render(own) for d, own in zip(documents, per_document(documents, best), strict=True)]
 
     def sentence_spans(self, text: str) -> list[tuple[int, int]]:
@@ -528,9 +528,8 @@ def document_of(text: str, *, format: str, split: Callable[[str], list[tuple[int
 
 def text_only(search: SearchConfig) -> SearchConfig:
     """`search` for a caller that returns text alone: a greedy search without scores, which it then does not
-    compute (the same tokens; SearchConfig.scores). Other searches compute them anyway and are left equal to
-    what other callers pass (the server batches equal searches together); anything else is passed on for
-    translate_nbest to refuse."""
+    compute (the same tokens; SearchConfig.scores). Other searches compute them anyway and are left as they
+    are; anything else is passed on for translate_nbest to refuse."""
     if isinstance(search, SearchConfig) and search.beam_size == 1 and not search.sampling:
         return dataclasses.replace(search, scores=False)
     return search
