@@ -13,8 +13,9 @@ length, and no scores unless --scores asks both for them (CTranslate2's translat
 default, and its greedy search then computes no log-softmax; ours with SearchConfig(scores=False), as its
 translate() and CLI do, skips the same normaliser; beam search computes it in both). Equal hardware:
 for each core count in --threads every engine runs in every configuration that uses those cores (ours:
-workers x threads per worker; CTranslate2: inter_threads x intra_threads), and its fastest counts. For each core count and beam the engines and configurations
-take turns, --repeats times, and the fastest run of each counts, so a burst of load hits all alike.
+workers x threads per worker; CTranslate2: inter_threads x intra_threads), and its fastest counts. For
+each core count and beam the engines and configurations take turns, --repeats times, and the fastest run
+of each counts, so a burst of load hits all alike.
 
 --base builds a random-weight transformer-base (d_model 512, 8 heads, d_ff 2048, 6+6 layers) with a
 32,000-piece BPE model trained on Multi30k's four languages (~1 min, kept in --cache); random

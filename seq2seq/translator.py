@@ -196,9 +196,9 @@ class Translator:
         its translation: the sentences of all of them translated as one batch (with word alignments
         where a document has markup to place), each as it would be alone."""
         sentences = [sentence for document in documents for sentence in document.sentences]
-        search = text_only(self.search if search is None else search)  # the documents show no scores
         best = [hyps[0] if hyps else EMPTY for hyps in self.translate_nbest(
-            sentences, search_for(documents, search), max_tokens=max_tokens, glossary=glossary)]
+            sentences, search_for(documents, self.search if search is None else search), max_tokens=max_tokens,
+            glossary=glossary)]
         return [d.render(own) for d, own in zip(documents, per_document(documents, best), strict=True)]
 
     def sentence_spans(self, text: str) -> list[tuple[int, int]]:
@@ -536,7 +536,9 @@ def text_only(search: SearchConfig) -> SearchConfig:
 
 
 def search_for(documents: Sequence[Document], search: SearchConfig) -> SearchConfig:
-    """`search`, with word alignments if any of `documents` places markup by them."""
+    """`search` for translating `documents`: text only (a rendered document shows no scores), with word
+    alignments if any of them places markup by them."""
+    search = text_only(search)
     return dataclasses.replace(search, alignments=True) if any(d.needs_alignments for d in documents) else search
 
 

@@ -100,7 +100,6 @@ from seq2seq.translator import (
     per_document,
     search_for,
     start_decoder_thread,
-    text_only,
 )
 
 # The server's own modules sit beside it (serve/ is on sys.path when it runs as `python serve/server.py`).
@@ -290,9 +289,7 @@ class Server:
             if alternatives:  # n-best: the beam must hold them
                 nbest = alternatives + 1
                 search = dataclasses.replace(search, nbest=nbest, beam_size=max(search.beam_size, nbest), sampling=False)
-            # (LibreTranslate's answers carry no scores: text_only spares greedy search their normaliser)
-            futures.append(self.submit(model, [s for d in documents for s in d.sentences],
-                                       search_for(documents, text_only(search))))
+            futures.append(self.submit(model, [s for d in documents for s in d.sentences], search_for(documents, search)))
         return await self.wait(request, futures)
 
     # -- endpoints -------------------------------------------------------------------------------
