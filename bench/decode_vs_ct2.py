@@ -45,7 +45,7 @@ from train_throughput import time_alternating
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
 from seq2seq.export import export_ctranslate2
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.precision import tune_process_memory
+from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
 from seq2seq.search import SearchConfig
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.translator import Translator
@@ -258,5 +258,5 @@ def one_sentence_p50(configs: dict[tuple[int, int], Engine], sources: list[str],
 
 
 if __name__ == "__main__":
-    tune_process_memory()  # as the translate CLI does (CTranslate2 has its own allocator cache)
+    tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # as the translate CLI does (CTranslate2: its own)
     sys.exit(main())

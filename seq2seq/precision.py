@@ -324,21 +324,28 @@ def _fastest_attention(dtype: torch.dtype, *, dropout: bool) -> float:
 
 # ---- memory ------------------------------------------------------------------------------------
 
-# Kernels oneDNN keeps compiled, one per matmul shape (its default: 1,024). A training or decoding step
-# runs a few dozen shapes, and the next step others (batch shapes vary, by design: token budgets), so
-# the cache mostly holds kernels never used again; each holds megabytes. With 1,024 the RSS of bf16
-# training grew by ~16 MB a step, and the steps slowed as it filled (README, Results). 64 keeps every
-# shape of one step (the layers of a stack share them), which is all that is ever reused.
+# Kernels oneDNN keeps compiled, one per matmul shape (its default: 1,024). A training step runs a few dozen
+# shapes, and the next step others (batch shapes vary, by design: token budgets), so the cache mostly holds
+# kernels never used again; each holds megabytes. With 1,024 the RSS of bf16 training grew by ~16 MB a
+# step, and the steps slowed as it filled (README, Results). 64 keeps every shape of one step (the layers of
+# a stack share them), which is all that training reuses.
 KERNEL_CACHE_CAPACITY = 64
 
+# Translation reuses more: its packed linear layers run at rounded row counts (numerics.padded_rows), which
+# every batch meets again as its sentences finish, a kernel per count for each of a model's few weight
+# shapes. 64 held about ten counts' kernels, fewer than one batch passes through, so every batch compiled
+# its own again (README, "Row counts rounded, compiled kernels kept"); 512 holds what a file's batches share.
+DECODING_KERNEL_CACHE_CAPACITY = 512
 
-def tune_process_memory() -> None:
+
+def tune_process_memory(*, kernels: int = KERNEL_CACHE_CAPACITY) -> None:
     """What a process that trains or translates should set before its first step: keep_freed_memory, and a
-    bounded oneDNN kernel cache (a capacity set in ONEDNN_PRIMITIVE_CACHE_CAPACITY is kept). oneDNN reads
-    the variable when it first compiles a kernel, so this works after `import torch`, not after a matmul.
-    Process-wide: the faces call it (fit, the CLIs, the server), not the library."""
+    bounded oneDNN kernel cache of `kernels` (a capacity set in ONEDNN_PRIMITIVE_CACHE_CAPACITY is kept;
+    translating processes pass DECODING_KERNEL_CACHE_CAPACITY). oneDNN reads the variable when it first
+    compiles a kernel, so this works after `import torch`, not after a matmul. Process-wide: the faces call
+    it (fit, the CLIs, the server), not the library."""
     keep_freed_memory()
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(kernels))
 
 
 def keep_freed_memory() -> bool:

@@ -23,7 +23,7 @@ import torch
 
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.cli import one_line_warnings
-from seq2seq.precision import PRECISIONS, tune_process_memory
+from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, PRECISIONS, tune_process_memory
 from seq2seq.scoring import Forced
 from seq2seq.textio import Output, check_input_path, check_output_path, read_lines, where
 from seq2seq.translator import Translator, resolve_device
@@ -94,5 +94,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    tune_process_memory()  # a process of its own: large blocks reused, oneDNN's kernel cache bounded
+    tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # large blocks reused, kernels kept
     main()

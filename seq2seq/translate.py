@@ -38,7 +38,7 @@ from seq2seq.cli import (
     open_translator,
     with_extras,
 )
-from seq2seq.precision import tune_process_memory
+from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
 from seq2seq.search import SearchConfig
 from seq2seq.textio import (
     InputError,
@@ -304,5 +304,5 @@ def write_translations(results: Iterable[list[Translation]], output: Output | Te
 
 
 if __name__ == "__main__":
-    tune_process_memory()  # a process of its own: large blocks reused, oneDNN's kernel cache bounded
+    tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # large blocks reused, kernels kept
     main()

@@ -88,7 +88,7 @@ from seq2seq.cli import (
     parallelism,
 )
 from seq2seq.model import ConfigError
-from seq2seq.precision import tune_process_memory
+from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
 from seq2seq.search import SearchConfig
 from seq2seq.translator import (
     EMPTY,
@@ -646,5 +646,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    tune_process_memory()  # a process of its own: large blocks reused, oneDNN's kernel cache bounded
+    tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # large blocks reused, kernels kept
     main()

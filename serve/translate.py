@@ -23,7 +23,7 @@ from seq2seq.cli import (
     open_translator,
     with_extras,
 )
-from seq2seq.precision import tune_process_memory
+from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
 from seq2seq.textio import MAX_LINE_BYTES, utf8_stdout
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    tune_process_memory()  # a process of its own: large blocks reused, oneDNN's kernel cache bounded
+    tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # large blocks reused, kernels kept
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C at the prompt: leave quietly, as Ctrl-D does

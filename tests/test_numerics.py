@@ -10,7 +10,15 @@ from torch import nn
 
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model.layers import FeedForward
-from seq2seq.model.numerics import Int8Linear, PackedLinear, exp_, for_inference, pack_linears, quantize_int8
+from seq2seq.model.numerics import (
+    Int8Linear,
+    PackedLinear,
+    exp_,
+    for_inference,
+    pack_linears,
+    padded_rows,
+    quantize_int8,
+)
 
 
 def test_exp_is_exp_where_it_does_not_underflow_and_a_normal_float_where_it_would():
@@ -87,6 +95,53 @@ def test_packed_linear_is_the_float64_product(dtype, bias):
         assert error < (1e-6 if dtype == torch.float32 else 1e-2), error
     with torch.inference_mode():
         assert packed(torch.randn(0, 256, dtype=dtype)).shape == (0, 96)
+
+
+def test_padded_rows_are_eight_counts_an_octave_at_most_an_eighth_more():
+    """Below 16 every count is its own; from 16 on a count is rounded up to one of eight an octave, never by
+    more than an eighth, and a rounded count stays as it is."""
+    assert [padded_rows(rows) for rows in range(16)] == list(range(16))
+    assert [padded_rows(rows) for rows in (16, 17, 31, 32, 33, 63, 65, 257, 480, 481, 8177)] == [
+        16, 18, 32, 32, 36, 64, 72, 288, 480, 512, 8192]
+    for low in (16, 32, 64, 1024):
+        counts = {padded_rows(rows) for rows in range(low, 2 * low)}
+        assert len(counts - {2 * low}) == 8 and max(counts) == 2 * low  # its top rounds to the next one's first
+    for rows in range(16, 20000):
+        padded = padded_rows(rows)
+        assert rows <= padded <= rows * 9 / 8 and padded_rows(padded) == padded
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_runs_onednn_at_padded_rows_and_returns_the_rows_given(dtype, monkeypatch):
+    """oneDNN sees padded_rows(rows) rows, zero beyond the input's (its kernels are compiled per row count);
+    what comes back is the input's rows, in its shape, each the float64 product to the dtype's precision,
+    with and without the ReLU."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 40).to(dtype)
+    packed = PackedLinear(linear)
+    seen = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.append(x.clone())
+        return onednn(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    for shape in ((17, 64), (3, 7, 64), (7, 3, 64), (481, 1, 64), (5, 64), (0, 64)):
+        x = torch.randn(shape).to(dtype)
+        rows = x.numel() // 64
+        reference = nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
+        for relu in (False, True):
+            seen.clear()
+            with torch.inference_mode():
+                out = packed.then_relu(x) if relu else packed(x)
+            want = reference.relu() if relu else reference
+            assert out.shape == (*shape[:-1], 40) and out.dtype == dtype
+            assert torch.allclose(out.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+            (given,) = seen
+            assert given.shape == (padded_rows(rows), 64)
+            assert torch.equal(given[:rows], x.reshape(rows, 64)) and not given[rows:].any()
 
 
 @needs_onednn

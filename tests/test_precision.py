@@ -11,6 +11,7 @@ from machines import MACHINES, pretend_machine
 
 from seq2seq.precision import CPU as CPUInfo
 from seq2seq.precision import (
+    DECODING_KERNEL_CACHE_CAPACITY,
     KERNEL_CACHE_CAPACITY,
     _fastest_attention,
     _fastest_decoding_linears,
@@ -254,8 +255,12 @@ def test_process_memory_keeps_a_bounded_kernel_cache_and_a_capacity_given(monkey
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     tune_process_memory()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_CAPACITY) == "64"
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # what the translating faces pass
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(DECODING_KERNEL_CACHE_CAPACITY) == "512"
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
     tune_process_memory()
+    tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"  # the user's
 
 

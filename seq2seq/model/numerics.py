@@ -105,7 +105,7 @@ class PackedLinear(nn.Module):
         if self._packed is None:
             assert self._plain is not None
             return F.linear(x, self._plain, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return self._onednn(x, "none")
 
     def then_relu(self, x: Tensor) -> Tensor:
         """relu(self(x)), the ReLU in oneDNN's epilogue where the weight is packed: no second pass over the
@@ -113,7 +113,18 @@ class PackedLinear(nn.Module):
         rounding to bf16."""
         if self._packed is None:
             return F.relu(self(x))
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "relu", [], "")
+        return self._onednn(x, "relu")
+
+    def _onednn(self, x: Tensor, post_op: str) -> Tensor:
+        # x: (..., in) -> (..., out), its rows run at padded_rows(rows), the padding zeros: a row's outputs are
+        # its own dot products, whatever rows run beside it
+        flat = x.reshape(-1, self.in_features)  # (rows, in)
+        rows = flat.size(0)
+        padded = padded_rows(rows)
+        if padded != rows:
+            flat = F.pad(flat, (0, 0, 0, padded - rows))  # (padded, in)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, post_op, [], "")  # (padded, out)
+        return out[:rows].view(*x.shape[:-1], self.out_features)
 
     def __deepcopy__(self, memo: dict) -> "PackedLinear":
         # oneDNN's packed tensor has no storage to copy: the copy packs the plain weight again
@@ -134,6 +145,23 @@ class PackedLinear(nn.Module):
 
 # oneDNN packs a bf16 weight for a batch size it is told (a hint: other sizes run too); float32 takes none.
 PACKED_FOR_ROWS: dict[torch.dtype, tuple[int, ...]] = {torch.float32: (), torch.bfloat16: (64,)}
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a packed linear layer runs its oneDNN kernel at for `rows` rows: `rows` below 16, else rounded
+    up to one of eight steps an octave (16, 18, ..., 30, 32, 36, ..., 60, 64, 72, ...), at most 1/8 more.
+
+    oneDNN compiles a kernel for every shape it meets, and a decoding batch's row count changes as its
+    sentences finish, to counts the next batch does not meet again: compiling took a tenth or more of a
+    translation run (README, "Row counts rounded, compiled kernels kept"). Rounded, the next batches meet
+    the same counts, and the kernels compiled for them are still in the cache
+    (precision.DECODING_KERNEL_CACHE_CAPACITY). Below 16 rows each count is its own (cheap kernels, each
+    reused by every batch's last steps), where padding would cost CPUs that run one row faster than sixteen.
+    """
+    if rows < 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def pack_linears(model: M) -> M:
