@@ -49,6 +49,33 @@ def test_int8_linear_is_close_to_the_float64_product(bias):
     assert Int8Linear(linear)(x[0, :0]).shape == (0, 96)  # an empty batch
 
 
+def test_int8_linear_runs_fbgemm_at_padded_rows_and_returns_the_rows_given(monkeypatch):
+    """fbgemm sees padded_rows(rows) rows, zero beyond the input's; each row comes back as the unpadded call
+    gives it, to the bit here: zero rows leave the activations' quantisation range alone (it holds 0 already),
+    also where every input is positive."""
+    torch.manual_seed(0)
+    layer = Int8Linear(nn.Linear(64, 40))
+    seen = []
+    fbgemm = torch.ops.quantized.linear_dynamic
+
+    def spy(x, *args):
+        seen.append(x.clone())
+        return fbgemm(x, *args)
+
+    for shape in ((17, 64), (3, 7, 64), (481, 1, 64), (5, 64), (0, 64)):
+        for x in (torch.randn(shape), torch.rand(shape)):
+            rows = x.numel() // 64
+            unpadded = fbgemm(x.reshape(rows, 64), layer._packed, True).view(*shape[:-1], 40)
+            with monkeypatch.context() as patched:
+                patched.setattr(torch.ops.quantized, "linear_dynamic", spy)
+                seen.clear()
+                out = layer(x)
+            assert out.shape == (*shape[:-1], 40) and torch.equal(out, unpadded)
+            (given,) = seen
+            assert given.shape == (padded_rows(rows), 64)
+            assert torch.equal(given[:rows], x.reshape(rows, 64)) and not given[rows:].any()
+
+
 def test_quantize_int8_replaces_every_linear_and_keeps_the_embeddings():
     config = TransformerConfig(vocab_size=40, d_model=32, num_heads=2, d_ff=48, num_encoder_layers=1,
                                num_decoder_layers=1, dropout=0.0, max_positions=16)

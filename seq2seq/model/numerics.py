@@ -36,6 +36,30 @@ def exp_(x: Tensor) -> Tensor:
     return x.clamp_(min=math.log(torch.finfo(x.dtype).tiny) + 1.0).exp_()
 
 
+def padded_rows(rows: int) -> int:
+    """The rows a packed or int8 linear layer runs its kernel at for `rows` rows: `rows` below 16, else rounded
+    up to one of eight steps an octave (16, 18, ..., 30, 32, 36, ..., 60, 64, 72, ...), at most 1/8 more.
+
+    oneDNN compiles a kernel for every shape it meets, and a decoding batch's row count changes as its
+    sentences finish, to counts the next batch does not meet again: compiling took a tenth or more of a
+    translation run (README, "Row counts rounded, compiled kernels kept"). Rounded, the next batches meet
+    the same counts, and the kernels compiled for them are still in the cache
+    (precision.DECODING_KERNEL_CACHE_CAPACITY). Below 16 rows each count is its own (cheap kernels, each
+    reused by every batch's last steps), where padding would cost CPUs that run one row faster than sixteen.
+    """
+    if rows < 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def pad_rows(x: Tensor) -> Tensor:
+    """(rows, in) -> (padded_rows(rows), in), the rows added zeros (x itself where none are)."""
+    rows = x.size(0)
+    padded = padded_rows(rows)
+    return x if padded == rows else F.pad(x, (0, 0, 0, padded - rows))
+
+
 class Int8Linear(nn.Module):
     """nn.Linear with int8 weights, symmetric, one scale per output row, and dynamically quantised
     activations, on fbgemm's int8 GEMM.
@@ -59,9 +83,11 @@ class Int8Linear(nn.Module):
         self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        # x: (..., in) float32 -> (..., out) float32
-        flat = x.reshape(-1, self.in_features)
-        return torch.ops.quantized.linear_dynamic(flat, self._packed, True).view(*x.shape[:-1], self.out_features)
+        # x: (..., in) float32 -> (..., out) float32, its rows run at padded_rows(rows) (fbgemm compiles kernels
+        # per shape too; zero rows leave the activations' quantisation range as it is: it always holds 0)
+        flat = x.reshape(-1, self.in_features)  # (rows, in)
+        out = torch.ops.quantized.linear_dynamic(pad_rows(flat), self._packed, True)  # (padded, out)
+        return out[: flat.size(0)].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -119,12 +145,8 @@ class PackedLinear(nn.Module):
         # x: (..., in) -> (..., out), its rows run at padded_rows(rows), the padding zeros: a row's outputs are
         # its own dot products, whatever rows run beside it
         flat = x.reshape(-1, self.in_features)  # (rows, in)
-        rows = flat.size(0)
-        padded = padded_rows(rows)
-        if padded != rows:
-            flat = F.pad(flat, (0, 0, 0, padded - rows))  # (padded, in)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, post_op, [], "")  # (padded, out)
-        return out[:rows].view(*x.shape[:-1], self.out_features)
+        out = torch.ops.mkldnn._linear_pointwise(pad_rows(flat), self._packed, self.bias, post_op, [], "")
+        return out[: flat.size(0)].view(*x.shape[:-1], self.out_features)  # (padded, out) -> (..., out)
 
     def __deepcopy__(self, memo: dict) -> "PackedLinear":
         # oneDNN's packed tensor has no storage to copy: the copy packs the plain weight again
@@ -145,23 +167,6 @@ class PackedLinear(nn.Module):
 
 # oneDNN packs a bf16 weight for a batch size it is told (a hint: other sizes run too); float32 takes none.
 PACKED_FOR_ROWS: dict[torch.dtype, tuple[int, ...]] = {torch.float32: (), torch.bfloat16: (64,)}
-
-
-def padded_rows(rows: int) -> int:
-    """The rows a packed linear layer runs its oneDNN kernel at for `rows` rows: `rows` below 16, else rounded
-    up to one of eight steps an octave (16, 18, ..., 30, 32, 36, ..., 60, 64, 72, ...), at most 1/8 more.
-
-    oneDNN compiles a kernel for every shape it meets, and a decoding batch's row count changes as its
-    sentences finish, to counts the next batch does not meet again: compiling took a tenth or more of a
-    translation run (README, "Row counts rounded, compiled kernels kept"). Rounded, the next batches meet
-    the same counts, and the kernels compiled for them are still in the cache
-    (precision.DECODING_KERNEL_CACHE_CAPACITY). Below 16 rows each count is its own (cheap kernels, each
-    reused by every batch's last steps), where padding would cost CPUs that run one row faster than sixteen.
-    """
-    if rows < 16:
-        return rows
-    step = 1 << (rows.bit_length() - 4)
-    return -(-rows // step) * step
 
 
 def pack_linears(model: M) -> M:
