@@ -3,19 +3,22 @@
     python bench/kernel_cache.py --checkpoint checkpoints/multi30k-ende/best.ckpt [--beam 1] [--slices 5]
 
 oneDNN compiles a kernel for every matmul shape it meets, and a decoding batch's row count changes as its
-sentences finish. Two configurations, each in processes of its own (the kernel cache's capacity is read
+sentences finish. Four configurations, each in processes of its own (the kernel cache's capacity is read
 once a process), taking turns --pairs times:
 
     before  every row count as it comes, a cache of precision.KERNEL_CACHE_CAPACITY (64) kernels
-    after   row counts rounded by numerics.padded_rows, a cache of DECODING_KERNEL_CACHE_CAPACITY (512),
-            as the translate CLI, score CLI and server now run
+    padded  row counts rounded by numerics.padded_rows, the cache of 64
+    cache   every row count as it comes, a cache of DECODING_KERNEL_CACHE_CAPACITY (512)
+    after   both, as the translate CLI, score CLI and server now run
 
 Each process translates --slices slices of --sentences Multi30k training sentences, a different slice each
 time, as a file's batches differ (the first slice also pays for compiling what every later one reuses),
 with ONEDNN_VERBOSE=profile_create, which prints each kernel oneDNN compiles and the milliseconds it took.
-Prints per configuration the seconds of the slices after the first, the kernels compiled and the
-milliseconds spent compiling them there, and the peak RSS; then after / before of the seconds, best pair
-and median. Run by hand, not in CI.
+Prints per configuration the seconds of the slices after the first, the kernels compiled (every oneDNN
+primitive made: the linear layers', attention's batched matmuls', weight reorders) and the milliseconds
+spent compiling them there, and the peak RSS; then each one's speed-up over `before`, median of the
+processes' ratios in turn and fastest process against fastest. (profile_create prints a line for every
+primitive made, cache hits included, inside the timed region: alike for all.) Run by hand, not in CI.
 """
 
 import argparse
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGURATIONS = ("before", "after")
+CONFIGURATIONS = ("before", "padded", "cache", "after")  # (padded rows, 512 kernels): no/no, yes/no, no/yes, yes/yes
 
 
 def child(args: argparse.Namespace) -> None:
@@ -40,7 +43,7 @@ def child(args: argparse.Namespace) -> None:
     from seq2seq.search import SearchConfig
     from seq2seq.translator import Translator
 
-    if args.child == "before":
+    if args.child in ("before", "cache"):
         numerics.padded_rows = lambda rows: rows  # type: ignore[assignment]
     torch.set_num_threads(args.threads)
     translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, workers=1,
@@ -66,12 +69,15 @@ def run(configuration: str, args: argparse.Namespace) -> dict:
     the slices after the first, read from oneDNN's verbose lines."""
     from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, KERNEL_CACHE_CAPACITY
 
-    capacity = DECODING_KERNEL_CACHE_CAPACITY if configuration == "after" else KERNEL_CACHE_CAPACITY
+    capacity = DECODING_KERNEL_CACHE_CAPACITY if configuration in ("cache", "after") else KERNEL_CACHE_CAPACITY
     env = dict(os.environ, ONEDNN_PRIMITIVE_CACHE_CAPACITY=str(capacity), ONEDNN_VERBOSE="profile_create")
     command = [sys.executable, __file__, "--child", configuration, "--checkpoint", args.checkpoint,
                "--data", args.data, "--beam", str(args.beam), "--slices", str(args.slices),
                "--sentences", str(args.sentences), "--threads", str(args.threads), "--precision", args.precision]
-    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"the {configuration} process failed:\n{done.stderr[-3000:]}")
+    out = done.stdout
     slice_, kernels, compile_ms, result = -1, 0, 0.0, None
     for line in out.splitlines():
         if line.startswith("SLICE "):
@@ -93,7 +99,7 @@ def main() -> None:
     parser.add_argument("--beam", type=int, default=1)
     parser.add_argument("--slices", type=int, default=5)
     parser.add_argument("--sentences", type=int, default=1000)
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=3, help="processes of each configuration, taking turns")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--child", choices=CONFIGURATIONS, help=argparse.SUPPRESS)
@@ -115,9 +121,12 @@ def main() -> None:
         print(f"| {name} | {seconds} | "
               f"{statistics.median(x['kernels'] for x in r):.0f} | {statistics.median(x['compile_ms'] for x in r):.0f} | "
               f"{statistics.median(x['peak_rss_mib'] for x in r):.0f} MiB |")
-    ratios = [b["later"] / a["later"] for a, b in zip(runs["after"], runs["before"], strict=True)]
-    print(f"speed-up (before / after seconds): best pair {max(ratios):.2f}x, median {statistics.median(ratios):.2f}x, "
-          f"fastest process each {min(x['later'] for x in runs['before']) / min(x['later'] for x in runs['after']):.2f}x")
+    before = runs["before"]
+    for name in CONFIGURATIONS[1:]:
+        ratios = [b["later"] / a["later"] for a, b in zip(runs[name], before, strict=True)]
+        fastest = min(x["later"] for x in before) / min(x["later"] for x in runs[name])
+        print(f"{name}: {statistics.median(ratios):.2f}x before's speed (median of the turns), fastest process "
+              f"against fastest {fastest:.2f}x")
 
 
 if __name__ == "__main__":

@@ -334,7 +334,8 @@ KERNEL_CACHE_CAPACITY = 64
 # Translation reuses more: its packed linear layers run at rounded row counts (numerics.padded_rows), which
 # every batch meets again as its sentences finish, a kernel per count for each of a model's few weight
 # shapes. 64 held about ten counts' kernels, fewer than one batch passes through, so every batch compiled
-# its own again (README, "Row counts rounded, compiled kernels kept"); 512 holds what a file's batches share.
+# its own again (README, "Row counts rounded, compiled kernels kept"); 512 holds what a file's batches share,
+# but for beam search's attention matmuls, whose shapes are not rounded (the README has what they evict).
 DECODING_KERNEL_CACHE_CAPACITY = 512
 
 

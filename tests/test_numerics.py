@@ -74,6 +74,8 @@ def test_int8_linear_runs_fbgemm_at_padded_rows_and_returns_the_rows_given(monke
             (given,) = seen
             assert given.shape == (padded_rows(rows), 64)
             assert torch.equal(given[:rows], x.reshape(rows, 64)) and not given[rows:].any()
+    with pytest.raises(ValueError, match=r"^a linear layer of 64 input features got an input of shape \(4, 10\)$"):
+        layer(torch.randn(4, 10))
 
 
 def test_quantize_int8_replaces_every_linear_and_keeps_the_embeddings():
@@ -169,6 +171,8 @@ def test_packed_linear_runs_onednn_at_padded_rows_and_returns_the_rows_given(dty
             (given,) = seen
             assert given.shape == (padded_rows(rows), 64)
             assert torch.equal(given[:rows], x.reshape(rows, 64)) and not given[rows:].any()
+    with pytest.raises(ValueError, match=r"^a linear layer of 64 input features got an input of shape \(4, 10\)$"):
+        packed(torch.randn(4, 10).to(dtype))
 
 
 @needs_onednn

@@ -3,6 +3,8 @@
 import errno
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -262,6 +264,29 @@ def test_process_memory_keeps_a_bounded_kernel_cache_and_a_capacity_given(monkey
     tune_process_memory()
     tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"  # the user's
+
+
+def test_the_faces_that_translate_keep_the_decoding_kernel_cache():
+    """The translate and score CLIs, the server and the interactive translator set 512 before their first
+    kernel (run as scripts, up to their --help); training's face keeps 64."""
+    repo = Path(__file__).resolve().parents[1]
+    faces = {"seq2seq.translate": "512", "seq2seq.score": "512", "serve/server.py": "512",
+             "serve/translate.py": "512", "seq2seq.fit": "64"}
+    script = (
+        "import io, os, runpy, sys, contextlib\n"
+        "for face in sys.argv[1:]:\n"
+        "    os.environ.pop('ONEDNN_PRIMITIVE_CACHE_CAPACITY', None)\n"
+        "    sys.argv = [face, '--help']\n"
+        "    sys.path.insert(0, os.path.dirname(os.path.abspath(face)))  # as a script's own folder is\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        (runpy.run_path if face.endswith('.py') else runpy.run_module)(face, run_name='__main__')\n"
+        "    print(face, os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    out = subprocess.run([sys.executable, "-c", script, *faces], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:-1] == [f"{face} {capacity}" for face, capacity in faces.items()], out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("speed_up,packed", [(1.2, False), (2.0, True)])
