@@ -53,19 +53,18 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def rows_of(x: Tensor, in_features: int) -> Tensor:
-    """(..., in) -> (rows, in), or a ValueError naming the width expected (reshape's own error would not)."""
+def at_padded_rows(kernel: Callable[[Tensor], Tensor], x: Tensor, *, in_features: int, out_features: int) -> Tensor:
+    """kernel (a linear layer's (rows, in) -> (rows, out)) over x (..., in) -> (..., out), its rows run at
+    padded_rows(rows), the rows added zeros and their outputs dropped. A ValueError names the width expected
+    where x has another (reshape's own error would not)."""
     if x.dim() == 0 or x.size(-1) != in_features:
         raise ValueError(f"a linear layer of {in_features} input features got an input of shape {tuple(x.shape)}")
-    return x.reshape(-1, in_features)
-
-
-def pad_rows(x: Tensor) -> Tensor:
-    """(rows, in) -> (padded_rows(rows), in), the rows added zeros (x itself where none are)."""
-    rows = x.size(0)
+    flat = x.reshape(-1, in_features)  # (rows, in)
+    rows = flat.size(0)
     padded = padded_rows(rows)
-    # (F.pad zero-fills the whole result, then copies x over it: 1.5-3 times slower than this)
-    return x if padded == rows else torch.cat((x, x.new_zeros(padded - rows, x.size(1))))
+    if padded != rows:  # (F.pad zero-fills the whole result, then copies x over it: 1.5-3 times slower than cat)
+        flat = torch.cat((flat, flat.new_zeros(padded - rows, in_features)))  # (padded, in)
+    return kernel(flat)[:rows].view(*x.shape[:-1], out_features)
 
 
 class Int8Linear(nn.Module):
@@ -93,9 +92,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # x: (..., in) float32 -> (..., out) float32, its rows run at padded_rows(rows) (fbgemm compiles kernels
         # per shape too; zero rows leave the activations' quantisation range as it is: it always holds 0)
-        flat = rows_of(x, self.in_features)  # (rows, in)
-        out = torch.ops.quantized.linear_dynamic(pad_rows(flat), self._packed, True)  # (padded, out)
-        return out[: flat.size(0)].view(*x.shape[:-1], self.out_features)
+        return at_padded_rows(lambda flat: torch.ops.quantized.linear_dynamic(flat, self._packed, True), x,
+                              in_features=self.in_features, out_features=self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -153,9 +151,9 @@ class PackedLinear(nn.Module):
         # x: (..., in) -> (..., out), its rows run at padded_rows(rows), the padding zeros. Each row's outputs
         # are its own dot products, but another row count may get another kernel from oneDNN, whose bf16
         # outputs can differ in the last place (README, "Row counts rounded, compiled kernels kept")
-        flat = rows_of(x, self.in_features)  # (rows, in)
-        out = torch.ops.mkldnn._linear_pointwise(pad_rows(flat), self._packed, self.bias, post_op, [], "")
-        return out[: flat.size(0)].view(*x.shape[:-1], self.out_features)  # (padded, out) -> (..., out)
+        return at_padded_rows(
+            lambda flat: torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, post_op, [], ""), x,
+            in_features=self.in_features, out_features=self.out_features)
 
     def __deepcopy__(self, memo: dict) -> "PackedLinear":
         # oneDNN's packed tensor has no storage to copy: the copy packs the plain weight again
