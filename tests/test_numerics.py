@@ -62,7 +62,7 @@ def test_int8_linear_runs_fbgemm_at_padded_rows_and_returns_the_rows_given(monke
         seen.append(x.clone())
         return fbgemm(x, *args)
 
-    for shape in ((17, 64), (3, 7, 64), (481, 1, 64), (5, 64), (0, 64)):
+    for shape in ((17, 64), (3, 7, 64), (481, 1, 64), (5, 64), (0, 64), (2, 3, 64), (4, 8, 64)):
         for x in (torch.randn(shape), torch.rand(shape)):
             rows = x.numel() // 64
             unpadded = fbgemm(x.reshape(rows, 64), layer._packed, True).view(*shape[:-1], 40)
@@ -71,7 +71,8 @@ def test_int8_linear_runs_fbgemm_at_padded_rows_and_returns_the_rows_given(monke
                 seen.clear()
                 out = layer(x)
             assert out.shape == (*shape[:-1], 40) and torch.equal(out, unpadded)
-            (given,) = seen
+            (given,) = seen  # a count padded_rows keeps runs in the input's own shape
+            given = given.reshape(-1, 64)
             assert given.shape == (padded_rows(rows), 64)
             assert torch.equal(given[:rows], x.reshape(rows, 64)) and not given[rows:].any()
     with pytest.raises(ValueError, match=r"^a linear layer of 64 input features got an input of shape \(4, 10\)$"):
@@ -157,7 +158,7 @@ def test_packed_linear_runs_onednn_at_padded_rows_and_returns_the_rows_given(dty
         return onednn(x, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    for shape in ((17, 64), (3, 7, 64), (7, 3, 64), (481, 1, 64), (5, 64), (0, 64)):
+    for shape in ((17, 64), (3, 7, 64), (7, 3, 64), (481, 1, 64), (5, 64), (0, 64), (2, 3, 64), (4, 8, 64)):
         x = torch.randn(shape).to(dtype)
         rows = x.numel() // 64
         reference = nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
@@ -168,7 +169,8 @@ def test_packed_linear_runs_onednn_at_padded_rows_and_returns_the_rows_given(dty
             want = reference.relu() if relu else reference
             assert out.shape == (*shape[:-1], 40) and out.dtype == dtype
             assert torch.allclose(out.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
-            (given,) = seen
+            (given,) = seen  # a count padded_rows keeps runs in the input's own shape
+            given = given.reshape(-1, 64)
             assert given.shape == (padded_rows(rows), 64)
             assert torch.equal(given[:rows], x.reshape(rows, 64)) and not given[rows:].any()
     with pytest.raises(ValueError, match=r"^a linear layer of 64 input features got an input of shape \(4, 10\)$"):
