@@ -13,6 +13,8 @@ bench writes the decoder step of the checkpoint's model as one pure function ove
               same oneDNN op as the model does
     cpp       the same with inductor's max-autotune and its CPP GEMM templates, which generate the matmuls'
               micro-kernels (AMX or AVX-512) into the compiled step instead of calling oneDNN per layer
+    graphs    (--device cuda, in place of cpp) the compiled step replayed as a CUDA graph (mode
+              "reduce-overhead"): one launch a step instead of one per kernel
 
 Each compiled variant runs in a process of its own (inductor's options are per process), taking turns with
 the model's own step, and prints its median per-step time, its ratio to the model's in the same process, and
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("compiled", "cpp")
+VARIANTS = {"cpu": ("compiled", "cpp"), "cuda": ("compiled", "graphs")}
 
 
 def pure_step(model, *, rows: int, capacity: int):  # type: ignore[no-untyped-def]
@@ -57,7 +59,7 @@ def pure_step(model, *, rows: int, capacity: int):  # type: ignore[no-untyped-de
     def plain(name: str, linear: nn.Module) -> nn.Linear:
         weight = linear.weight.detach()
         copy = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                         dtype=weight.dtype)
+                         dtype=weight.dtype, device=weight.device)
         copy.weight.data.copy_(weight)
         if linear.bias is not None:
             copy.bias.data.copy_(linear.bias.detach())
@@ -76,7 +78,7 @@ def pure_step(model, *, rows: int, capacity: int):  # type: ignore[no-untyped-de
     embed = decoder.embed
     dtype = output.weight.dtype
     positions = (embed.positions(capacity, offset=0).reshape(capacity, d_model).to(dtype)
-                 if embed.positions is not None else torch.zeros(capacity, d_model, dtype=dtype))  # (cap, D)
+                 if embed.positions is not None else torch.zeros(capacity, d_model, dtype=dtype, device=output.weight.device))
     activation = F.relu if config.activation == "relu" else F.gelu
     pre = config.norm_placement == "pre"
 
@@ -86,7 +88,7 @@ def pure_step(model, *, rows: int, capacity: int):  # type: ignore[no-untyped-de
     def step(tokens, position, keys, values, cross_keys, cross_values):  # type: ignore[no-untyped-def]
         x = embed.tokens(tokens) * embed.scale + positions.index_select(0, position.view(1))  # (R, D)
         x = x[:, None]  # (R, 1, D)
-        mask = (torch.arange(capacity) <= position)[None, None, None, :]  # (1, 1, 1, cap)
+        mask = (torch.arange(capacity, device=position.device) <= position)[None, None, None, :]  # (1, 1, 1, cap)
         for i, layer in enumerate(layers):
             def self_attention(h, i=i, layer=layer):  # type: ignore[no-untyped-def]
                 q, k, v = layer["qkv"](h).view(rows, 1, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
@@ -120,14 +122,14 @@ def child(args: argparse.Namespace) -> None:
 
     tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)
     torch.set_num_threads(1)  # one worker's thread, as decode_vs_ct2's fastest configurations ran
-    translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision)
+    translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, device=args.device)
     model = translator.model
     with gzip.open(args.data / "test_2016_flickr.en.gz", "rt", encoding="utf-8") as f:
         sentence = f.readline().strip()
     # a real sentence's greedy tokens, forced step by step into both steps
     (best,) = translator.translate_nbest([sentence], SearchConfig(beam_size=1, length_penalty=0.0))
     forced = [translator.tokenizer.bos_id, *best[0].tokens][: args.steps]
-    src = torch.tensor([translator.tokenizer.encode_source([sentence])[0]])
+    src = torch.tensor([translator.tokenizer.encode_source([sentence])[0]], device=translator.device)
     import torch._inductor.config as inductor  # (per process: torch.compile's `options` left these unapplied)
 
     inductor.freezing = True
@@ -149,7 +151,9 @@ def measure(model, *, rows: int, forced: list[int], src, variant: str, turns: in
     from seq2seq.model.attention import DecoderState
 
     memory = model.encode(src).expand(rows, -1, -1).contiguous()  # (R, S, D)
-    src_mask = torch.ones(rows, memory.size(1), dtype=torch.bool)
+    device = memory.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    src_mask = torch.ones(rows, memory.size(1), dtype=torch.bool, device=device)
     capacity = -(-len(forced) // 8) * 8
     step, _holder = pure_step(model, rows=rows, capacity=capacity)
     cross = [layer.cross_attn.keys_values(memory) for layer in model.decoder.layers]
@@ -157,27 +161,40 @@ def measure(model, *, rows: int, forced: list[int], src, variant: str, turns: in
     cross_values = [v.contiguous() for _, v in cross]
     shape = (rows, model.config.num_heads, capacity, model.config.d_model // model.config.num_heads)
 
+    # One cache for every run, zeroed at its start: a CUDA graph replays on the addresses it was recorded with,
+    # and writes into its inputs only where they are marked static
+    keys = [torch.zeros(shape, dtype=memory.dtype, device=device) for _ in model.decoder.layers]
+    values = [torch.zeros(shape, dtype=memory.dtype, device=device) for _ in model.decoder.layers]
+    if variant == "graphs":
+        for tensor in (*keys, *values, *cross_keys, *cross_values):
+            torch._dynamo.mark_static_address(tensor)
+
     def run_pure(fn):  # type: ignore[no-untyped-def]
-        keys = [torch.zeros(shape, dtype=memory.dtype) for _ in model.decoder.layers]
-        values = [torch.zeros(shape, dtype=memory.dtype) for _ in model.decoder.layers]
+        for tensor in (*keys, *values):
+            tensor.zero_()
         logits, times = [], []
         for position, token in enumerate(forced):
+            sync()
             start = time.perf_counter()
-            logits.append(fn(torch.full((rows,), token), torch.tensor(position), keys, values, cross_keys,
-                             cross_values))
+            out = fn(torch.full((rows,), token, device=device), torch.tensor(position, device=device), keys, values,
+                     cross_keys, cross_values)
+            sync()
             times.append(time.perf_counter() - start)
+            logits.append(out.clone())  # (a CUDA graph's next replay overwrites its output)
         return torch.stack(logits).float(), times[1:]  # (steps, R, V)
 
     def run_model():  # type: ignore[no-untyped-def]
         state = DecoderState()
         logits, times = [], []
         for token in forced:
+            sync()
             start = time.perf_counter()
-            logits.append(model.decode(torch.full((rows, 1), token), memory, src_mask, state=state)[:, -1])
+            logits.append(model.decode(torch.full((rows, 1), token, device=device), memory, src_mask, state=state)[:, -1])
+            sync()
             times.append(time.perf_counter() - start)
         return torch.stack(logits).float(), times[1:]
 
-    compiled = torch.compile(step)
+    compiled = torch.compile(step, mode="reduce-overhead" if variant == "graphs" else None)
     started = time.perf_counter()
     run_pure(compiled)
     compile_seconds = time.perf_counter() - started
@@ -205,27 +222,32 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared/data/multi30k")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (variants compiled and graphs)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5], help="decoder rows: 1 greedy, 5 beam 5")
     parser.add_argument("--steps", type=int, default=24, help="positions decoded (a real sentence's, at most)")
     parser.add_argument("--turns", type=int, default=9, help="turns of model / pure / compiled in each process")
-    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a child process's
+    parser.add_argument("--variant", choices=[v for vs in VARIANTS.values() for v in vs], help=argparse.SUPPRESS)  # a child process's
     args = parser.parse_args()
     if args.variant:
         child(args)
         return
-    from seq2seq.precision import this_cpu
+    import torch
 
-    print(f"# {this_cpu().model}; {args.checkpoint}, {args.precision}, one thread, "
+    from seq2seq.precision import device_name
+
+    print(f"# {device_name(torch.device(args.device))}; {args.checkpoint}, {args.precision}, one CPU thread, "
           f"per-step medians of {args.turns} turns", flush=True)
     print(f"{'variant':9s} {'rows':>4s} {'model ms':>9s} {'pure ms':>8s} {'compiled ms':>12s} "
           f"{'speed-up':>9s} {'pure x':>7s} {'compile s':>10s} {'max error':>10s} {'same argmax':>12s}")
-    for variant in VARIANTS:
+    for variant in VARIANTS["cuda" if args.device.startswith("cuda") else "cpu"]:
         command = [sys.executable, __file__, "--checkpoint", str(args.checkpoint), "--data", str(args.data),
-                   "--precision", args.precision, "--steps", str(args.steps), "--turns", str(args.turns),
+                   "--precision", args.precision, "--device", args.device, "--steps", str(args.steps), "--turns", str(args.turns),
                    "--variant", variant, "--rows", *map(str, args.rows)]
         done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
         if done.returncode != 0:
             raise SystemExit(f"the {variant} process failed:\n{done.stderr[-3000:]}")
+        for line in dict.fromkeys(line for line in done.stderr.splitlines() if "skipping cudagraphs" in line):
+            print(f"# {variant}: {line.strip()}", flush=True)  # why the graphs did not apply, where they did not
         for row in json.loads(done.stdout.strip().splitlines()[-1]):
             print(f"{variant:9s} {row['rows']:4d} {row['model_ms']:9.3f} {row['pure_ms']:8.3f} "
                   f"{row[variant + '_ms']:12.3f} {row[variant + '_x']:8.2f}x {row['pure_x']:6.2f}x "
