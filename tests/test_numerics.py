@@ -62,7 +62,7 @@ def test_int8_linear_runs_fbgemm_at_padded_rows_and_returns_the_rows_given(monke
         seen.append(x.clone())
         return fbgemm(x, *args)
 
-    for shape in ((17, 64), (3, 7, 64), (481, 1, 64), (5, 64), (0, 64), (2, 3, 64), (4, 8, 64)):
+    for shape in ((17, 64), (3, 7, 64), (481, 1, 64), (5, 64), (0, 64), (2, 3, 64), (4, 8, 64), (64,)):
         for x in (torch.randn(shape), torch.rand(shape)):
             rows = x.numel() // 64
             unpadded = fbgemm(x.reshape(rows, 64), layer._packed, True).view(*shape[:-1], 40)
@@ -71,7 +71,9 @@ def test_int8_linear_runs_fbgemm_at_padded_rows_and_returns_the_rows_given(monke
                 seen.clear()
                 out = layer(x)
             assert out.shape == (*shape[:-1], 40) and torch.equal(out, unpadded)
-            (given,) = seen  # a count padded_rows keeps runs in the input's own shape
+            (given,) = seen  # a count padded_rows keeps runs in the input's own shape (a 1-D one as one row)
+            kept = padded_rows(rows) == rows and x.dim() > 1
+            assert given.shape == (x.shape if kept else (padded_rows(rows), 64))
             given = given.reshape(-1, 64)
             assert given.shape == (padded_rows(rows), 64)
             assert torch.equal(given[:rows], x.reshape(rows, 64)) and not given[rows:].any()
@@ -158,7 +160,8 @@ def test_packed_linear_runs_onednn_at_padded_rows_and_returns_the_rows_given(dty
         return onednn(x, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    for shape in ((17, 64), (3, 7, 64), (7, 3, 64), (481, 1, 64), (5, 64), (0, 64), (2, 3, 64), (4, 8, 64)):
+    for shape in ((17, 64), (3, 7, 64), (7, 3, 64), (481, 1, 64), (5, 64), (0, 64), (2, 3, 64), (4, 8, 64),
+                  (64,)):
         x = torch.randn(shape).to(dtype)
         rows = x.numel() // 64
         reference = nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
@@ -169,12 +172,31 @@ def test_packed_linear_runs_onednn_at_padded_rows_and_returns_the_rows_given(dty
             want = reference.relu() if relu else reference
             assert out.shape == (*shape[:-1], 40) and out.dtype == dtype
             assert torch.allclose(out.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
-            (given,) = seen  # a count padded_rows keeps runs in the input's own shape
+            (given,) = seen  # a count padded_rows keeps runs in the input's own shape (a 1-D one as one row)
+            kept = padded_rows(rows) == rows and x.dim() > 1
+            assert given.shape == (x.shape if kept else (padded_rows(rows), 64))
             given = given.reshape(-1, 64)
             assert given.shape == (padded_rows(rows), 64)
             assert torch.equal(given[:rows], x.reshape(rows, 64)) and not given[rows:].any()
     with pytest.raises(ValueError, match=r"^a linear layer of 64 input features got an input of shape \(4, 10\)$"):
         packed(torch.randn(4, 10).to(dtype))
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+def test_a_strided_input_gives_what_its_contiguous_copy_gives(kind):
+    """Inputs that reach the kernel as they are (their row count needs no padding) may be views: transposed,
+    permuted, sliced; each gives, to the bit, what the same numbers laid out contiguously give."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 40)
+    layer = Int8Linear(linear) if kind == "int8" else PackedLinear(linear.to(torch.bfloat16 if kind == "bf16" else torch.float32))
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    base = torch.randn(8, 3, 128).to(dtype)
+    views = (base[..., :64].transpose(0, 1), base[:5, :, 64:].permute(1, 0, 2), base[:, 0, ::2], base[:2, :2, :64])
+    with torch.inference_mode():
+        for x in views:
+            assert not x.is_contiguous()
+            assert torch.equal(layer(x), layer(x.contiguous()))
 
 
 @needs_onednn

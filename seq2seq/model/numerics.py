@@ -61,8 +61,8 @@ def at_padded_rows(kernel: Callable[[Tensor], Tensor], x: Tensor, *, in_features
         raise ValueError(f"a linear layer of {in_features} input features got an input of shape {tuple(x.shape)}")
     rows = x.numel() // in_features
     padded = padded_rows(rows)
-    if padded == rows:  # x as it is (the kernels take any leading shape): a decoding step's few rows pay for
-        return kernel(x)  # every op around the kernel (~2 us each against ~25 us for the kernel at one row)
+    if padded == rows and x.dim() > 1:  # x as it is (both kernels take any leading shape, fbgemm not 1-D): a
+        return kernel(x)  # decoding step's few rows pay for every op around the kernel (~2 us each, ~25 the call)
     flat = x.reshape(rows, in_features)  # (F.pad zero-fills the whole result, then copies x over it: 1.5-3 times
     flat = torch.cat((flat, flat.new_zeros(padded - rows, in_features)))  # slower than cat) (padded, in)
     return kernel(flat)[:rows].view(*x.shape[:-1], out_features)
