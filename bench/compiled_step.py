@@ -3,14 +3,14 @@
     python bench/compiled_step.py --checkpoint checkpoints/multi30k-ende/best.ckpt [--rows 1 5] [--precision bf16]
 
 At a few rows a decoding step is mostly overhead: each linear layer's oneDNN call costs ~25-50 us of which the
-kernel itself runs ~5 (ONEDNN_VERBOSE's exec time), and a step runs ~700 eager ops around ~20 such calls. This
+kernel itself runs ~5-9 (ONEDNN_VERBOSE's exec time), and a step dispatches ~130 eager ops around ~20 such calls. This
 bench writes the decoder step of the checkpoint's model as one pure function over a cache of fixed capacity
 (`pure_step`: no state object, no Python branches on the data) and times, per step, at --rows rows:
 
     model     the model's own eager step (Transformer.decode with a DecoderState), as the Translator runs it
     pure      the pure step, eager
-    compiled  the pure step under torch.compile (inductor, frozen weights): its CPU linear layers call the
-              same oneDNN op as the model does
+    compiled  the pure step under torch.compile (inductor, frozen weights): on a CPU its bf16 linear layers
+              call the same oneDNN op as the model does, its fp32 ones MKL's packed GEMM
     cpp       the same with inductor's max-autotune and its CPP GEMM templates, which generate the matmuls'
               micro-kernels (AMX or AVX-512) into the compiled step instead of calling oneDNN per layer
     graphs    (--device cuda, in place of cpp) the compiled step replayed as a CUDA graph (mode
@@ -154,7 +154,7 @@ def measure(model, *, rows: int, forced: list[int], src, variant: str, turns: in
     device = memory.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     src_mask = torch.ones(rows, memory.size(1), dtype=torch.bool, device=device)
-    capacity = -(-len(forced) // 8) * 8
+    capacity = min(-(-len(forced) // 8) * 8, model.config.max_positions)  # (the positions table ends there)
     step, _holder = pure_step(model, rows=rows, capacity=capacity)
     cross = [layer.cross_attn.keys_values(memory) for layer in model.decoder.layers]
     cross_keys = [k.contiguous() for k, _ in cross]
@@ -223,7 +223,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared/data/multi30k")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (variants compiled and graphs)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5], help="decoder rows: 1 greedy, 5 beam 5")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5], help="decoder rows, each a copy of one sentence (1: greedy's one sentence; 5: as many rows as beam 5's, "
+                        "without its reorders)")
     parser.add_argument("--steps", type=int, default=24, help="positions decoded (a real sentence's, at most)")
     parser.add_argument("--turns", type=int, default=9, help="turns of model / pure / compiled in each process")
     parser.add_argument("--variant", choices=[v for vs in VARIANTS.values() for v in vs], help=argparse.SUPPRESS)  # a child process's
