@@ -63,8 +63,9 @@ def at_padded_rows(kernel: Callable[[Tensor], Tensor], x: Tensor, *, in_features
     padded = padded_rows(rows)
     if padded == rows and x.dim() > 1:  # x as it is (both kernels take any leading shape, fbgemm not 1-D): a
         return kernel(x)  # decoding step's few rows pay for every op around the kernel (~2 us each, ~25 the call)
-    flat = x.reshape(rows, in_features)  # (F.pad zero-fills the whole result, then copies x over it: 1.5-3 times
-    flat = torch.cat((flat, flat.new_zeros(padded - rows, in_features)))  # slower than cat) (padded, in)
+    flat = x.reshape(rows, in_features)  # (rows, in)
+    if padded != rows:  # (F.pad zero-fills the whole result, then copies x over it: 1.5-3 times slower than cat)
+        flat = torch.cat((flat, flat.new_zeros(padded - rows, in_features)))  # (padded, in)
     return kernel(flat)[:rows].view(*x.shape[:-1], out_features)
 
 
