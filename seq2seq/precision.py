@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -144,6 +144,31 @@ def onednn_linears(device: torch.device, precision: str) -> Verdict:
         return Verdict(False, "this torch has no oneDNN")
     return timed_verdict(f"linear-onednn-{precision}", lambda packed: _fastest_decoding_linears(precision, packed),
                          what="oneDNN's packed linear layers", candidates=(True, False))
+
+
+# The row counts timed for few_rows_on_torch, up to the last below padded_rows' first rounded count (16)
+FEW_ROWS = (1, 2, 4, 8, 15)
+
+
+def few_rows_on_torch(device: torch.device, precision: str, *, in_features: int, out_features: int) -> int:
+    """How many rows (0 to 15) a packed float32 linear layer of this shape runs faster on torch's own linear
+    (MKL) than on oneDNN's: oneDNN's call costs ~25 us at one row, most of it describing the matmul anew, where
+    MKL's costs ~8, while MKL's small-row GEMM loses to oneDNN's as rows and widths grow. Timed once per machine
+    and shape at each of FEW_ROWS in turn, up to the first where torch's own is not MARGIN times faster; the
+    rows up to the last count that was (numerics.PackedLinear.run_few_rows_on_torch). 0 off a CPU and for
+    bf16 (torch's bf16 linear is no faster than oneDNN's at a few rows) and int8."""
+    if device.type != "cpu" or precision != "fp32" or not torch.backends.mkldnn.is_available():
+        return 0
+    most = 0
+    for rows in FEW_ROWS:
+        seconds = partial(_fastest_few_rows, rows=rows, in_features=in_features, out_features=out_features)
+        verdict = timed_verdict(f"linear-few-rows-fp32-{in_features}x{out_features}-{rows}", seconds,
+                                what=f"torch's own linear at {rows} rows", candidates=(True, False),
+                                baseline="oneDNN's packed one")
+        if not verdict.pays:
+            break
+        most = rows
+    return most
 
 
 def one_query_sdpa(device: torch.device, precision: str) -> Verdict:
@@ -281,6 +306,28 @@ def _fastest_decoding_linears(precision: str, packed: bool) -> float:
 
     with torch.inference_mode():
         return _fastest(run)
+
+
+def _fastest_few_rows(torch_own: bool, *, rows: int, in_features: int, out_features: int) -> float:
+    """Seconds of float32 linear layers of one shape at `rows` rows on torch's own linear or oneDNN's packed one,
+    on one thread (a decoding worker's). As many copies as make 16 MB of weights, run one after the other: a
+    step reads its layers' weights from beyond the core's caches, not the same one again and again."""
+    copies = max(1, (16 << 20) // (in_features * out_features * 4))
+    layers = [torch.nn.Linear(in_features, out_features) for _ in range(copies)]
+    modules = layers if torch_own else [PackedLinear(linear) for linear in layers]
+    x = torch.randn(rows, in_features)
+
+    def run() -> None:
+        for module in modules:
+            module(x)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            return _fastest(run)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _fastest_one_query_attention(sdpa: bool) -> float:

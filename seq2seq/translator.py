@@ -35,8 +35,8 @@ from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.constraints import holds
 from seq2seq.markup import HtmlDocument
 from seq2seq.model import MultiHeadAttention, Transformer
-from seq2seq.model.numerics import for_inference
-from seq2seq.precision import Precision, one_query_sdpa, onednn_linears, resolve_precision
+from seq2seq.model.numerics import PackedLinear, for_inference
+from seq2seq.precision import Precision, few_rows_on_torch, one_query_sdpa, onednn_linears, resolve_precision
 from seq2seq.scoring import Forced, force_decode
 from seq2seq.search import Hypothesis, SearchConfig, decode
 from seq2seq.sentences import Paragraphs, model_sentence_spans
@@ -106,7 +106,8 @@ class Translator:
         """`precision` (seq2seq/precision.py): auto picks bf16 where bf16 matmuls are fast (a GPU from
         Ampere on, a CPU with AMX or AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
         slightly. The model is converted in place (on a CPU its fp32 or bf16 linear layers are packed for
-        oneDNN where precision.onednn_linears times that faster, and bf16 attention at one query a row runs
+        oneDNN where precision.onednn_linears times that faster, their few rows in fp32 on torch's own linear
+        where precision.few_rows_on_torch times that faster, and bf16 attention at one query a row runs
         SDPA where precision.one_query_sdpa times that faster: a setting of the process, the machine's
         verdict, the same for every model); `self.precision` says what auto chose. `search`
         is what the translate methods use when given none.
@@ -144,6 +145,15 @@ class Translator:
         if self.device.type == "cpu" and self.precision == "bf16":  # a machine's choice: the same for every model
             MultiHeadAttention.one_query_by_matmul = not one_query_sdpa(self.device, self.precision).pays
         self.model = for_inference(model.to(self.device).fuse_self_attention(), self.precision, packed=packed)
+        if packed and self.precision == "fp32":  # a decoding step's few rows on torch's own linear, where faster
+            few: dict[tuple[int, int], int] = {}
+            for layer in self.model.modules():
+                if isinstance(layer, PackedLinear):
+                    shape = (layer.in_features, layer.out_features)
+                    if shape not in few:
+                        few[shape] = few_rows_on_torch(self.device, self.precision, in_features=shape[0],
+                                                       out_features=shape[1])
+                    layer.run_few_rows_on_torch(few[shape])
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.search = search

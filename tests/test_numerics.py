@@ -183,6 +183,40 @@ def test_packed_linear_runs_onednn_at_padded_rows_and_returns_the_rows_given(dty
 
 
 @needs_onednn
+def test_a_packed_fp32_layer_runs_its_few_rows_on_torch_s_own_linear(monkeypatch):
+    """run_few_rows_on_torch(r): inputs of at most r rows go to torch's linear (and to no oneDNN call), more rows
+    to oneDNN's; both give the float64 product to float32's rounding, ReLU too; copies and .to() keep the choice
+    where they stay packed float32; anything but a packed float32 layer, or r outside 0-15, is refused."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 40)
+    packed = PackedLinear(linear)
+    packed.run_few_rows_on_torch(4)
+    assert packed.few_rows == 4 and "<= 4 rows on torch's own" in repr(packed)
+    onednn = torch.ops.mkldnn._linear_pointwise
+    calls = []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *args: calls.append(x.shape) or onednn(x, *args))
+    with torch.inference_mode():
+        for shape, on_torch in (((1, 64), True), ((4, 64), True), ((2, 2, 64), True), ((1, 1, 64), True), ((64,), True),
+                                ((0, 64), True), ((5, 64), False), ((3, 2, 64), False), ((17, 64), False)):
+            x = torch.randn(shape)
+            reference = nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
+            for relu in (False, True):
+                calls.clear()
+                out = packed.then_relu(x) if relu else packed(x)
+                want = reference.relu() if relu else reference
+                assert out.shape == want.shape and torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
+                assert (not calls) is on_torch, (shape, relu)
+        with pytest.raises(ValueError, match=r"^a linear layer of 64 input features got an input of shape \(2, 10\)$"):
+            packed(torch.randn(2, 10))  # few rows, the wrong width: the same error as ever
+    assert deepcopy(packed).few_rows == 4 and packed.to(torch.float32).few_rows == 4
+    assert PackedLinear(linear).to(torch.bfloat16).few_rows == 0 and packed.double().few_rows == 0
+    with pytest.raises(ValueError, match="between 0 and 15"):
+        PackedLinear(linear).run_few_rows_on_torch(16)
+    with pytest.raises(ValueError, match="only a packed float32 layer"):
+        PackedLinear(nn.Linear(64, 40).bfloat16()).run_few_rows_on_torch(2)
+
+
+@needs_onednn
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 def test_a_strided_input_gives_what_its_contiguous_copy_gives(kind):
     """Inputs that reach the kernel as they are (their row count needs no padding) may be views: transposed,

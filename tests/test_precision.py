@@ -14,14 +14,17 @@ from machines import MACHINES, pretend_machine
 from seq2seq.precision import CPU as CPUInfo
 from seq2seq.precision import (
     DECODING_KERNEL_CACHE_CAPACITY,
+    FEW_ROWS,
     KERNEL_CACHE_CAPACITY,
     _fastest_attention,
     _fastest_decoding_linears,
+    _fastest_few_rows,
     _fastest_linear,
     _fastest_one_query_attention,
     bf16_attention,
     bf16_matmuls,
     bf16_matmuls_pay,
+    few_rows_on_torch,
     keep_first_verdict,
     one_query_sdpa,
     onednn_linears,
@@ -310,8 +313,36 @@ def test_onednn_linears_are_timed_once_per_precision_and_want_a_clear_margin(mon
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_few_rows_on_torch_are_the_rows_up_to_the_first_count_where_oneDNN_keeps_up(monkeypatch):
+    """Each of FEW_ROWS is timed in turn, once per machine and shape, until torch's own linear is not MARGIN times
+    faster; the answer is the last count that was. fp32 on a CPU only."""
+    calls: list[tuple[bool, int, int, int]] = []
+    speed_ups = {(256, 256): {1: 3.0, 2: 2.5, 4: 2.0, 8: 1.3, 15: 1.26}, (256, 1024): {1: 1.6, 2: 1.4, 4: 1.2, 8: 2.0},
+                 (256, 8000): {1: 1.1, 2: 5.0}}
+
+    def seconds(torch_own: bool, *, rows: int, in_features: int, out_features: int) -> float:
+        calls.append((torch_own, rows, in_features, out_features))
+        return 1.0 / speed_ups[in_features, out_features][rows] if torch_own else 1.0
+
+    monkeypatch.setattr("seq2seq.precision._fastest_few_rows", seconds)
+    assert few_rows_on_torch(CPU, "fp32", in_features=256, out_features=256) == 15
+    assert few_rows_on_torch(CPU, "fp32", in_features=256, out_features=1024) == 2  # 4 is under the margin
+    assert few_rows_on_torch(CPU, "fp32", in_features=256, out_features=8000) == 0
+    assert [rows for _, rows, *_ in calls[::2]] == [*FEW_ROWS, 1, 2, 4, 1]  # stopped at the first miss
+    timed = len(calls)
+    assert few_rows_on_torch(CPU, "fp32", in_features=256, out_features=1024) == 2 and len(calls) == timed  # kept
+    for precision, device in (("bf16", CPU), ("int8", CPU), ("fp32", torch.device("cuda", 0))):
+        assert few_rows_on_torch(device, precision, in_features=256, out_features=256) == 0
+    assert len(calls) == timed
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_the_onednn_timing_runs_both_kernels():
     assert _fastest_decoding_linears("bf16", True) > 0 and _fastest_decoding_linears("fp32", False) > 0
+    threads = torch.get_num_threads()
+    for torch_own in (True, False):
+        assert _fastest_few_rows(torch_own, rows=2, in_features=64, out_features=48) > 0
+        assert torch.get_num_threads() == threads  # the one thread it timed on given back
 
 
 @pytest.mark.parametrize("speed_up,sdpa", [(1.8, True), (1.1, False), (0.5, False)])

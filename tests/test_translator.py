@@ -424,6 +424,34 @@ def test_linear_layers_packed_for_onednn_translate_as_torch_s_own(trained: Path,
     assert chrf >= (99 if precision == "fp32" else 90), f"{precision}: chrF {chrf:.1f} against torch's linear layers"
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_few_rows_on_torch_s_own_linear_follow_the_machine_s_verdict(trained: Path, monkeypatch: pytest.MonkeyPatch):
+    """An fp32 Translator whose linear layers are packed asks precision.few_rows_on_torch once per layer shape and
+    gives each packed layer its answer; bf16 asks nothing. One sentence at a time (greedy: one row a step; beam 4:
+    four), fp32 translates as with every row on oneDNN: the same tokens, scores to float32's rounding."""
+    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
+        sources = f.read().split("\n")[:30]
+    asked: list[tuple[str, int, int]] = []
+
+    def verdict(device, precision, *, in_features, out_features):
+        asked.append((precision, in_features, out_features))
+        return 15 if in_features == out_features else 4  # square ones to the last count, the others to 4
+
+    base = Translator.from_checkpoint(trained, precision="fp32")
+    monkeypatch.setattr("seq2seq.translator.few_rows_on_torch", verdict)
+    Translator.from_checkpoint(trained, precision="bf16")
+    assert not asked
+    few = Translator.from_checkpoint(trained, precision="fp32")
+    layers = [m for m in few.model.modules() if isinstance(m, PackedLinear)]
+    shapes = {(m.in_features, m.out_features) for m in layers}
+    assert sorted(asked) == sorted(("fp32", *shape) for shape in shapes) and len(shapes) > 2
+    assert all(m.few_rows == (15 if m.in_features == m.out_features else 4) for m in layers)
+    for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=4)):
+        for source in sources:
+            ((want,),), ((got,),) = base.translate_nbest([source], search), few.translate_nbest([source], search)
+            assert got.tokens == want.tokens and got.score == pytest.approx(want.score, abs=1e-4)
+
+
 def test_bf16_attention_at_one_query_a_row_follows_the_machine_s_verdict(trained: Path,
                                                                           monkeypatch: pytest.MonkeyPatch):
     """A bf16 Translator on a CPU sets MultiHeadAttention.one_query_by_matmul from precision.one_query_sdpa (a

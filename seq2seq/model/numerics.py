@@ -115,6 +115,9 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.few_rows = 0
+        """Inputs of at most this many rows (0 to 15) run on torch's own linear instead (fp32 only, where
+        precision.few_rows_on_torch times that faster: oneDNN's call costs ~25 us at one row, MKL's ~8)."""
         self._store(linear.weight.detach(), linear.bias.detach() if linear.bias is not None else None)
 
     def _store(self, weight: Tensor, bias: Tensor | None) -> None:
@@ -123,20 +126,36 @@ class PackedLinear(nn.Module):
         self._plain: Tensor | None = None
         if weight.dtype in PACKED_FOR_ROWS and weight.device.type == "cpu":
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, *PACKED_FOR_ROWS[weight.dtype])
+            if self.few_rows and weight.dtype == torch.float32:
+                self._plain = weight  # kept beside the packed copy, for the few rows
+            else:
+                self.few_rows = 0
         else:
             self._plain = weight
+            self.few_rows = 0  # (every row on torch's own)
+
+    def run_few_rows_on_torch(self, rows: int) -> None:
+        """Inputs of at most `rows` rows (0 to 15; 0: none) run on torch's own linear from now on, the plain
+        weight kept beside the packed one. Float32 only: torch's bf16 linear is no faster than oneDNN's."""
+        if not 0 <= rows < 16:
+            raise ValueError(f"few_rows must be between 0 and 15 (padded_rows rounds from 16 on), got {rows}")
+        if rows and (self._packed is None or self._packed.dtype != torch.float32):
+            raise ValueError(f"only a packed float32 layer runs its few rows on torch's own linear, not this "
+                             f"{self.weight.dtype} one ({'packed' if self._packed is not None else 'plain'})")
+        self.few_rows = rows
+        self._store(self.weight, self.bias)
 
     @property
     def weight(self) -> Tensor:
         """The weight, (out, in), in the plain layout (a copy, where packed)."""
-        if self._packed is not None:
-            return self._packed.to_dense()
-        assert self._plain is not None
-        return self._plain
+        if self._plain is not None:
+            return self._plain
+        assert self._packed is not None
+        return self._packed.to_dense()
 
     def forward(self, x: Tensor) -> Tensor:
         # x: (..., in) -> (..., out), in the weight's dtype
-        if self._packed is None:
+        if self._packed is None or self._few(x):
             assert self._plain is not None
             return F.linear(x, self._plain, self.bias)
         return self._onednn(x, "none")
@@ -145,9 +164,14 @@ class PackedLinear(nn.Module):
         """relu(self(x)), the ReLU in oneDNN's epilogue where the weight is packed: no second pass over the
         (..., out) output (a feed-forward's, 4 x d_model wide). The same numbers: a ReLU commutes with
         rounding to bf16."""
-        if self._packed is None:
+        if self._packed is None or self._few(x):
             return F.relu(self(x))
         return self._onednn(x, "relu")
+
+    def _few(self, x: Tensor) -> bool:
+        # x: (..., in) of at most few_rows rows (a wrong width goes on to at_padded_rows' error)
+        return (self.few_rows > 0 and x.dim() > 0 and x.size(-1) == self.in_features
+                and x.numel() <= self.few_rows * self.in_features)
 
     def _onednn(self, x: Tensor, post_op: str) -> Tensor:
         # x: (..., in) -> (..., out), its rows run at padded_rows(rows), the padding zeros. Each row's outputs
@@ -161,7 +185,7 @@ class PackedLinear(nn.Module):
         # oneDNN's packed tensor has no storage to copy: the copy packs the plain weight again
         copy = PackedLinear.__new__(PackedLinear)
         nn.Module.__init__(copy)
-        copy.in_features, copy.out_features = self.in_features, self.out_features
+        copy.in_features, copy.out_features, copy.few_rows = self.in_features, self.out_features, self.few_rows
         copy._store(self.weight.clone(), self.bias.clone() if self.bias is not None else None)
         return copy
 
@@ -171,6 +195,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "oneDNN packed" if self._packed is not None else "plain"
+        if self.few_rows:
+            kind += f", <= {self.few_rows} rows on torch's own"
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.dtype}, {kind}"
 
 
