@@ -148,23 +148,31 @@ def onednn_linears(device: torch.device, precision: str) -> Verdict:
 
 # The row counts timed for few_rows_on_torch, up to the last below padded_rows' first rounded count (16)
 FEW_ROWS = (1, 2, 4, 8, 15)
+FewRowsLayers = tuple[list[torch.nn.Linear], list[PackedLinear]]  # one shape's layers, plain and packed
 
 
 def few_rows_on_torch(device: torch.device, precision: str, *, in_features: int, out_features: int) -> int:
     """How many rows (0 to 15) a packed float32 linear layer of this shape runs faster on torch's own linear
     (MKL) than on oneDNN's: oneDNN's call costs ~25 us at one row, most of it describing the matmul anew, where
     MKL's costs ~8, while MKL's small-row GEMM loses to oneDNN's as rows and widths grow. Timed once per machine
-    and shape at each of FEW_ROWS in turn, up to the first where torch's own is not MARGIN times faster; the
-    rows up to the last count that was (numerics.PackedLinear.run_few_rows_on_torch). 0 off a CPU and for
-    bf16 (torch's bf16 linear is no faster than oneDNN's at a few rows) and int8."""
+    and shape at each of FEW_ROWS in turn, on one thread (a decoding worker's), up to the first where torch's own
+    is not MARGIN times faster; the rows up to the last count that was (numerics.PackedLinear.
+    run_few_rows_on_torch). 0 off a CPU and for bf16 (torch's bf16 linear is no faster than oneDNN's at a few
+    rows) and int8."""
     if device.type != "cpu" or precision != "fp32" or not torch.backends.mkldnn.is_available():
         return 0
+    layers: list[FewRowsLayers] = []  # made once, if anything is timed
+
+    def seconds(torch_own: bool, *, rows: int) -> float:
+        if not layers:
+            layers.append(_few_rows_layers(in_features=in_features, out_features=out_features))
+        return _fastest_few_rows(torch_own, rows=rows, layers=layers[0])
+
     most = 0
     for rows in FEW_ROWS:
-        seconds = partial(_fastest_few_rows, rows=rows, in_features=in_features, out_features=out_features)
-        verdict = timed_verdict(f"linear-few-rows-fp32-{in_features}x{out_features}-{rows}", seconds,
-                                what=f"torch's own linear at {rows} rows", candidates=(True, False),
-                                baseline="oneDNN's packed one")
+        verdict = timed_verdict(f"linear-few-rows-fp32-{in_features}x{out_features}-{rows}",
+                                partial(seconds, rows=rows), what=f"torch's own linear at {rows} rows",
+                                candidates=(True, False), baseline="oneDNN's packed one")
         if not verdict.pays:
             break
         most = rows
@@ -308,16 +316,21 @@ def _fastest_decoding_linears(precision: str, packed: bool) -> float:
         return _fastest(run)
 
 
-def _fastest_few_rows(torch_own: bool, *, rows: int, in_features: int, out_features: int) -> float:
-    """Seconds of float32 linear layers of one shape at `rows` rows on torch's own linear or oneDNN's packed one,
-    on one thread (a decoding worker's). As many copies as make 16 MB of weights, run one after the other: a
-    step reads its layers' weights from beyond the core's caches, not the same one again and again."""
+def _few_rows_layers(*, in_features: int, out_features: int) -> FewRowsLayers:
+    """float32 linear layers of one shape, plain and packed: as many copies as make 16 MB of weights (one,
+    where one is larger), for a step reads its layers' weights from beyond a core's caches, not one again and again."""
     copies = max(1, (16 << 20) // (in_features * out_features * 4))
-    layers = [torch.nn.Linear(in_features, out_features) for _ in range(copies)]
-    modules = layers if torch_own else [PackedLinear(linear) for linear in layers]
-    x = torch.randn(rows, in_features)
+    plain = [torch.nn.Linear(in_features, out_features) for _ in range(copies)]
+    return plain, [PackedLinear(linear) for linear in plain]
 
-    def run() -> None:
+
+def _fastest_few_rows(torch_own: bool, *, rows: int, layers: FewRowsLayers) -> float:
+    """Seconds of a pass through `layers` (plain, packed) at `rows` rows on torch's own linear or oneDNN's packed
+    one, on one thread: each timing runs as many passes as take ~5 ms, so that one slow call decides less."""
+    modules: list[torch.nn.Module] = list(layers[0]) if torch_own else list(layers[1])
+    x = torch.randn(rows, layers[0][0].in_features)
+
+    def one_pass() -> None:
         for module in modules:
             module(x)
 
@@ -325,7 +338,13 @@ def _fastest_few_rows(torch_own: bool, *, rows: int, in_features: int, out_featu
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            return _fastest(run)
+            passes = max(1, min(256, round(0.005 / _fastest(one_pass, repeats=1))))
+
+            def run() -> None:
+                for _ in range(passes):
+                    one_pass()
+
+            return _fastest(run) / passes
     finally:
         torch.set_num_threads(threads)
 

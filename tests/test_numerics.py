@@ -190,8 +190,10 @@ def test_a_packed_fp32_layer_runs_its_few_rows_on_torch_s_own_linear(monkeypatch
     torch.manual_seed(0)
     linear = nn.Linear(64, 40)
     packed = PackedLinear(linear)
+    assert packed._plain is None  # no plain copy beside the packed one unless few rows ask for it
     packed.run_few_rows_on_torch(4)
     assert packed.few_rows == 4 and "<= 4 rows on torch's own" in repr(packed)
+    assert packed.weight is packed._plain and packed._plain.data_ptr() != linear.weight.data_ptr()
     onednn = torch.ops.mkldnn._linear_pointwise
     calls = []
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *args: calls.append(x.shape) or onednn(x, *args))
@@ -210,6 +212,10 @@ def test_a_packed_fp32_layer_runs_its_few_rows_on_torch_s_own_linear(monkeypatch
             packed(torch.randn(2, 10))  # few rows, the wrong width: the same error as ever
     assert deepcopy(packed).few_rows == 4 and packed.to(torch.float32).few_rows == 4
     assert PackedLinear(linear).to(torch.bfloat16).few_rows == 0 and packed.double().few_rows == 0
+    dropped = PackedLinear(linear)
+    dropped.run_few_rows_on_torch(3)
+    dropped.run_few_rows_on_torch(0)
+    assert dropped.few_rows == 0 and dropped._plain is None  # the plain copy let go
     with pytest.raises(ValueError, match="between 0 and 15"):
         PackedLinear(linear).run_few_rows_on_torch(16)
     with pytest.raises(ValueError, match="only a packed float32 layer"):

@@ -21,6 +21,7 @@ from seq2seq.precision import (
     _fastest_few_rows,
     _fastest_linear,
     _fastest_one_query_attention,
+    _few_rows_layers,
     bf16_attention,
     bf16_matmuls,
     bf16_matmuls_pay,
@@ -320,15 +321,19 @@ def test_few_rows_on_torch_are_the_rows_up_to_the_first_count_where_oneDNN_keeps
     speed_ups = {(256, 256): {1: 3.0, 2: 2.5, 4: 2.0, 8: 1.3, 15: 1.26}, (256, 1024): {1: 1.6, 2: 1.4, 4: 1.2, 8: 2.0},
                  (256, 8000): {1: 1.1, 2: 5.0}}
 
-    def seconds(torch_own: bool, *, rows: int, in_features: int, out_features: int) -> float:
-        calls.append((torch_own, rows, in_features, out_features))
-        return 1.0 / speed_ups[in_features, out_features][rows] if torch_own else 1.0
+    def seconds(torch_own: bool, *, rows: int, layers: tuple[int, int]) -> float:
+        calls.append((torch_own, rows, *layers))
+        return 1.0 / speed_ups[layers][rows] if torch_own else 1.0
 
+    made: list[tuple[int, int]] = []
+    monkeypatch.setattr("seq2seq.precision._few_rows_layers",
+                        lambda *, in_features, out_features: made.append((in_features, out_features)) or made[-1])
     monkeypatch.setattr("seq2seq.precision._fastest_few_rows", seconds)
     assert few_rows_on_torch(CPU, "fp32", in_features=256, out_features=256) == 15
     assert few_rows_on_torch(CPU, "fp32", in_features=256, out_features=1024) == 2  # 4 is under the margin
     assert few_rows_on_torch(CPU, "fp32", in_features=256, out_features=8000) == 0
     assert [rows for _, rows, *_ in calls[::2]] == [*FEW_ROWS, 1, 2, 4, 1]  # stopped at the first miss
+    assert made == [(256, 256), (256, 1024), (256, 8000)]  # each shape's layers made once
     timed = len(calls)
     assert few_rows_on_torch(CPU, "fp32", in_features=256, out_features=1024) == 2 and len(calls) == timed  # kept
     for precision, device in (("bf16", CPU), ("int8", CPU), ("fp32", torch.device("cuda", 0))):
@@ -340,9 +345,15 @@ def test_few_rows_on_torch_are_the_rows_up_to_the_first_count_where_oneDNN_keeps
 def test_the_onednn_timing_runs_both_kernels():
     assert _fastest_decoding_linears("bf16", True) > 0 and _fastest_decoding_linears("fp32", False) > 0
     threads = torch.get_num_threads()
-    for torch_own in (True, False):
-        assert _fastest_few_rows(torch_own, rows=2, in_features=64, out_features=48) > 0
-        assert torch.get_num_threads() == threads  # the one thread it timed on given back
+    torch.set_num_threads(2)
+    try:
+        layers = _few_rows_layers(in_features=64, out_features=48)
+        assert len(layers[0]) == len(layers[1]) == (16 << 20) // (64 * 48 * 4)  # 16 MB of float32 weights
+        for torch_own in (True, False):
+            assert _fastest_few_rows(torch_own, rows=2, layers=layers) > 0
+            assert torch.get_num_threads() == 2  # the one thread it timed on given back
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("speed_up,sdpa", [(1.8, True), (1.1, False), (0.5, False)])

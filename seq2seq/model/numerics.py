@@ -142,12 +142,15 @@ class PackedLinear(nn.Module):
         if rows and (self._packed is None or self._packed.dtype != torch.float32):
             raise ValueError(f"only a packed float32 layer runs its few rows on torch's own linear, not this "
                              f"{self.weight.dtype} one ({'packed' if self._packed is not None else 'plain'})")
-        self.few_rows = rows
-        self._store(self.weight, self.bias)
+        if rows != self.few_rows:
+            self.few_rows = rows
+            self._store(self.weight, self.bias)
 
     @property
     def weight(self) -> Tensor:
-        """The weight, (out, in), in the plain layout (a copy, where packed)."""
+        """The weight, (out, in), in the plain layout: the plain tensor the layer runs where it keeps one (unpacked,
+        or beside the packed one for its few rows: writing into it changes those rows' outputs only), else a copy
+        unpacked from oneDNN's layout."""
         if self._plain is not None:
             return self._plain
         assert self._packed is not None
