@@ -31,7 +31,8 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
@@ -283,6 +284,18 @@ def _fastest(run: Callable[[], None], *, repeats: int = 3) -> float:
     return best
 
 
+@contextmanager
+def on_one_thread() -> Iterator[None]:
+    """Torch's intra-op threads set to one inside, the caller's count given back after (OpenMP's count is per
+    thread, as start_decoder_thread relies on): a decoding worker's verdicts are timed as it runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _fastest_linear(dtype: torch.dtype, device: torch.device, *, training: bool) -> float:
     """Seconds of a linear layer shaped like a decoding step's or, with `training`, like a training
     batch's forward and backward (whose transposed layouts are the ones AVX2 CPUs run slowest in bf16)."""
@@ -334,19 +347,14 @@ def _fastest_few_rows(torch_own: bool, *, rows: int, layers: FewRowsLayers) -> f
         for module in modules:
             module(x)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            passes = max(1, min(256, round(0.005 / _fastest(one_pass, repeats=1))))
+    with on_one_thread(), torch.inference_mode():
+        passes = max(1, min(256, round(0.005 / _fastest(one_pass, repeats=1))))
 
-            def run() -> None:
-                for _ in range(passes):
-                    one_pass()
+        def run() -> None:
+            for _ in range(passes):
+                one_pass()
 
-            return _fastest(run) / passes
-    finally:
-        torch.set_num_threads(threads)
+        return _fastest(run) / passes
 
 
 def _fastest_one_query_attention(sdpa: bool) -> float:
@@ -366,13 +374,8 @@ def _fastest_one_query_attention(sdpa: bool) -> float:
         else:
             attend_by_matmul(queries, keys, values, mask=mask)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # OpenMP's count is per thread (as start_decoder_thread relies on)
-    try:
-        with torch.inference_mode():
-            return _fastest(run)
-    finally:
-        torch.set_num_threads(threads)
+    with on_one_thread(), torch.inference_mode():
+        return _fastest(run)
 
 
 def _fastest_attention(dtype: torch.dtype, *, dropout: bool) -> float:
