@@ -38,9 +38,9 @@ VARIANTS = {"cpu": ("compiled", "cpp"), "cuda": ("compiled", "graphs")}
 
 
 def pure_step(model, *, rows: int, capacity: int):  # type: ignore[no-untyped-def]
-    """(step, holder): step(tokens (R,), position () long, keys, values, cross_keys, cross_values)
-    -> logits (R, V), writing the new position's keys and values into keys[i], values[i] (R, H, capacity, Dh);
-    holder: the module that owns the weights (plain nn.Linear copies, so that inductor can freeze them)."""
+    """step(tokens (R,), position () long, keys, values, cross_keys, cross_values) -> logits (R, V), writing the
+    new position's keys and values into keys[i], values[i] (R, H, capacity, Dh); its linear layers are plain
+    nn.Linear copies of the model's (packed ones hold no parameters for inductor to freeze)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -54,27 +54,23 @@ def pure_step(model, *, rows: int, capacity: int):  # type: ignore[no-untyped-de
     heads, d_model = config.num_heads, config.d_model
     head_dim = d_model // heads
     decoder = model.decoder
-    holder = nn.Module()
 
-    def plain(name: str, linear: nn.Module) -> nn.Linear:
+    def plain(linear: nn.Module) -> nn.Linear:
         weight = linear.weight.detach()
         copy = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                          dtype=weight.dtype, device=weight.device)
         copy.weight.data.copy_(weight)
         if linear.bias is not None:
             copy.bias.data.copy_(linear.bias.detach())
-        holder.add_module(name, copy.requires_grad_(False))
-        return copy
+        return copy.requires_grad_(False)
 
-    layers = []
-    for i, layer in enumerate(decoder.layers):
-        layers.append(dict(
-            norm_self=layer.self_attn_residual.norm, norm_cross=layer.cross_attn_residual.norm,
-            norm_ffn=layer.ffn_residual.norm, qkv=plain(f"qkv{i}", layer.self_attn.qkv_proj),
-            out=plain(f"out{i}", layer.self_attn.out_proj), q=plain(f"q{i}", layer.cross_attn.q_proj),
-            cross_out=plain(f"cross_out{i}", layer.cross_attn.out_proj), w_in=plain(f"w_in{i}", layer.ffn.w_in),
-            w_out=plain(f"w_out{i}", layer.ffn.w_out)))
-    output = plain("output", model.output_projection)
+    layers = [dict(norm_self=layer.self_attn_residual.norm, norm_cross=layer.cross_attn_residual.norm,
+                   norm_ffn=layer.ffn_residual.norm, qkv=plain(layer.self_attn.qkv_proj),
+                   out=plain(layer.self_attn.out_proj), q=plain(layer.cross_attn.q_proj),
+                   cross_out=plain(layer.cross_attn.out_proj), w_in=plain(layer.ffn.w_in),
+                   w_out=plain(layer.ffn.w_out))
+              for layer in decoder.layers]
+    output = plain(model.output_projection)
     embed = decoder.embed
     dtype = output.weight.dtype
     positions = (embed.positions(capacity, offset=0).reshape(capacity, d_model).to(dtype)
@@ -109,7 +105,7 @@ def pure_step(model, *, rows: int, capacity: int):  # type: ignore[no-untyped-de
             x = decoder.final_norm(x)
         return output(x)[:, 0]
 
-    return step, holder
+    return step
 
 
 def child(args: argparse.Namespace) -> None:
@@ -155,7 +151,7 @@ def measure(model, *, rows: int, forced: list[int], src, variant: str, turns: in
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     src_mask = torch.ones(rows, memory.size(1), dtype=torch.bool, device=device)
     capacity = min(-(-len(forced) // 8) * 8, model.config.max_positions)  # (the positions table ends there)
-    step, _holder = pure_step(model, rows=rows, capacity=capacity)
+    step = pure_step(model, rows=rows, capacity=capacity)
     cross = [layer.cross_attn.keys_values(memory) for layer in model.decoder.layers]
     cross_keys = [k.contiguous() for k, _ in cross]
     cross_values = [v.contiguous() for _, v in cross]
