@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -35,10 +35,11 @@ from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.constraints import holds
 from seq2seq.markup import HtmlDocument
 from seq2seq.model import MultiHeadAttention, Transformer
-from seq2seq.model.numerics import PackedLinear, for_inference
+from seq2seq.model.compiled import CompiledDecoder, check_compilable
+from seq2seq.model.numerics import PackedLinear, for_inference, pack_linears
 from seq2seq.precision import Precision, few_rows_on_torch, one_query_sdpa, onednn_linears, resolve_precision
 from seq2seq.scoring import Forced, force_decode
-from seq2seq.search import Hypothesis, SearchConfig, decode
+from seq2seq.search import EncoderDecoder, Hypothesis, SearchConfig, decode
 from seq2seq.sentences import Paragraphs, model_sentence_spans
 from seq2seq.subtitles import SrtDocument
 from seq2seq.tokenizer import Tokenizer
@@ -102,6 +103,7 @@ class Translator:
         search: SearchConfig = DEFAULT_SEARCH,
         workers: int = 1,
         threads: int | None = None,
+        compiled: bool = False,
     ):
         """`precision` (seq2seq/precision.py): auto picks bf16 where bf16 matmuls are fast (a GPU from
         Ampere on, a CPU with AMX or AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
@@ -122,7 +124,14 @@ class Translator:
         (shared_out), which can change a bf16 translation slightly (fp32: the same tokens), and a lone batch
         too small to cut but wide enough (_wide) decodes on all the workers' threads; seeded sampling,
         whose draws run through one generator, decodes one batch at a time. On a device other than the CPU
-        one worker is faster (several wait on each other's kernels): more are taken, with a warning."""
+        one worker is faster (several wait on each other's kernels): more are taken, with a warning.
+
+        `compiled`: the searches' decoding steps run compiled (seq2seq/model/compiled.py): at a few rows a
+        step 2-3x faster on a CPU, where the eager step is mostly per-call overhead; the first batches of each
+        kind (one row, several rows, beams) wait while it compiles, tens of seconds each (inductor keeps the
+        code on disk for the next process). fp32 or bf16, models with absolute positions; outputs can differ
+        from the eager step's in the last bits of a logit, as a different kernel's would. The decoder's linear
+        layers stay unpacked (inductor packs its own copy), so teacher-forced scoring runs slower."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -144,7 +153,16 @@ class Translator:
         packed = onednn_linears(self.device, self.precision).pays
         if self.device.type == "cpu" and self.precision == "bf16":  # a machine's choice: the same for every model
             MultiHeadAttention.one_query_by_matmul = not one_query_sdpa(self.device, self.precision).pays
-        self.model = for_inference(model.to(self.device).fuse_self_attention(), self.precision, packed=packed)
+        if compiled:
+            check_compilable(model.config)
+            if self.precision not in ("fp32", "bf16"):
+                raise ValueError(f"compiled decoding runs fp32 or bf16, not {self.precision}")
+        self.model = for_inference(model.to(self.device).fuse_self_attention(), self.precision,
+                                   packed=packed and not compiled)
+        if packed and compiled:  # the encoder runs eagerly: packed where that pays, as without `compiled`
+            pack_linears(self.model.encoder)
+        self.decoding: EncoderDecoder[Any] = CompiledDecoder(self.model) if compiled else self.model
+        """What the searches decode with: the model, or its compiled decoding step."""
         if packed and self.precision == "fp32":  # a decoding step's few rows on torch's own linear, where faster
             few: dict[tuple[int, int], int] = {}
             for layer in self.model.modules():
@@ -162,7 +180,7 @@ class Translator:
     @classmethod
     def from_checkpoint(
         cls, path: str | Path, *, device: str | torch.device = "cpu", precision: Precision = "auto", workers: int = 1,
-        threads: int | None = None,
+        threads: int | None = None, compiled: bool = False,
     ) -> "Translator":
         """Raises CheckpointError (one line naming the file) for any checkpoint it cannot trust."""
         loaded = read_inference(path, load_checkpoint(path))
@@ -170,7 +188,8 @@ class Translator:
         model.load_state_dict(loaded.weights)  # names and shapes were checked against the config
         tokenizer = Tokenizer.from_bytes(loaded.tokenizer)  # read_inference loaded it once: it loads
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
-                   device=device, precision=precision, search=loaded.search, workers=workers, threads=threads)
+                   device=device, precision=precision, search=loaded.search, workers=workers, threads=threads,
+                   compiled=compiled)
 
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                   prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
@@ -289,7 +308,7 @@ class Translator:
             src = pad_batch([ids[i] for i in batch], pad=tokenizer.pad_id, device=self.device)  # (B, S)
             prefix = [forced[i] for i in batch] if forced is not None else None
             bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
-            nbest = decode(self.model, src, search, bos=bos, eos=eos, pad=pad, generator=generator, prefix=prefix,
+            nbest = decode(self.decoding, src, search, bos=bos, eos=eos, pad=pad, generator=generator, prefix=prefix,
                            constraints=[phrases[i][1] for i in batch] if phrases is not None else None,
                            continuing=continuing)
             return [(i, self._detokenize(sentence_hyps, source=ids[i], phrases=phrases[i] if phrases is not None else None))

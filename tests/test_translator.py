@@ -24,6 +24,7 @@ import sys
 import threading
 import warnings
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from conftest import DEMO_DATA, write_not_ours
 from seq2seq import translator as translator_module
 from seq2seq.checkpoint import store_search_defaults
 from seq2seq.model import MultiHeadAttention, Transformer, TransformerConfig
+from seq2seq.model.compiled import CompiledDecoder
 from seq2seq.model.numerics import PackedLinear
 from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig, beam_search, greedy
@@ -450,6 +452,34 @@ def test_few_rows_on_torch_s_own_linear_follow_the_machine_s_verdict(trained: Pa
         for source in sources:
             ((want,),), ((got,),) = base.translate_nbest([source], search), few.translate_nbest([source], search)
             assert got.tokens == want.tokens and got.score == pytest.approx(want.score, abs=1e-4)
+
+
+def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch):
+    """Translator(compiled=True) in fp32: the searches run seq2seq/model/compiled.py's step over the decoder's
+    unpacked linear layers (the encoder's packed where that pays, as before) and give the eager Translator's
+    tokens (tests/test_compiled.py decodes one sentence at a time, and more variants). int8 and a model with
+    rotary positions are refused in one line, before anything compiles. (Compiled without timing inductor's GEMM
+    templates, which for this model took minutes: tests/test_compiled.py runs them on tiny models.)"""
+    monkeypatch.setattr("seq2seq.translator.CompiledDecoder", partial(CompiledDecoder, gemm_templates=False))
+    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
+        sources = f.read().split("\n")[:24]
+    base = Translator.from_checkpoint(trained, precision="fp32")
+    compiled = Translator.from_checkpoint(trained, precision="fp32", compiled=True)
+    assert isinstance(compiled.decoding, CompiledDecoder) and base.decoding is base.model
+    assert not any(isinstance(m, PackedLinear) for m in compiled.model.decoder.modules())
+    assert not isinstance(compiled.model.output_projection, PackedLinear)
+    assert (any(isinstance(m, PackedLinear) for m in compiled.model.encoder.modules())
+            == torch.backends.mkldnn.is_available())
+    for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=4)):
+        want, got = base.translate_nbest(sources, search), compiled.translate_nbest(sources, search)
+        assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
+        assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-4)
+    with pytest.raises(ValueError, match="compiled decoding runs fp32 or bf16, not int8"):
+        Translator.from_checkpoint(trained, precision="int8", compiled=True)
+    rotary = Transformer(TransformerConfig(vocab_size=compiled.tokenizer.vocab_size, d_model=32, num_heads=2,
+                                           d_ff=64, positions="rotary"))
+    with pytest.raises(ValueError, match="decode without compile"):
+        Translator(model=rotary, tokenizer=compiled.tokenizer, compiled=True)
 
 
 def test_bf16_attention_at_one_query_a_row_follows_the_machine_s_verdict(trained: Path,

@@ -1,0 +1,250 @@
+"""The decoder's one-token step written for torch.compile, over a cache of fixed shape.
+
+At a few rows a decoding step is mostly overhead between kernels: each eager op and each linear layer's
+oneDNN call costs more than its arithmetic (README, "A compiled decoding step"). Compiled, the step is
+one function of generated code in which the matmuls' micro-kernels (inductor's CPP GEMM templates: AMX
+or AVX-512 on a CPU) sit among the fused element-wise work. For dynamo to trace it once and replay it,
+the step has no Python state and no branch on the data: the decoding cache is one buffer per layer,
+(R, H, capacity, Dh), written in place at a position given as a tensor, and every length is a symbolic
+size (`dynamic=True`), so a growing cache, changing rows and sources of any length reuse the graphs
+compiled for them: one per kind of call (one row; one sentence's beams; several sentences; several with beams).
+
+The arithmetic is the model's own modules (norms, residual placements, projections, feed-forward), so
+the compiled step computes what `Transformer.decode` computes, to the kernels' rounding. Relative (T5)
+and rotary positions act inside self-attention at positions given as Python ints: they are not written
+out here, and a model that uses them is refused (`check_compilable`).
+
+    memory (N, S, D) ──cross keys/values, once──► CompiledState ◄── reorder (beams, finished sentences)
+    tgt_in (R, 1), position ──compiled step──► logits (R, V), the cache written at `position`
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from seq2seq.model.attention import CACHE_GROWTH, fold_beams, unfold_beams
+from seq2seq.model.config import TransformerConfig
+from seq2seq.model.layers import DecoderLayer
+from seq2seq.model.transformer import Transformer
+
+COMPILABLE_POSITIONS = ("sinusoidal", "learned")
+
+
+def check_compilable(config: TransformerConfig) -> None:
+    """ValueError, one line, for a model the compiled step does not write out."""
+    if config.positions not in COMPILABLE_POSITIONS:
+        raise ValueError(f"compiled decoding covers absolute positions ({', '.join(COMPILABLE_POSITIONS)}); this "
+                         f"model's are {config.positions!r}: decode without compile")
+
+
+class CompiledState:
+    """What the compiled step keeps between steps (search.py's DecoderState protocol): per decoder layer the
+    self-attention keys and values, (R, H, capacity, Dh) each, positions from `length` on zero (the step
+    masks them), and the cross-attention keys and values, (N, H, S, Dh), one row per sentence."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        """Number of target positions cached so far."""
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.cross_keys: list[Tensor] = []
+        self.cross_values: list[Tensor] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].size(2) if self.keys else 0
+
+    def reserve(self, *, rows: int, heads: int, head_dim: int, num_layers: int, dtype: torch.dtype,
+                device: torch.device) -> None:
+        """Room for one more position: the buffers made on the first step, CACHE_GROWTH positions larger when
+        full (a copy every CACHE_GROWTH steps; the step attends over the whole capacity, masked)."""
+        if self.length < self.capacity:
+            return
+        capacity = self.capacity + CACHE_GROWTH
+        for cache in (self.keys, self.values):
+            grown = [torch.zeros(rows, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+            for new, old in zip(grown, cache, strict=False):  # (cache empty on the first step)
+                new[:, :, : self.length] = old[:, :, : self.length]
+            cache[:] = grown
+
+    def reorder(self, indices: Tensor, *, sentences: Tensor | None = None) -> CompiledState:
+        """Row j becomes row indices[j] (in place; returns self); `sentences` selects the cross keys' rows."""
+        self.keys = [k.index_select(0, indices) for k in self.keys]
+        self.values = [v.index_select(0, indices) for v in self.values]
+        if sentences is not None:
+            self.cross_keys = [k.index_select(0, sentences) for k in self.cross_keys]
+            self.cross_values = [v.index_select(0, sentences) for v in self.cross_values]
+        return self
+
+
+def attend(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(Dh)) v, masked, written out for inductor to fuse (SDPA would be an opaque CPU
+    kernel, slow in bf16 for many small matrices): (B, H, Tq, Dh) from queries (B, H, Tq, Dh), keys and
+    values (B, H, Tk, Dh), a boolean mask broadcastable to (B, H, Tq, Tk); every query sees a key."""
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * queries.size(-1) ** -0.5  # (B, H, Tq, Tk)
+    return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), values)
+
+
+Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], Tensor]
+
+
+def decoder_step(model: Transformer) -> Step:
+    """step(tokens (R,), position () long, keys, values, cross_keys, cross_values, src_mask (N, S) bool) ->
+    logits (R, V): `model`'s decoder fed one token per row at `position`, writing that position's self-attention
+    keys and values into keys[i] and values[i] (R, H, capacity, Dh) in place; R = N * K rows, a sentence's K
+    hypotheses adjacent (they share its cross keys/values, as MultiHeadAttention folds them)."""
+    check_compilable(model.config)
+    decoder = model.decoder
+    layers = cast(list[DecoderLayer], list(decoder.layers))
+    embed = decoder.embed
+    positions = embed.positions
+    assert positions is not None  # absolute positions (check_compilable)
+
+    def step(tokens: Tensor, position: Tensor, keys: list[Tensor], values: list[Tensor], cross_keys: list[Tensor],
+             cross_values: list[Tensor], src_mask: Tensor) -> Tensor:
+        rows = tokens.size(0)
+        table = positions(model.config.max_positions)  # (P, D)
+        x = embed.tokens(tokens[:, None]) * embed.scale + table.index_select(0, position.view(1))  # (R, 1, D)
+        x = embed.dropout(x)
+        self_mask = (torch.arange(keys[0].size(2), device=x.device) <= position)[None, None, None, :]  # (1, 1, 1, cap)
+        cross_mask = src_mask[:, None, None, :]  # (N, 1, 1, S)
+        for i, layer in enumerate(layers):
+            attention = layer.self_attn
+            h = layer.self_attn_residual.before(x)
+            queries, new_keys, new_values = attention.self_projections(h)  # (R, H, 1, Dh) each
+            keys[i][:, :, position.view(1)] = new_keys
+            values[i][:, :, position.view(1)] = new_values
+            out = attend(queries, keys[i], values[i], mask=self_mask)  # (R, H, 1, Dh)
+            x = layer.self_attn_residual.after(x, attention.out_proj(out.transpose(1, 2).reshape(rows, 1, -1)))
+
+            attention = layer.cross_attn
+            h = layer.cross_attn_residual.before(x)
+            sentences = cross_keys[i].size(0)
+            queries = fold_beams(attention.split_heads(attention.q_proj(h)), sentences=sentences)  # (N, H, K, Dh)
+            out = attend(queries, cross_keys[i], cross_values[i], mask=cross_mask)  # (N, H, K, Dh)
+            out = unfold_beams(out, beams=rows // sentences)  # (R, H, 1, Dh)
+            x = layer.cross_attn_residual.after(x, attention.out_proj(out.transpose(1, 2).reshape(rows, 1, -1)))
+
+            x = layer.ffn_residual.after(x, layer.ffn(layer.ffn_residual.before(x)))
+        if decoder.final_norm is not None:
+            x = decoder.final_norm(x)
+        return model.output_projection(x)[:, 0]  # (R, V)
+
+    return step
+
+
+QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+"""Inductor's tables of its matmul timings not printed (a translation's output would drown in them)."""
+
+GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+"""On a CPU, each matmul of the step chosen by timing inductor's CPP GEMM templates against ATen's kernels: at one
+row the templates' micro-kernels (AMX or AVX-512), among the fused work, run a step ~2.5x faster than the eager
+step's oneDNN calls (README, "A compiled decoding step"); compiling takes several times longer."""
+
+
+def inductor_backend(options: dict[str, object]) -> Callable[[torch.fx.GraphModule, list[Tensor]], Callable[..., object]]:
+    """torch.compile's backend: inductor with `options` set while it compiles (and only then: set for the process
+    they would change every other compiled function's)."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    def compile_with_options(graph: torch.fx.GraphModule, inputs: list[Tensor]) -> Callable[..., object]:
+        with config.patch(options):
+            return cast(Callable[..., object], compile_fx(graph, inputs))
+
+    return compile_with_options
+
+
+@contextmanager
+def tracing_settings() -> Iterator[None]:
+    """What dynamo must see whenever it traces the step, set around each call (it traces on a call whose guards
+    fail, and reads these then, before any backend runs), as they were after:
+
+    - inductor's `freezing`: the weights become constants of the compiled code, which inductor packs once for
+      its GEMM templates (as inputs, the step ran 2x slower);
+    - no duck sizing: dynamo would give sizes equal at the first call one symbol (rows = heads, capacity =
+      head size), and then specialise them to the model's constants (a graph for one shape of the cache).
+
+    torch's config settings are the setting thread's own (context variables): other threads, and this one
+    after the call, keep theirs. ~10 us a step."""
+    from torch._inductor import config as inductor
+    from torch.fx.experimental import _config as shapes
+
+    before = inductor.freezing, shapes.use_duck_shape
+    inductor.freezing, shapes.use_duck_shape = True, False
+    try:
+        yield
+    finally:
+        inductor.freezing, shapes.use_duck_shape = before
+
+
+RECOMPILE_LIMIT = 16
+"""Graphs one CompiledDecoder may compile: a search makes up to four kinds of call (one row; several rows of one
+sentence, beams; several sentences, one row each; several sentences with beams)."""
+
+
+class CompiledDecoder:
+    """A Transformer whose decoding step runs compiled: search.py's EncoderDecoder, for `search.decode`.
+
+    `encode` and a stateless `decode` (teacher-forced scoring, alignments) are the model's own, eager; a
+    decode with a state (from `new_state`) runs the compiled step once per fed token. The first steps of
+    each kind compile (tens of seconds; inductor keeps the code on disk for the next process), on the
+    thread that first decodes, with its intra-op thread count built into the code; `gemm_templates` off
+    compiles faster, to a slower step (GEMM_TEMPLATES). The model's linear
+    layers must be plain nn.Linear (the Translator packs only the encoder's), fp32 or bf16, and its weights
+    must not change afterwards: they are frozen into the compiled code."""
+
+    def __init__(self, model: Transformer, *, gemm_templates: bool = True):
+        self.model = model
+        self.config = model.config
+        backend = inductor_backend({**QUIET, **(GEMM_TEMPLATES if gemm_templates else {})})
+        # One graph per kind of call (one row or several, one sentence or several, beams or not), each
+        # decoder's apart from other decoders' (all share the step's code): a graph break or more graphs
+        # than RECOMPILE_LIMIT is an error, not a silent fall back to the eager step.
+        self._step = torch.compile(  # type: ignore[call-overload]  # (torch's overloads lack the last two)
+            decoder_step(model), dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
+            recompile_limit=RECOMPILE_LIMIT)
+
+    def encode(self, src: Tensor) -> Tensor:
+        return self.model.encode(src)
+
+    @staticmethod
+    def new_state() -> CompiledState:
+        return CompiledState()
+
+    def decode_with_attention(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, *,
+                              layer: int) -> tuple[Tensor, Tensor]:
+        return self.model.decode_with_attention(tgt_in, memory, src_mask, layer=layer)
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: CompiledState | None = None) -> Tensor:
+        """Logits (R, T, V) for `tgt_in` (R, T), as Transformer.decode gives them. With a state, each of the T
+        tokens is one compiled step (the searches feed one a step; fed tokens are all real, none masked)."""
+        if state is None:
+            return self.model.decode(tgt_in, memory, src_mask)
+        rows, length = tgt_in.shape
+        if state.length + length > self.config.max_positions:
+            raise ValueError(f"sequence of {state.length + length} tokens exceeds max_positions="
+                             f"{self.config.max_positions}; truncate the input or train a model with larger "
+                             f"max_positions")
+        if not state.cross_keys:
+            for layer in cast(list[DecoderLayer], list(self.model.decoder.layers)):
+                cross_keys, cross_values = layer.cross_attn.keys_values(memory)  # (N, H, S, Dh) each
+                state.cross_keys.append(cross_keys.contiguous())
+                state.cross_values.append(cross_values.contiguous())
+        heads = self.config.num_heads
+        logits = []
+        with tracing_settings():
+            for t in range(length):
+                state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
+                              num_layers=self.config.num_decoder_layers, dtype=memory.dtype, device=memory.device)
+                position = torch.tensor(state.length, device=tgt_in.device)
+                tokens = tgt_in[:, t].contiguous()  # (R,): a strided column would be another graph's input
+                logits.append(self._step(tokens, position, state.keys, state.values, state.cross_keys,
+                                         state.cross_values, src_mask))
+                state.length += 1
+        return torch.stack(logits, dim=1)  # (R, T, V)

@@ -1,0 +1,223 @@
+"""The compiled decoding step (seq2seq/model/compiled.py) against the model's own eager step.
+
+Each compile takes seconds even for these tiny models (inductor, with its GEMM templates timed), so the tests
+share a few compiled decoders: one per model variant, each checked step by step and through the searches."""
+
+import threading
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.model.compiled import CompiledDecoder, CompiledState, check_compilable, tracing_settings
+from seq2seq.model.numerics import for_inference
+from seq2seq.search import SearchConfig, decode
+
+BOS, EOS, PAD = 1, 2, 0
+VARIANTS = {
+    "post-sinusoidal-relu": {},
+    "sandwich-learned-swiglu-rmsnorm-untied": dict(norm_placement="sandwich", positions="learned",
+                                                   activation="swiglu", norm="rmsnorm", tie_embeddings="none",
+                                                   output_bias=True, scale_embeddings=False),
+}
+"""The paper's, and one where every switch the step goes through differs (DeepNorm's and pre-norm's residuals are
+Residual's own code, as post's and sandwich's). Compiled without inductor's GEMM templates, in a quarter of the
+time: test_gemm_templates_* compiles with them, as the Translator does."""
+
+
+def tiny(*, seed: int = 0, dtype: torch.dtype = torch.float32, **variant) -> Transformer:
+    torch.manual_seed(seed)
+    config = TransformerConfig(**{**dict(vocab_size=48, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
+                                         num_decoder_layers=2, dropout=0.0, max_positions=40), **variant})
+    model = Transformer(config)
+    with torch.no_grad():  # an untrained model's output bias is zero: make it count
+        if model.output_projection.bias is not None:
+            model.output_projection.bias.normal_()
+    return for_inference(model.fuse_self_attention(), "bf16" if dtype == torch.bfloat16 else "fp32")
+
+
+DECODERS: dict[str, tuple[Transformer, CompiledDecoder]] = {}
+
+
+def compiled_variant(name: str) -> tuple[Transformer, CompiledDecoder]:
+    """The variant's model and its compiled decoder, made once for the module's tests (compiling is the cost)."""
+    if name not in DECODERS:
+        model = tiny(**VARIANTS[name])
+        DECODERS[name] = model, CompiledDecoder(model, gemm_templates=False)
+    return DECODERS[name]
+
+
+@pytest.fixture(params=list(VARIANTS))
+def pair(request: pytest.FixtureRequest) -> tuple[Transformer, CompiledDecoder]:
+    return compiled_variant(request.param)
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process: a test that decodes with a new decoder sees it grow, where a
+    silent fall back to the eager step would not."""
+    return counters["stats"]["unique_graphs"]
+
+
+def sources(*, seed: int = 1) -> torch.Tensor:
+    """Four sentences of different lengths, right-padded: (4, 9)."""
+    generator = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, 48, (4, 9), generator=generator)
+    for row, length in enumerate((9, 3, 6, 1)):
+        src[row, length:] = PAD
+    return src
+
+
+@torch.inference_mode()
+def test_each_step_gives_the_models_logits_and_keeps_them_through_reorders(pair):
+    """Step by step over 12 positions (the cache grows past CACHE_GROWTH), with beams reordered, duplicated,
+    and a sentence dropped on the way: the compiled logits equal the eager step's given the same history."""
+    model, compiled = pair
+    src = sources()
+    memory, src_mask = model.encode(src), src != PAD
+    eager_state, state = model.new_state(), compiled.new_state()
+    tokens = torch.full((4, 1), BOS)
+    generator = torch.Generator().manual_seed(2)
+    before = graphs_compiled()
+    for step in range(12):
+        expected = model.decode(tokens, memory, src_mask, state=eager_state)
+        got = compiled.decode(tokens, memory, src_mask, state=state)
+        assert got.shape == expected.shape == (tokens.size(0), 1, 48)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+        rows = tokens.size(0)
+        if step == 0:  # the beams open: each sentence's row copied to 3 hypotheses
+            indices = torch.arange(rows).repeat_interleave(3)
+            eager_state, state = eager_state.reorder(indices), state.reorder(indices)
+        elif step == 5:  # the second sentence is done: its rows and its memory go
+            keep = torch.tensor([0, 2, 3])
+            indices = (keep[:, None] * 3 + torch.arange(3)).view(-1)
+            eager_state = eager_state.reorder(indices, sentences=keep)
+            state = state.reorder(indices, sentences=keep)
+            memory, src_mask = memory[keep], src_mask[keep]
+        else:  # beams swap within their sentence
+            sentences = rows // 3
+            indices = (torch.arange(sentences)[:, None] * 3 + torch.randint(0, 3, (sentences, 3), generator=generator))
+            eager_state, state = eager_state.reorder(indices.view(-1)), state.reorder(indices.view(-1))
+        tokens = torch.randint(3, 48, (indices.numel(), 1), generator=generator)
+    assert state.length == eager_state.length == 12
+    assert state.capacity >= 12
+    assert graphs_compiled() >= before + 2  # several sentences; several with beams
+
+
+@pytest.mark.parametrize("search", [SearchConfig(beam_size=1), SearchConfig(beam_size=3, nbest=2),
+                                    SearchConfig(beam_size=1, min_len=3, no_repeat_ngram_size=2)],
+                         ids=["greedy", "beam3-nbest2", "greedy-constrained"])
+def test_searches_give_the_eager_searches_outputs(pair, search: SearchConfig):
+    model, compiled = pair
+    one_at_a_time = compiled_variant("post-sinusoidal-relu")[1]
+    src = sources(seed=3)
+    eager = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
+    got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
+    assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in eager]
+    for hyps, expected in zip(got, eager, strict=True):
+        for h, e in zip(hyps, expected, strict=True):
+            assert h.log_prob == pytest.approx(e.log_prob, abs=1e-4)
+    if compiled is not one_at_a_time:  # (the other variant's one-row graphs: a minute of compiling, the same code)
+        return
+    one = [decode(compiled, src[i : i + 1], search, bos=BOS, eos=EOS, pad=PAD)[0] for i in range(4)]
+    assert [[h.tokens for h in hyps] for hyps in one] == [[h.tokens for h in hyps] for hyps in eager]
+
+
+def test_stateless_calls_are_the_models_own(pair):
+    """Teacher-forced scoring and alignments decode without a state: the eager model, unchanged."""
+    model, compiled = pair
+    src = sources()
+    memory, src_mask = model.encode(src), src != PAD
+    tgt_in = torch.randint(3, 48, (4, 5))
+    with torch.inference_mode():
+        assert torch.equal(compiled.decode(tgt_in, memory, src_mask), model.decode(tgt_in, memory, src_mask))
+        got = compiled.decode_with_attention(tgt_in, memory, src_mask, layer=1)
+        expected = model.decode_with_attention(tgt_in, memory, src_mask, layer=1)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+@torch.inference_mode()
+def test_several_tokens_with_a_state_are_one_step_each():
+    model, compiled = compiled_variant("post-sinusoidal-relu")
+    src = sources()[:2]
+    memory, src_mask = model.encode(src), src != PAD
+    prefix = torch.randint(3, 48, (2, 4))
+    prefix[:, 0] = BOS
+    got = compiled.decode(prefix, memory, src_mask, state=compiled.new_state())
+    torch.testing.assert_close(got, model.decode(prefix, memory, src_mask, state=model.new_state()),
+                               atol=2e-5, rtol=1e-5)
+    state = compiled.new_state()
+    compiled.decode(prefix[:, :1], memory, src_mask, state=state)
+    state.length = model.config.max_positions  # as if full: one more position is past the table
+    with pytest.raises(ValueError, match="exceeds max_positions=40"):
+        compiled.decode(prefix[:, :1], memory, src_mask, state=state)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])
+def test_gemm_templates_decode_one_sentence_as_the_eager_step(dtype: torch.dtype):
+    """The step as the Translator compiles it, inductor's GEMM templates timed against ATen's (which wins depends on
+    the CPU: AMX, AVX-512 or AVX2), at one row, on a one-layer model (compiling takes ~30 s, fp32's ~60 s with
+    nothing cached: slow). Each step's logits follow the eager step's, to float32's or bf16's rounding."""
+    model = tiny(dtype=dtype, num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre")
+    compiled = CompiledDecoder(model)
+    src = sources()[:1]
+    bound = 1e-5 if dtype == torch.float32 else 0.05
+    before = graphs_compiled()
+    with torch.inference_mode():
+        memory, src_mask = model.encode(src), src != PAD
+        tokens = torch.full((1, 1), BOS)
+        eager_state, state = model.new_state(), compiled.new_state()
+        for _ in range(10):
+            expected = model.decode(tokens, memory, src_mask, state=eager_state).float()
+            got = compiled.decode(tokens, memory, src_mask, state=state).float()
+            assert (got - expected).abs().max() <= bound * expected.abs().max()
+            tokens = expected[:, -1].argmax(-1, keepdim=True)
+    assert graphs_compiled() == before + 1
+    (one,) = decode(compiled, src, SearchConfig(beam_size=1), bos=BOS, eos=EOS, pad=PAD)
+    assert one[0].tokens and one[0].log_prob < 0
+
+
+@pytest.mark.parametrize("positions", ["relative", "rotary"])
+def test_relative_and_rotary_positions_are_refused_in_one_line(positions: str):
+    config = TransformerConfig(vocab_size=48, d_model=32, num_heads=4, d_ff=64, positions=positions)
+    with pytest.raises(ValueError, match=f"this model's are '{positions}': decode without compile"):
+        check_compilable(config)
+    with pytest.raises(ValueError, match="decode without compile"):
+        CompiledDecoder(Transformer(config))
+
+
+def test_tracing_settings_hold_only_inside_and_only_in_the_calling_thread():
+    from torch._inductor import config as inductor
+    from torch.fx.experimental import _config as shapes
+
+    def settings() -> tuple[bool, bool]:
+        return inductor.freezing, shapes.use_duck_shape
+
+    before = settings()
+    inside, release = threading.Event(), threading.Event()
+    seen: list[tuple[bool, bool]] = []
+
+    def decoder_thread() -> None:
+        with tracing_settings():
+            seen.append(settings())
+            inside.set()
+            release.wait(timeout=30)
+        seen.append(settings())
+
+    thread = threading.Thread(target=decoder_thread)
+    thread.start()
+    try:
+        inside.wait(timeout=30)
+        elsewhere = settings()
+    finally:
+        release.set()
+        thread.join()
+    assert seen == [(True, False), before] and elsewhere == before
+    with tracing_settings():
+        assert settings() == (True, False)
+    assert settings() == before
+
+
+def test_a_new_state_is_empty():
+    state = CompiledState()
+    assert (state.length, state.capacity, state.keys, state.cross_keys) == (0, 0, [], [])
