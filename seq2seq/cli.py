@@ -58,8 +58,8 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: bf16 where bf16 matmuls are fast here (AMX, AVX512-BF16, a GPU from Ampere on), else fp32; "
                              "int8 (CPU): quantised linear layers, faster, outputs differ slightly (default: auto)")
     parser.add_argument("--compile", action="store_true",
-                        help="run the decoding steps compiled (torch.compile): 1.5-2x faster a sentence on a CPU, after "
-                             "tens of seconds compiling at start; fp32 or bf16, absolute positions (README: A "
+                        help="run the decoding steps compiled (torch.compile): one sentence 1.3-2x faster on a CPU, after "
+                             "tens of seconds compiling at first use; fp32 or bf16, absolute positions (README: A "
                              "compiled decoding step)")
 
 

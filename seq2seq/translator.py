@@ -126,8 +126,9 @@ class Translator:
         whose draws run through one generator, decodes one batch at a time. On a device other than the CPU
         one worker is faster (several wait on each other's kernels): more are taken, with a warning.
 
-        `compiled`: the searches' decoding steps run compiled (seq2seq/model/compiled.py): at a few rows a
-        step 2-3x faster on a CPU, where the eager step is mostly per-call overhead; the first batches of each
+        `compiled`: the searches' decoding steps run compiled (seq2seq/model/compiled.py): at a few rows
+        faster on a CPU, where the eager step is mostly per-call overhead (README, "A compiled decoding
+        step"), even with the eager step at hundreds of rows; the first batches of each
         kind (one row, several rows, beams) wait while it compiles, tens of seconds each (inductor keeps the
         code on disk for the next process). fp32 or bf16, models with absolute positions; outputs can differ
         from the eager step's in the last bits of a logit, as a different kernel's would. The decoder's linear

@@ -136,6 +136,51 @@ def test_stateless_calls_are_the_models_own(pair):
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def test_one_token_sources_reuse_the_graphs_of_longer_ones():
+    """A batch whose longest source is one token is padded to two (masked): torch would compile sizes of 1
+    apart, four graphs more a decoder. The outputs are the eager model's."""
+    model, compiled = compiled_variant("post-sinusoidal-relu")
+    for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=3)):  # every kind compiled first
+        for src in (sources(), sources()[:1]):
+            decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
+    before = graphs_compiled()
+    short = sources()[3:4, :1]  # (1, 1)
+    for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=3)):
+        for src in (short, short.repeat(3, 1)):
+            got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
+            expected = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
+            assert [h[0].tokens for h in got] == [h[0].tokens for h in expected]
+            assert [h[0].log_prob for h in got] == pytest.approx([h[0].log_prob for h in expected], abs=1e-4)
+    assert graphs_compiled() == before
+
+
+def test_decoder_threads_meeting_a_new_kind_compile_it_once():
+    """Two threads decode at once with a new decoder: each kind of call is compiled once (dynamo alone compiled
+    it in both), and each thread gets the eager model's outputs."""
+    model = tiny(seed=5)
+    compiled = CompiledDecoder(model, gemm_templates=False)
+    search = SearchConfig(beam_size=1)
+    batches = [sources(seed=6)[:2], sources(seed=7)[:2]]
+    start = threading.Barrier(2)
+    outputs: dict[int, list] = {}
+
+    def decoder_thread(i: int) -> None:
+        torch.set_num_threads(1)
+        start.wait(timeout=60)
+        outputs[i] = decode(compiled, batches[i], search, bos=BOS, eos=EOS, pad=PAD)
+
+    before = graphs_compiled()
+    threads = [threading.Thread(target=decoder_thread, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert compiled._kinds and graphs_compiled() - before == len(compiled._kinds)
+    for i, src in enumerate(batches):
+        expected = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
+        assert [h[0].tokens for h in outputs[i]] == [h[0].tokens for h in expected]
+
+
 @torch.inference_mode()
 def test_several_tokens_with_a_state_are_one_step_each():
     model, compiled = compiled_variant("post-sinusoidal-relu")

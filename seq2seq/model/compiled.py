@@ -20,11 +20,13 @@ out here, and a model that uses them is refused (`check_compilable`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from seq2seq.model.attention import CACHE_GROWTH, fold_beams, unfold_beams
@@ -185,7 +187,8 @@ def tracing_settings() -> Iterator[None]:
 
 RECOMPILE_LIMIT = 16
 """Graphs one CompiledDecoder may compile: a search makes up to four kinds of call (one row; several rows of one
-sentence, beams; several sentences, one row each; several sentences with beams)."""
+sentence, beams; several sentences, one row each; several sentences with beams), each compiled once
+(`CompiledDecoder._first_of_kind`); the rest is room for a specialisation not foreseen."""
 
 
 class CompiledDecoder:
@@ -194,15 +197,19 @@ class CompiledDecoder:
     `encode` and a stateless `decode` (teacher-forced scoring, alignments) are the model's own, eager; a
     decode with a state (from `new_state`) runs the compiled step once per fed token. The first steps of
     each kind compile (tens of seconds; inductor keeps the code on disk for the next process), on the
-    thread that first decodes, with its intra-op thread count built into the code; `gemm_templates` off
-    compiles faster, to a slower step (GEMM_TEMPLATES). The model's linear
+    thread that first decodes, with its intra-op thread count built into the code (decoder threads meeting a
+    new kind at once wait for the one compiling it, `_kinds`); `gemm_templates` off compiles faster, to a
+    slower step (GEMM_TEMPLATES; on a CPU only). The model's linear
     layers must be plain nn.Linear (the Translator packs only the encoder's), fp32 or bf16, and its weights
     must not change afterwards: they are frozen into the compiled code."""
 
     def __init__(self, model: Transformer, *, gemm_templates: bool = True):
         self.model = model
         self.config = model.config
-        backend = inductor_backend({**QUIET, **(GEMM_TEMPLATES if gemm_templates else {})})
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        backend = inductor_backend({**QUIET, **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})})
+        self._kinds: set[tuple[bool, bool, bool]] = set()  # (one row, one sentence, beams) compiled so far
+        self._compiling = threading.Lock()
         # One graph per kind of call (one row or several, one sentence or several, beams or not), each
         # decoder's apart from other decoders' (all share the step's code): a graph break or more graphs
         # than RECOMPILE_LIMIT is an error, not a silent fall back to the eager step.
@@ -231,14 +238,21 @@ class CompiledDecoder:
             raise ValueError(f"sequence of {state.length + length} tokens exceeds max_positions="
                              f"{self.config.max_positions}; truncate the input or train a model with larger "
                              f"max_positions")
+        one_token = src_mask.size(1) == 1  # padded to two, masked: a size of 1 would make graphs apart
+        if one_token:
+            src_mask = F.pad(src_mask, (0, 1))  # (N, 2), False at the pad
         if not state.cross_keys:
+            if one_token:
+                memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
             for layer in cast(list[DecoderLayer], list(self.model.decoder.layers)):
                 cross_keys, cross_values = layer.cross_attn.keys_values(memory)  # (N, H, S, Dh) each
                 state.cross_keys.append(cross_keys.contiguous())
                 state.cross_values.append(cross_values.contiguous())
         heads = self.config.num_heads
+        sentences = src_mask.size(0)
+        kind = (rows == 1, sentences == 1, rows > sentences)
         logits = []
-        with tracing_settings():
+        with tracing_settings(), (nullcontext() if kind in self._kinds else self._first_of_kind(kind)):
             for t in range(length):
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
                               num_layers=self.config.num_decoder_layers, dtype=memory.dtype, device=memory.device)
@@ -248,3 +262,12 @@ class CompiledDecoder:
                                          state.cross_values, src_mask))
                 state.length += 1
         return torch.stack(logits, dim=1)  # (R, T, V)
+
+    @contextmanager
+    def _first_of_kind(self, kind: tuple[bool, bool, bool]) -> Iterator[None]:
+        """Around the first call of a kind (the graph dynamo compiles for it): one thread at a time, so that
+        decoder threads meeting the kind at once compile it once (each would compile its own: dynamo looks
+        for a graph before it takes its compile lock), the others waiting and then finding it."""
+        with self._compiling:
+            yield
+            self._kinds.add(kind)
