@@ -470,10 +470,10 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     assert not isinstance(compiled.model.output_projection, PackedLinear)
     assert (any(isinstance(m, PackedLinear) for m in compiled.model.encoder.modules())
             == torch.backends.mkldnn.is_available())
-    for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=4)):
-        want, got = base.translate_nbest(sources, search), compiled.translate_nbest(sources, search)
-        assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
-        assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-4)
+    search = SearchConfig(beam_size=1)  # beam search's reorders: tests/test_compiled.py (each kind compiles: ~10 s)
+    want, got = base.translate_nbest(sources, search), compiled.translate_nbest(sources, search)
+    assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
+    assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-4)
     with pytest.raises(ValueError, match="compiled decoding runs fp32 or bf16, not int8"):
         Translator.from_checkpoint(trained, precision="int8", compiled=True)
     rotary = Transformer(TransformerConfig(vocab_size=compiled.tokenizer.vocab_size, d_model=32, num_heads=2,

@@ -32,7 +32,7 @@ from torch import Tensor
 from seq2seq.model.attention import CACHE_GROWTH, fold_beams, unfold_beams
 from seq2seq.model.config import TransformerConfig
 from seq2seq.model.layers import DecoderLayer
-from seq2seq.model.transformer import Transformer
+from seq2seq.model.transformer import Transformer, check_length
 
 COMPILABLE_POSITIONS = ("sinusoidal", "learned")
 
@@ -234,10 +234,7 @@ class CompiledDecoder:
         if state is None:
             return self.model.decode(tgt_in, memory, src_mask)
         rows, length = tgt_in.shape
-        if state.length + length > self.config.max_positions:
-            raise ValueError(f"sequence of {state.length + length} tokens exceeds max_positions="
-                             f"{self.config.max_positions}; truncate the input or train a model with larger "
-                             f"max_positions")
+        check_length(state.length + length, max_positions=self.config.max_positions)
         one_token = src_mask.size(1) == 1  # padded to two, masked: a size of 1 would make graphs apart
         if one_token:
             src_mask = F.pad(src_mask, (0, 1))  # (N, 2), False at the pad

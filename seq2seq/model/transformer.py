@@ -47,6 +47,13 @@ def deepnorm_constants(config: TransformerConfig) -> tuple[float, float, float, 
     )
 
 
+def check_length(length: int, *, max_positions: int) -> None:
+    """A one-line error for a sequence longer than the positions the model was built with."""
+    if length > max_positions:
+        raise ValueError(f"sequence of {length} tokens exceeds max_positions={max_positions}; "
+                         "truncate the input or train a model with larger max_positions")
+
+
 class Embedder(nn.Module):
     """Token embeddings scaled by √d_model, plus absolute positions when the config uses them."""
 
@@ -64,11 +71,7 @@ class Embedder(nn.Module):
 
     def forward(self, tokens: Tensor, *, offset: int = 0) -> Tensor:
         # tokens: (B, T) -> (B, T, D)
-        if offset + tokens.size(1) > self.max_positions:
-            raise ValueError(
-                f"sequence of {offset + tokens.size(1)} tokens exceeds max_positions={self.max_positions}; "
-                "truncate the input or train a model with larger max_positions"
-            )
+        check_length(offset + tokens.size(1), max_positions=self.max_positions)
         x = self.tokens(tokens) * self.scale
         if self.positions is not None:
             x = x + self.positions(tokens.size(1), offset=offset)
