@@ -59,8 +59,9 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
                              "int8 (CPU): quantised linear layers, faster, outputs differ slightly (default: auto)")
     parser.add_argument("--compile", action="store_true",
                         help="run the decoding steps compiled (torch.compile): one sentence 1.3-2x faster on a CPU, after "
-                             "tens of seconds compiling at first use; fp32 or bf16, absolute positions (README: A "
-                             "compiled decoding step)")
+                             "tens of seconds compiling each kind of step at first use (the server and the interactive "
+                             "tool compile them all before their first sentence); fp32 or bf16, absolute positions "
+                             "(README: A compiled decoding step)")
 
 
 def flag_message(error: ConfigError) -> str:

@@ -192,6 +192,17 @@ class Translator:
                    device=device, precision=precision, search=loaded.search, workers=workers, threads=threads,
                    compiled=compiled)
 
+    def compile_decoding(self) -> int:
+        """With `compiled`, every kind of decoding step compiled now, on a decoder thread (as its first batches
+        would, with the thread's intra-op count; seq2seq/model/compiled.py): what a tool that answers sentences
+        as they come does first, so that none waits the minute or more a kind takes to compile. The number of
+        kinds compiled (0 without `compiled`, or when all were)."""
+        if not isinstance(self.decoding, CompiledDecoder):
+            return 0
+        if self.workers == 1 and not self._own_threads:
+            return self.decoding.compile_kinds()
+        return self._pool_of("workers", self.workers, self.threads).submit(self.decoding.compile_kinds).result()
+
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                   prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
                   glossary: Mapping[str, str] | None = None) -> list[str]:

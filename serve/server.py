@@ -33,7 +33,9 @@ so that several batches decode at once. Requests with different search options a
 calls, and seeded sampling requests one at a time (a draw must not depend on what else arrived). When
 a call fails, its requests are decoded again one at a time, so that only the one that fails alone gets
 the error. A request whose client has gone (timed out or disconnected) is not decoded. SIGTERM or
-Ctrl-C stops accepting, finishes the requests already in, and exits 0.
+Ctrl-C stops accepting, finishes the requests already in, and exits 0. With --compile, every kind of
+decoding step is compiled on a decoder thread before the server accepts a connection (about a minute a
+kind the first time, less from inductor's disk cache later), so that no request waits for it.
 
 A request's cost is bounded before it is queued, in decoder tokens: per sentence, its hypotheses
 (the beam; 1 for greedy and sampling) times its output limit (max_len_a x source tokens + max_len_b,
@@ -534,6 +536,11 @@ def create_app(translators: Translator | Sequence[Translator],
                                                           max_wait=max_wait, batching=batching, max_queue=max_queue,
                                                           executor=executor), defaults)
                   for t, defaults in zip(translators, searches, strict=True)}
+        for translator in translators:  # before the first request: compiling a kind takes a minute or more
+            started = time.perf_counter()
+            if kinds := await loop.run_in_executor(executor, translator.compile_decoding):
+                print(f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of decoding step compiled in "
+                      f"{time.perf_counter() - started:.0f} s (--compile)", file=sys.stderr, flush=True)
         app.state.server = Server(models, detector, char_limit=char_limit, timeout=timeout,
                                   max_request_tokens=max_request_tokens, max_beam_size=max_beam_size)
         tasks = [asyncio.create_task(model.batcher.run()) for model in models.values() for _ in range(workers)]

@@ -4,10 +4,13 @@ Each compile takes seconds even for these tiny models (inductor, with its GEMM t
 share a few compiled decoders: one per model variant, each checked step by step and through the searches."""
 
 import threading
+from unittest import mock
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+from torch._inductor.graph import GraphLowering
 
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model.compiled import CompiledDecoder, CompiledState, check_compilable, tracing_settings
@@ -22,8 +25,9 @@ VARIANTS = {
                                                    output_bias=True, scale_embeddings=False),
 }
 """The paper's, and one where every switch the step goes through differs (DeepNorm's and pre-norm's residuals are
-Residual's own code, as post's and sandwich's). Compiled without inductor's GEMM templates, in a quarter of the
-time: test_gemm_templates_* compiles with them, as the Translator does."""
+Residual's own code, as post's and sandwich's). Compiled without inductor's GEMM templates and C++ call, in a
+quarter of the time: test_gemm_templates_* compiles with both, as the Translator does, and the threads' test with
+the C++ call."""
 
 
 def tiny(*, seed: int = 0, dtype: torch.dtype = torch.float32, **variant) -> Transformer:
@@ -44,7 +48,7 @@ def compiled_variant(name: str) -> tuple[Transformer, CompiledDecoder]:
     """The variant's model and its compiled decoder, made once for the module's tests (compiling is the cost)."""
     if name not in DECODERS:
         model = tiny(**VARIANTS[name])
-        DECODERS[name] = model, CompiledDecoder(model, gemm_templates=False)
+        DECODERS[name] = model, CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
     return DECODERS[name]
 
 
@@ -154,31 +158,41 @@ def test_one_token_sources_reuse_the_graphs_of_longer_ones():
     assert graphs_compiled() == before
 
 
-def test_decoder_threads_meeting_a_new_kind_compile_it_once():
+def test_decoder_threads_meeting_a_new_kind_compile_it_once_then_run_it_at_once():
     """Two threads decode at once with a new decoder: each kind of call is compiled once (dynamo alone compiled
-    it in both), and each thread gets the eager model's outputs."""
+    it in both), its call generated in C++ that lets go of the GIL (so the threads' steps run at once: Python's
+    call holds it), and each thread gets the eager model's outputs, twice (the second time both run the graphs)."""
     model = tiny(seed=5)
     compiled = CompiledDecoder(model, gemm_templates=False)
     search = SearchConfig(beam_size=1)
     batches = [sources(seed=6)[:2], sources(seed=7)[:2]]
     start = threading.Barrier(2)
-    outputs: dict[int, list] = {}
+    outputs: dict[tuple[int, int], list] = {}
+    codes: list[str] = []  # the compiled graphs' generated code
 
     def decoder_thread(i: int) -> None:
         torch.set_num_threads(1)
         start.wait(timeout=60)
-        outputs[i] = decode(compiled, batches[i], search, bos=BOS, eos=EOS, pad=PAD)
+        with inductor_config.patch(fx_graph_cache=False):  # compiled, not read from the disk (no code to see)
+            outputs[i, 0] = decode(compiled, batches[i], search, bos=BOS, eos=EOS, pad=PAD)
+        start.wait(timeout=600)
+        outputs[i, 1] = decode(compiled, batches[i], search, bos=BOS, eos=EOS, pad=PAD)
 
     before = graphs_compiled()
     threads = [threading.Thread(target=decoder_thread, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert compiled._kinds and graphs_compiled() - before == len(compiled._kinds)
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert compiled._kinds and graphs_compiled() - before == len(compiled._kinds) == len(codes)
+    assert all("py::gil_scoped_release" in code for code in codes)
     for i, src in enumerate(batches):
         expected = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
-        assert [h[0].tokens for h in outputs[i]] == [h[0].tokens for h in expected]
+        for run in range(2):
+            assert [h[0].tokens for h in outputs[i, run]] == [h[0].tokens for h in expected]
+            assert [h[0].log_prob for h in outputs[i, run]] == pytest.approx([h[0].log_prob for h in expected],
+                                                                             abs=1e-4)
 
 
 @torch.inference_mode()
@@ -201,7 +215,7 @@ def test_several_tokens_with_a_state_are_one_step_each():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])
 def test_gemm_templates_decode_one_sentence_as_the_eager_step(dtype: torch.dtype):
     """The step as the Translator compiles it, inductor's GEMM templates timed against ATen's (which wins depends on
-    the CPU: AMX, AVX-512 or AVX2), at one row, on a one-layer model (compiling takes ~30 s, fp32's ~60 s with
+    the CPU: AMX, AVX-512 or AVX2) and its call in C++, at one row, on a one-layer model (compiling takes ~30 s, fp32's ~60 s with
     nothing cached: slow). Each step's logits follow the eager step's, to float32's or bf16's rounding."""
     model = tiny(dtype=dtype, num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre")
     compiled = CompiledDecoder(model)

@@ -312,6 +312,28 @@ def test_a_full_queue_answers_429_and_a_slow_one_503(translator: Translator):
         running.stop()
 
 
+def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_answers(
+        translator: Translator, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """--compile: every kind of decoding step is compiled before the server accepts a connection (a kind takes a
+    minute or more to compile, past a request's --timeout), on a decoder thread, whose intra-op thread count goes
+    into the compiled code (Translator.compile_decoding: tests/test_translator.py)."""
+    compiled_on: list[tuple[str, int]] = []
+
+    def compile_decoding(self: Translator) -> int:
+        compiled_on.append((threading.current_thread().name, torch.get_num_threads()))
+        return 4
+
+    monkeypatch.setattr(Translator, "compile_decoding", compile_decoding)
+    running = Running(create_app(translator, SEARCH, workers=2, threads=1))
+    try:
+        assert len(compiled_on) == 1 and compiled_on[0][0].startswith("decoder") and compiled_on[0][1] == 1
+        response = httpx.post(f"{running.url}/translate", json={"q": SENTENCES[0], "source": "en", "target": "de"})
+        assert response.status_code == 200 and response.json()["translatedText"] == alone(translator, SENTENCES[0])
+    finally:
+        running.stop()
+    assert "en→de: 4 kinds of decoding step compiled in" in capsys.readouterr().err
+
+
 def test_batcher_refuses_beyond_its_queue(translator: Translator):
     import asyncio
 

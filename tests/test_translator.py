@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import copy
 import gzip
+import importlib.util
 import io
 import math
 import os
@@ -24,13 +25,13 @@ import sys
 import threading
 import warnings
 from collections import Counter
-from functools import partial
 from pathlib import Path
 
 import pytest
 import sacrebleu
 import torch
 from conftest import DEMO_DATA, write_not_ours
+from torch._dynamo.utils import counters
 
 from seq2seq import translator as translator_module
 from seq2seq.checkpoint import store_search_defaults
@@ -457,10 +458,16 @@ def test_few_rows_on_torch_s_own_linear_follow_the_machine_s_verdict(trained: Pa
 def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch):
     """Translator(compiled=True) in fp32: the searches run seq2seq/model/compiled.py's step over the decoder's
     unpacked linear layers (the encoder's packed where that pays, as before) and give the eager Translator's
-    tokens (tests/test_compiled.py decodes one sentence at a time, and more variants). int8 and a model with
+    tokens (tests/test_compiled.py decodes one sentence at a time, and more variants); `compile_decoding` compiles
+    every kind of step at once, after which no search compiles another. int8 and a model with
     rotary positions are refused in one line, before anything compiles. (Compiled without timing inductor's GEMM
-    templates, which for this model took minutes: tests/test_compiled.py runs them on tiny models.)"""
-    monkeypatch.setattr("seq2seq.translator.CompiledDecoder", partial(CompiledDecoder, gemm_templates=False))
+    templates, which for this model took minutes, and with the step's call in Python: tests/test_compiled.py runs
+    both on tiny models.)"""
+    class QuickToCompile(CompiledDecoder):
+        def __init__(self, model: Transformer):
+            super().__init__(model, gemm_templates=False, cpp_wrapper=False)
+
+    monkeypatch.setattr("seq2seq.translator.CompiledDecoder", QuickToCompile)
     with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
         sources = f.read().split("\n")[:24]
     base = Translator.from_checkpoint(trained, precision="fp32")
@@ -470,10 +477,18 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     assert not isinstance(compiled.model.output_projection, PackedLinear)
     assert (any(isinstance(m, PackedLinear) for m in compiled.model.encoder.modules())
             == torch.backends.mkldnn.is_available())
-    search = SearchConfig(beam_size=1)  # beam search's reorders: tests/test_compiled.py (each kind compiles: ~10 s)
+    assert base.compile_decoding() == 0
+    graphs = counters["stats"]["unique_graphs"]
+    assert compiled.compile_decoding() == 4  # every kind, now (what the server does before its first request)
+    assert counters["stats"]["unique_graphs"] == graphs + 4
+    search = SearchConfig(beam_size=1)  # beam search's reorders: tests/test_compiled.py
     want, got = base.translate_nbest(sources, search), compiled.translate_nbest(sources, search)
     assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
     assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-4)
+    for search in (SearchConfig(beam_size=3), SearchConfig(beam_size=1), SearchConfig(beam_size=2, nbest=2)):
+        compiled.translate_nbest(sources[:1], search)
+    compiled.translate_nbest(sources[:3], SearchConfig(beam_size=3))
+    assert counters["stats"]["unique_graphs"] == graphs + 4 and compiled.compile_decoding() == 0
     with pytest.raises(ValueError, match="compiled decoding runs fp32 or bf16, not int8"):
         Translator.from_checkpoint(trained, precision="int8", compiled=True)
     rotary = Transformer(TransformerConfig(vocab_size=compiled.tokenizer.vocab_size, d_model=32, num_heads=2,
@@ -921,6 +936,29 @@ def test_serve_nbest(checkpoint: Path, translator: Translator):
         assert [float(line.split("\t")[0]) for line in got] == pytest.approx(
             [float(line.split("\t")[0]) for line in expected], abs=1e-4
         )
+
+
+def test_serve_with_compile_compiles_before_it_reads_the_first_line(checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]):
+    """serve/translate.py --compile compiles every kind of step before it reads a line (run in this process, the
+    compiling pretended: Translator.compile_decoding is the test above)."""
+    spec = importlib.util.spec_from_file_location("serve_translate", REPO / "serve/translate.py")
+    assert spec is not None and spec.loader is not None
+    interactive = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(interactive)
+    events: list[str] = []
+    monkeypatch.setattr(Translator, "compile_decoding", lambda self: events.append("compiled") or 4)
+
+    class Lines(io.BytesIO):
+        def readline(self, size: int | None = -1) -> bytes:
+            events.append("read")
+            return super().readline(size)
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(Lines(b"\n")))  # an empty line: nothing to decode (compile)
+    interactive.main(["--checkpoint", str(checkpoint), "--compile", "--precision", "fp32"])
+    assert events[0] == "compiled" and events.count("compiled") == 1 and "read" in events
+    out, err = capsys.readouterr()
+    assert out == "\n" and "compiling the decoding steps (--compile" in err
 
 
 def test_serve_reports_each_truncated_line_with_its_own_number(checkpoint: Path, translator: Translator):

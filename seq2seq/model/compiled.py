@@ -149,6 +149,12 @@ row the templates' micro-kernels (AMX or AVX-512), among the fused work, run a s
 step's oneDNN calls (README, "A compiled decoding step"); compiling takes several times longer."""
 
 
+CPP_WRAPPER = {"cpp_wrapper": True}
+"""On a CPU, the step's call (the sequence of its kernels) generated as C++ too, not Python: the C++ call releases
+the GIL while it runs (Python's calls inductor's kernels holding it), so decoder workers sharing a decoder step at
+once instead of in turns (two workers' bulk greedy 1.39x one, from 1.09x; README, "A compiled decoding step")."""
+
+
 def inductor_backend(options: dict[str, object]) -> Callable[[torch.fx.GraphModule, list[Tensor]], Callable[..., object]]:
     """torch.compile's backend: inductor with `options` set while it compiles (and only then: set for the process
     they would change every other compiled function's)."""
@@ -198,16 +204,18 @@ class CompiledDecoder:
     decode with a state (from `new_state`) runs the compiled step once per fed token. The first steps of
     each kind compile (tens of seconds; inductor keeps the code on disk for the next process), on the
     thread that first decodes, with its intra-op thread count built into the code (decoder threads meeting a
-    new kind at once wait for the one compiling it, `_kinds`); `gemm_templates` off compiles faster, to a
-    slower step (GEMM_TEMPLATES; on a CPU only). The model's linear
+    new kind at once wait for the one compiling it, `_kinds`; once it is compiled their steps run at once). On a
+    CPU, `gemm_templates` off compiles faster to a slower step (GEMM_TEMPLATES), and `cpp_wrapper` off compiles
+    faster to a step that holds the GIL while it runs (CPP_WRAPPER): both are for tests. The model's linear
     layers must be plain nn.Linear (the Translator packs only the encoder's), fp32 or bf16, and its weights
     must not change afterwards: they are frozen into the compiled code."""
 
-    def __init__(self, model: Transformer, *, gemm_templates: bool = True):
+    def __init__(self, model: Transformer, *, gemm_templates: bool = True, cpp_wrapper: bool = True):
         self.model = model
         self.config = model.config
         on_cpu = next(model.parameters()).device.type == "cpu"
-        backend = inductor_backend({**QUIET, **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})})
+        backend = inductor_backend({**QUIET, **(CPP_WRAPPER if cpp_wrapper and on_cpu else {}),
+                                    **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})})
         self._kinds: set[tuple[bool, bool, bool]] = set()  # (one row, one sentence, beams) compiled so far
         self._compiling = threading.Lock()
         # One graph per kind of call (one row or several, one sentence or several, beams or not), each
@@ -259,6 +267,20 @@ class CompiledDecoder:
                                          state.cross_values, src_mask))
                 state.length += 1
         return torch.stack(logits, dim=1)  # (R, T, V)
+
+    @torch.inference_mode()
+    def compile_kinds(self) -> int:
+        """Compile every kind of call now, on this thread (with its intra-op thread count, as the decoding threads
+        would): a server does this before it answers, so that no request waits the minutes compiling takes. One
+        step of each kind on made-up sentences; the number of kinds compiled (0 when all were)."""
+        compiled = len(self._kinds)
+        parameter = next(self.model.parameters())
+        for sentences, beams in ((1, 1), (1, 2), (2, 1), (2, 2)):  # one row; one sentence's beams; several; both
+            src = torch.full((sentences, 2), 3, device=parameter.device)  # (N, 2): two tokens, none padding
+            memory = self.encode(src)  # (N, 2, D)
+            tgt_in = torch.zeros(sentences * beams, 1, dtype=torch.long, device=parameter.device)  # (R, 1)
+            self.decode(tgt_in, memory, torch.ones_like(src, dtype=torch.bool), state=self.new_state())
+        return len(self._kinds) - compiled
 
     @contextmanager
     def _first_of_kind(self, kind: tuple[bool, bool, bool]) -> Iterator[None]:
