@@ -2,9 +2,9 @@
 
     python bench/compiled_decoding.py --checkpoint checkpoints/multi30k-ende/best.ckpt [--precision bf16] [--sentences 200]
 
-Two Translators of one checkpoint, one thread: eager and `compiled=True`. The compiled one first translates a
-few batches of each kind a search makes (one sentence, several; greedy and beam), which compiles its graphs
-(timed and printed: tens of seconds each with nothing in inductor's disk cache). Then, for each beam, the test
+Two Translators of one checkpoint, one thread: eager and `compiled=True`. The compiled one first compiles every
+kind of step a search makes (`compile_decoding`; timed and printed: tens of seconds each with nothing in
+inductor's disk cache). Then, for each beam, the test
 sentences one at a time, the two Translators in turns (which goes first alternates), and per engine the median
 seconds a sentence, the median of the per-sentence ratios, and how many outputs are the same; then all the
 sentences at once, eager / compiled / compiled / eager. Run by hand, not in CI (README, "A compiled decoding
@@ -41,9 +41,7 @@ def main() -> None:
         lines = [line.strip() for line in f][: args.sentences]
     compiled = Translator.from_checkpoint(args.checkpoint, precision=args.precision, compiled=True)
     start = time.perf_counter()
-    for beam in args.beams:
-        compiled.translate(lines[:1], SearchConfig(beam_size=beam))
-        compiled.translate(lines[:20], SearchConfig(beam_size=beam))
+    compiled.compile_decoding()
     print(f"# {device_name(torch.device('cpu'))}; {args.checkpoint}, {args.precision}, one thread; "
           f"compiling: {time.perf_counter() - start:.0f} s", flush=True)
     print("| search | one sentence p50, eager -> compiled | paired speed-up | same outputs | "
