@@ -162,6 +162,7 @@ class Translator:
                                    packed=packed and not compiled)
         if packed and compiled:  # the encoder runs eagerly: packed where that pays, as without `compiled`
             pack_linears(self.model.encoder)
+        self.compiled = compiled
         self.decoding: EncoderDecoder[Any] = CompiledDecoder(self.model) if compiled else self.model
         """What the searches decode with: the model, or its compiled decoding step."""
         if packed and self.precision == "fp32":  # a decoding step's few rows on torch's own linear, where faster

@@ -538,6 +538,9 @@ def create_app(translators: Translator | Sequence[Translator],
                   for t, defaults in zip(translators, searches, strict=True)}
         for translator in translators:  # before the first request: compiling a kind takes a minute or more
             started = time.perf_counter()
+            if translator.compiled:
+                print(f"{translator.src_lang}→{translator.tgt_lang}: compiling the decoding steps before accepting "
+                      "connections (--compile; about a minute a kind the first time)", file=sys.stderr, flush=True)
             if kinds := await loop.run_in_executor(executor, translator.compile_decoding):
                 print(f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of decoding step compiled in "
                       f"{time.perf_counter() - started:.0f} s (--compile)", file=sys.stderr, flush=True)

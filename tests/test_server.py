@@ -324,6 +324,7 @@ def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_
         return 4
 
     monkeypatch.setattr(Translator, "compile_decoding", compile_decoding)
+    monkeypatch.setattr(translator, "compiled", True)  # (its decoding stays the eager model's)
     running = Running(create_app(translator, SEARCH, workers=2, threads=1))
     try:
         assert len(compiled_on) == 1 and compiled_on[0][0].startswith("decoder") and compiled_on[0][1] == 1
@@ -331,7 +332,9 @@ def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_
         assert response.status_code == 200 and response.json()["translatedText"] == alone(translator, SENTENCES[0])
     finally:
         running.stop()
-    assert "en→de: 4 kinds of decoding step compiled in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "en→de: compiling the decoding steps before accepting connections" in err
+    assert "en→de: 4 kinds of decoding step compiled in" in err
 
 
 def test_batcher_refuses_beyond_its_queue(translator: Translator):
