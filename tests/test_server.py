@@ -284,6 +284,10 @@ class Blocking:
         self.release = threading.Event()
 
     sentence_spans = Translator.sentence_spans
+    compiled = False
+
+    def compile_decoding(self) -> int:
+        return 0
 
     def translate_nbest(self, texts, search, *, max_tokens, **options):
         self.release.wait(timeout=30)
@@ -476,6 +480,10 @@ class Recording:
             self.release.set()
 
     sentence_spans = Translator.sentence_spans
+    compiled = False
+
+    def compile_decoding(self) -> int:
+        return 0
 
     def translate_nbest(self, texts, search, **options):
         self.calls.append(list(texts))
