@@ -151,8 +151,9 @@ step's oneDNN calls (README, "A compiled decoding step"); compiling takes severa
 
 CPP_WRAPPER = {"cpp_wrapper": True}
 """On a CPU, the step's call (the sequence of its kernels) generated as C++ too, not Python: the C++ call releases
-the GIL while it runs (Python's calls inductor's kernels holding it), so decoder workers sharing a decoder step at
-once instead of in turns (two workers' bulk greedy 1.39x one, from 1.09x; README, "A compiled decoding step")."""
+the GIL while it runs (inductor's Python call runs the kernels holding it), so decoder workers sharing a decoder run
+their steps at once instead of in turns (two workers' bulk greedy 1.39x one, from 1.09x; README, "A compiled
+decoding step")."""
 
 
 def inductor_backend(options: dict[str, object]) -> Callable[[torch.fx.GraphModule, list[Tensor]], Callable[..., object]]:
