@@ -335,8 +335,9 @@ class Translator:
         else:
             rows = 1 if search.sampling else search.beam_size
             parts = shared_out(batches, workers=self.workers, rows=rows)
-            if len(parts) == 1 and self.workers > 1 and self._wide(len(parts[0]) * rows):
-                # Too few rows to cut, enough for every core's threads on one batch
+            if len(parts) == 1 and self.workers > 1 and not self.compiled and self._wide(len(parts[0]) * rows):
+                # Too few rows to cut, enough for every core's threads on one batch (not compiled: dynamo
+                # compiles every kind of step again for another thread count, minutes, mid-run)
                 self.decoded[1, self.workers * self.threads] += 1
                 wide = self._pool_of("wide", 1, self.workers * self.threads)
                 yield from wide.submit(translate_batch, parts[0]).result()

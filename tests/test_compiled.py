@@ -13,6 +13,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.graph import GraphLowering
 
 from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.model import compiled as compiled_module
 from seq2seq.model.compiled import CompiledDecoder, CompiledState, check_compilable, tracing_settings
 from seq2seq.model.numerics import for_inference
 from seq2seq.search import SearchConfig, decode
@@ -246,18 +247,19 @@ def test_relative_and_rotary_positions_are_refused_in_one_line(positions: str):
 
 
 def test_tracing_settings_hold_only_inside_and_only_in_the_calling_thread():
+    from torch._dynamo import config as dynamo
     from torch._inductor import config as inductor
     from torch.fx.experimental import _config as shapes
 
-    def settings() -> tuple[bool, bool]:
-        return inductor.freezing, shapes.use_duck_shape
+    def settings() -> tuple[bool, bool, bool]:
+        return inductor.freezing, shapes.use_duck_shape, dynamo.error_on_recompile
 
     before = settings()
     inside, release = threading.Event(), threading.Event()
-    seen: list[tuple[bool, bool]] = []
+    seen: list[tuple[bool, bool, bool]] = []
 
     def decoder_thread() -> None:
-        with tracing_settings():
+        with tracing_settings(compiled=True):
             seen.append(settings())
             inside.set()
             release.wait(timeout=30)
@@ -271,10 +273,101 @@ def test_tracing_settings_hold_only_inside_and_only_in_the_calling_thread():
     finally:
         release.set()
         thread.join()
-    assert seen == [(True, False), before] and elsewhere == before
+    assert seen == [(True, False, True), before] and elsewhere == before
     with tracing_settings():
-        assert settings() == (True, False)
+        assert settings() == (True, False, False)
     assert settings() == before
+
+
+@torch.inference_mode()
+def test_a_call_of_a_compiled_kind_finding_no_graph_is_made_again_not_compiled_again():
+    """Threads sharing a decoder now and then find none of its graphs fitting a call dynamo compiled one for
+    (compiled.CompiledDecoder._run): such a call of a compiled kind raises before the step runs and is made again
+    (here dynamo's failure stood in for, once), which finds the graph; the outputs are the eager model's."""
+    from torch._dynamo.exc import RecompileError
+
+    model, compiled = compiled_variant("post-sinusoidal-relu")
+    search = SearchConfig(beam_size=1)
+    src = sources(seed=8)[:2]
+    decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)  # the kind compiled
+    step, failures = compiled._step, [RecompileError("runtime guards failed")]
+
+    def failing_once(*inputs):
+        if failures:
+            raise failures.pop()
+        return step(*inputs)
+
+    before, retried = graphs_compiled(), compiled.retried
+    with mock.patch.object(compiled, "_step", failing_once):
+        got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
+    expected = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
+    assert [h[0].tokens for h in got] == [h[0].tokens for h in expected]
+    assert (compiled.retried - retried, graphs_compiled() - before, failures) == (1, 0, [])
+
+
+@torch.inference_mode()
+def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retries():
+    """With its kind compiled, a call dynamo needs a new graph for (here a mask of other strides) raises
+    (dynamo's error_on_recompile, on in the decoding thread only) instead of compiling one; after RETRIES it is
+    compiled, as a new kind's first call is, and gives the eager step's logits."""
+    from torch._dynamo.exc import RecompileError
+
+    model, compiled = compiled_variant("post-sinusoidal-relu")
+    src = sources(seed=9)[:2]
+    memory, src_mask = model.encode(src), src != PAD
+    tokens = torch.full((2, 1), BOS)
+    compiled.decode(tokens, memory, src_mask, state=compiled.new_state())  # the kind (two sentences) compiled
+    state = compiled.new_state()
+    compiled.decode(tokens, memory, src_mask, state=state)  # the cross keys made, the cache reserved
+    state.reserve(rows=2, heads=4, head_dim=8, num_layers=2, dtype=memory.dtype, device=memory.device)
+    strided_mask = src_mask.t().contiguous().t()  # (N, S), column-major: the graph's guards fail on its strides
+    inputs = (torch.full((2,), 7), torch.tensor(state.length), state.keys, state.values, state.cross_keys,
+              state.cross_values, strided_mask)
+    with tracing_settings(compiled=True), pytest.raises(RecompileError):
+        compiled._step(*inputs)
+    before, retried = graphs_compiled(), compiled.retried
+    with tracing_settings(compiled=True):
+        got = compiled._run(*inputs)
+    assert compiled.retried - retried == compiled_module.RETRIES
+    assert graphs_compiled() == before + 1
+    eager_state = model.new_state()
+    model.decode(tokens, memory, src_mask, state=eager_state)
+    expected = model.decode(torch.full((2, 1), 7), memory, src_mask, state=eager_state)[:, 0]
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_decoder_threads_sharing_a_decoder_compile_nothing_more_once_each_kind_is_compiled():
+    """Three threads decoding at once, every kind compiled first: no call compiles a graph again (dynamo found
+    none fitting 1-2 calls in 200 and compiled one, each taking a place of RECOMPILE_LIMIT; _run makes them
+    again), and every output is the eager model's."""
+    model, compiled = compiled_variant("post-sinusoidal-relu")
+    intra_op = torch.get_num_threads()
+    torch.set_num_threads(1)  # as decoder workers run (dynamo compiles a graph per thread count)
+    try:
+        compiled.compile_kinds()
+    finally:
+        torch.set_num_threads(intra_op)
+    searches = [SearchConfig(beam_size=1), SearchConfig(beam_size=3), SearchConfig(beam_size=1, scores=False)]
+    jobs = [[(sources(seed=100 * i + r)[: 1 + (r + i) % 4], searches[(r + i) % 3]) for r in range(40)]
+            for i in range(3)]
+    expected = [[decode(model, src, search, bos=BOS, eos=EOS, pad=PAD) for src, search in thread_jobs]
+                for thread_jobs in jobs]
+    got: dict[int, list] = {}
+
+    def decoder_thread(i: int) -> None:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            got[i] = [decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD) for src, search in jobs[i]]
+
+    before = graphs_compiled()
+    threads = [threading.Thread(target=decoder_thread, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert graphs_compiled() == before
+    for i in range(3):
+        assert [[h[0].tokens for h in hyps] for hyps in got[i]] == [[h[0].tokens for h in hyps] for hyps in expected[i]]
 
 
 def test_a_new_state_is_empty():

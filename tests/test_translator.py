@@ -1140,6 +1140,14 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
     stream = two.translate_stream(texts, SearchConfig(beam_size=2), max_tokens=32)
     next(stream)
     stream.close()  # a reader that stops early: what was queued for it is cancelled
+    # Compiled, a lone wide batch stays on one worker's threads: dynamo compiles its graphs per thread count, and
+    # all of them again for the wide pool's (the decoding here is eager: which threads decode is what is checked)
+    monkeypatch.setattr(two, "compiled", True)
+    two.decoded.clear()
+    assert two.translate_nbest(texts[:5], SearchConfig(beam_size=3)) == one.translate_nbest(
+        texts[:5], SearchConfig(beam_size=3))
+    assert two.decoded == Counter({(1, 1): 1})
+    monkeypatch.setattr(two, "compiled", False)
     for bad in ({"workers": 0}, {"workers": True}, {"threads": 0}):
         with pytest.raises(ValueError, match="workers|threads"):
             Translator(model=one.model, tokenizer=one.tokenizer, precision="fp32", **bad)

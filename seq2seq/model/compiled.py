@@ -170,32 +170,39 @@ def inductor_backend(options: dict[str, object]) -> Callable[[torch.fx.GraphModu
 
 
 @contextmanager
-def tracing_settings() -> Iterator[None]:
+def tracing_settings(*, compiled: bool = False) -> Iterator[None]:
     """What dynamo must see whenever it traces the step, set around each call (it traces on a call whose guards
     fail, and reads these then, before any backend runs), as they were after:
 
     - inductor's `freezing`: the weights become constants of the compiled code, which inductor packs once for
       its GEMM templates (as inputs, the step ran 2x slower);
     - no duck sizing: dynamo would give sizes equal at the first call one symbol (rows = heads, capacity =
-      head size), and then specialise them to the model's constants (a graph for one shape of the cache).
+      head size), and then specialise them to the model's constants (a graph for one shape of the cache);
+    - with `compiled` (the call's kind has its graph), dynamo's `error_on_recompile`: a call that finds no graph
+      fitting raises RecompileError instead of compiling one (CompiledDecoder._run says why).
 
     torch's config settings are the setting thread's own (context variables): other threads, and this one
     after the call, keep theirs. ~10 us a step."""
+    from torch._dynamo import config as dynamo
     from torch._inductor import config as inductor
     from torch.fx.experimental import _config as shapes
 
-    before = inductor.freezing, shapes.use_duck_shape
-    inductor.freezing, shapes.use_duck_shape = True, False
+    before = inductor.freezing, shapes.use_duck_shape, dynamo.error_on_recompile
+    inductor.freezing, shapes.use_duck_shape, dynamo.error_on_recompile = True, False, compiled
     try:
         yield
     finally:
-        inductor.freezing, shapes.use_duck_shape = before
+        inductor.freezing, shapes.use_duck_shape, dynamo.error_on_recompile = before
 
 
 RECOMPILE_LIMIT = 16
 """Graphs one CompiledDecoder may compile: a search makes up to four kinds of call (one row; several rows of one
 sentence, beams; several sentences, one row each; several sentences with beams), each compiled once
 (`CompiledDecoder._first_of_kind`); the rest is room for a specialisation not foreseen."""
+
+
+RETRIES = 3
+"""Times a call whose kind has its graph is made again when dynamo finds none fitting it (`CompiledDecoder._run`)."""
 
 
 class CompiledDecoder:
@@ -205,7 +212,8 @@ class CompiledDecoder:
     decode with a state (from `new_state`) runs the compiled step once per fed token. The first steps of
     each kind compile (tens of seconds; inductor keeps the code on disk for the next process), on the
     thread that first decodes, with its intra-op thread count built into the code (decoder threads meeting a
-    new kind at once wait for the one compiling it, `_kinds`; once it is compiled their steps run at once). On a
+    new kind at once wait for the one compiling it, `_kinds`; once it is compiled their steps run at once; a
+    thread of another intra-op count compiles its own graphs, as dynamo guards on the count). On a
     CPU, `gemm_templates` off compiles faster to a slower step (GEMM_TEMPLATES), and `cpp_wrapper` off compiles
     faster to a step that holds the GIL while it runs (CPP_WRAPPER): both are for tests. The model's linear
     layers must be plain nn.Linear (the Translator packs only the encoder's), fp32 or bf16, and its weights
@@ -219,6 +227,8 @@ class CompiledDecoder:
                                     **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})})
         self._kinds: set[tuple[bool, bool, bool]] = set()  # (one row, one sentence, beams) compiled so far
         self._compiling = threading.Lock()
+        self.retried = 0
+        """Calls made again because dynamo found no graph fitting them (`_run`): a tally for reading, not a lock."""
         # One graph per kind of call (one row or several, one sentence or several, beams or not), each
         # decoder's apart from other decoders' (all share the step's code): a graph break or more graphs
         # than RECOMPILE_LIMIT is an error, not a silent fall back to the eager step.
@@ -257,15 +267,16 @@ class CompiledDecoder:
         heads = self.config.num_heads
         sentences = src_mask.size(0)
         kind = (rows == 1, sentences == 1, rows > sentences)
+        compiled = kind in self._kinds
         logits = []
-        with tracing_settings(), (nullcontext() if kind in self._kinds else self._first_of_kind(kind)):
+        with tracing_settings(compiled=compiled), (nullcontext() if compiled else self._first_of_kind(kind)):
             for t in range(length):
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
                               num_layers=self.config.num_decoder_layers, dtype=memory.dtype, device=memory.device)
                 position = torch.tensor(state.length, device=tgt_in.device)
                 tokens = tgt_in[:, t].contiguous()  # (R,): a strided column would be another graph's input
-                logits.append(self._step(tokens, position, state.keys, state.values, state.cross_keys,
-                                         state.cross_values, src_mask))
+                inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values, src_mask)
+                logits.append(self._run(*inputs) if compiled else self._step(*inputs))
                 state.length += 1
         # (R, T, V); one step's logits as a view: stacking would copy them (48 MB a step at 3,000 rows of 8,000)
         return logits[0][:, None] if length == 1 else torch.stack(logits, dim=1)
@@ -283,6 +294,25 @@ class CompiledDecoder:
             tgt_in = torch.zeros(sentences * beams, 1, dtype=torch.long, device=parameter.device)  # (R, 1)
             self.decode(tgt_in, memory, torch.ones_like(src, dtype=torch.bool), state=self.new_state())
         return len(self._kinds) - compiled
+
+    def _run(self, *inputs: Tensor | list[Tensor]) -> Tensor:
+        """The step, for a call whose kind has its graph. Threads sharing the decoder now and then find none of its
+        graphs fitting such a call (dynamo's guards fail as one thread checks them while another decodes, and pass
+        when checked again: "runtime guards failed even though they passed during recompilation-reason analysis",
+        torch 2.13, 1-2 calls in 200 of three threads), and dynamo would compile the graph again: seconds on a
+        decoder thread, and a place of RECOMPILE_LIMIT, past which every call fails. Such a call raises instead
+        (`error_on_recompile`, tracing_settings), before the step has run or written the cache, and is made again,
+        which finds the graph; one that finds none RETRIES times over is a call the kind's graph does not cover,
+        compiled as a new kind's first call is."""
+        from torch._dynamo.exc import RecompileError
+
+        for _ in range(RETRIES):
+            try:
+                return cast(Tensor, self._step(*inputs))
+            except RecompileError:
+                self.retried += 1
+        with self._compiling, tracing_settings(compiled=False):
+            return cast(Tensor, self._step(*inputs))
 
     @contextmanager
     def _first_of_kind(self, kind: tuple[bool, bool, bool]) -> Iterator[None]:
