@@ -6,6 +6,8 @@ saying what is wrong), and how a translation is written as text. Faces import th
 import argparse
 import dataclasses
 import re
+import sys
+import time
 import typing
 import warnings
 from dataclasses import fields
@@ -14,6 +16,7 @@ import torch
 
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.model import ConfigError
+from seq2seq.model.compiled import CompileError
 from seq2seq.precision import PRECISIONS
 from seq2seq.search import SearchConfig
 from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, resolve_device
@@ -133,6 +136,28 @@ def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *
     except ConfigError as error:
         raise SystemExit(f"error: {flag_message(error)}") from None
     return translator, search
+
+
+def compile_before_answering(translator: Translator, *, threads: int | None = None, face: str) -> None:
+    """--compile in a tool that answers as sentences come (the server, serve/translate.py): every kind of decoding
+    step compiled before the first sentence (Translator.compile_decoding, for decoder threads of `threads`), with a
+    line before (a kind compiles for a minute or more, silently) and after. A step that cannot be compiled is one
+    line and an exit, as is Ctrl-C (130) while it compiles; `face` names what is not started ("the server")."""
+    if not translator.compiled:
+        return
+    pair = f"{translator.src_lang}→{translator.tgt_lang}"
+    print(f"{pair}: compiling the decoding steps (--compile; about a minute a kind the first time)", file=sys.stderr,
+          flush=True)
+    started = time.perf_counter()
+    try:
+        kinds = translator.compile_decoding(threads=threads)
+    except CompileError as error:
+        raise SystemExit(f"error: {error}; {face} was not started: run it without --compile") from None
+    except KeyboardInterrupt:
+        print(f"\ninterrupted while compiling the decoding steps; {face} was not started", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(f"{pair}: {kinds} kinds of decoding step compiled in {time.perf_counter() - started:.0f} s (--compile)",
+          file=sys.stderr, flush=True)
 
 
 def describe(search: SearchConfig) -> str:

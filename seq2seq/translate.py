@@ -38,6 +38,7 @@ from seq2seq.cli import (
     open_translator,
     with_extras,
 )
+from seq2seq.model.compiled import CompileError
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
 from seq2seq.search import SearchConfig
 from seq2seq.textio import (
@@ -171,6 +172,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     except (InputError, ValueError) as error:  # ValueError: a target prefix too long, or prefixes that end early
         raise SystemExit(f"error: {error}; {where(args.output)} holds the translations of the {output.lines} lines "
                          "before it") from None
+    except CompileError as error:  # --compile: each kind of step compiles at its first batch
+        raise SystemExit(f"error: {error}: translate without --compile; {where(args.output)} holds the translations "
+                         f"of the {output.lines} lines before it") from None
     except OSError as error:  # a full disk, /dev/full
         output.cut_to_whole_lines()
         partial = " and maybe part of the next" if args.output == "-" else ""
@@ -222,7 +226,11 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
     except ValueError as error:  # subtitles that are not SubRip ("line N is not ..."), markup that cannot be read
         name = "stdin" if args.input == "-" else args.input
         raise SystemExit(f"error: {name}{'' if str(error).startswith('line ') else ':'} {error}") from None
-    [translated] = translator.translate_documents([document], search, max_tokens=args.max_tokens, glossary=glossary)
+    try:
+        [translated] = translator.translate_documents([document], search, max_tokens=args.max_tokens,
+                                                      glossary=glossary)
+    except CompileError as error:
+        raise SystemExit(f"error: {error}: translate without --compile; {where(args.output)} was not written") from None
     output = Output(args.output)
     try:
         output.write(translated)

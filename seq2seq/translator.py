@@ -19,6 +19,7 @@ file's translations can be written as they are made.
 import dataclasses
 import itertools
 import re
+import threading
 import unicodedata
 import warnings
 from collections import Counter, deque
@@ -193,16 +194,34 @@ class Translator:
                    device=device, precision=precision, search=loaded.search, workers=workers, threads=threads,
                    compiled=compiled)
 
-    def compile_decoding(self) -> int:
-        """With `compiled`, every kind of decoding step compiled now, on a decoder thread (as its first batches
-        would, with the thread's intra-op count; seq2seq/model/compiled.py): what a tool that answers sentences
-        as they come does first, so that none waits the minute or more a kind takes to compile. The number of
-        kinds compiled (0 without `compiled`, or when all were)."""
-        if not isinstance(self.decoding, CompiledDecoder):
+    def compile_decoding(self, *, threads: int | None = None) -> int:
+        """With `compiled`, every kind of decoding step compiled now (seq2seq/model/compiled.py), for decoder threads
+        of `threads` intra-op threads (default: its workers' threads; with no threads of its own, the caller's
+        thread, with its count): what a tool that answers sentences as they come does first, so that none waits
+        the minute or more a kind takes to compile. Dynamo compiles a graph per thread count, so the kinds compile
+        on a thread of that count, a daemon thread: Ctrl-C in the caller ends the process at once (a pool's thread
+        is waited for at exit, the compiling's minutes). The number of kinds compiled (0 without `compiled`, or
+        when all were); CompileError (one line) when inductor cannot compile."""
+        decoding = self.decoding
+        if not isinstance(decoding, CompiledDecoder):
             return 0
-        if self.workers == 1 and not self._own_threads:
-            return self.decoding.compile_kinds()
-        return self._pool_of("workers", self.workers, self.threads).submit(self.decoding.compile_kinds).result()
+        if threads is None and self.workers == 1 and not self._own_threads:
+            return decoding.compile_kinds()
+        outcome: list[int | BaseException] = []
+
+        def compile_kinds() -> None:
+            start_decoder_thread(threads or self.threads)
+            try:
+                outcome.append(decoding.compile_kinds())
+            except BaseException as error:  # raised again in the caller's thread
+                outcome.append(error)
+
+        thread = threading.Thread(target=compile_kinds, name="decoder-compile", daemon=True)
+        thread.start()
+        thread.join()
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
 
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                   prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,

@@ -34,8 +34,9 @@ calls, and seeded sampling requests one at a time (a draw must not depend on wha
 a call fails, its requests are decoded again one at a time, so that only the one that fails alone gets
 the error. A request whose client has gone (timed out or disconnected) is not decoded. SIGTERM or
 Ctrl-C stops accepting, finishes the requests already in, and exits 0. With --compile, every kind of
-decoding step is compiled on a decoder thread before the server accepts a connection (about a minute a
-kind the first time, less from inductor's disk cache later), so that no request waits for it.
+decoding step is compiled for the decoder threads' --threads before the server starts (about a minute a
+kind the first time, less from inductor's disk cache later), so that no request waits for it; a step that
+cannot be compiled, or Ctrl-C meanwhile, is one line and an exit.
 
 A request's cost is bounded before it is queued, in decoder tokens: per sentence, its hypotheses
 (the beam; 1 for greedy and sampling) times its output limit (max_len_a x source tokens + max_len_b,
@@ -84,6 +85,7 @@ from starlette.routing import Route
 from seq2seq.cli import (
     add_search_arguments,
     check_flags,
+    compile_before_answering,
     describe,
     one_line_warnings,
     open_translator,
@@ -536,11 +538,8 @@ def create_app(translators: Translator | Sequence[Translator],
                                                           max_wait=max_wait, batching=batching, max_queue=max_queue,
                                                           executor=executor), defaults)
                   for t, defaults in zip(translators, searches, strict=True)}
-        for translator in translators:  # before the first request: compiling a kind takes a minute or more
-            started = time.perf_counter()
-            if translator.compiled:
-                print(f"{translator.src_lang}→{translator.tgt_lang}: compiling the decoding steps before accepting "
-                      "connections (--compile; about a minute a kind the first time)", file=sys.stderr, flush=True)
+        for translator in translators:  # before the first request: compiling a kind takes a minute or more (main()
+            started = time.perf_counter()  # compiled them already: here for create_app's other callers)
             if kinds := await loop.run_in_executor(executor, translator.compile_decoding):
                 print(f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of decoding step compiled in "
                       f"{time.perf_counter() - started:.0f} s (--compile)", file=sys.stderr, flush=True)
@@ -624,6 +623,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C while the model loads: one line, as after it starts
         print("\ninterrupted while loading the model; the server was not started", file=sys.stderr)
         raise SystemExit(130) from None
+    for translator, _ in loaded:  # for the decoder threads' count, before uvicorn: a failure or Ctrl-C is one line
+        compile_before_answering(translator, threads=threads, face="the server")
     try:
         app = create_app([t for t, _ in loaded], [search for _, search in loaded], max_tokens=args.max_tokens,
                          max_wait=args.max_wait_ms / 1000,

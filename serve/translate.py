@@ -16,6 +16,7 @@ import sys
 from seq2seq.cli import (
     add_search_arguments,
     check_flags,
+    compile_before_answering,
     describe,
     format_nbest,
     one_line,
@@ -35,10 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     check_flags(parser, args)
     one_line_warnings()
     translator, search = open_translator(parser, args)
-    if args.compile:  # before the first line, which would otherwise wait while each kind of step compiles
-        print("compiling the decoding steps (--compile; the first time about a minute a kind)", file=sys.stderr,
-              flush=True)
-        translator.compile_decoding()
+    # before the first line, which would otherwise wait while each kind of step compiles
+    compile_before_answering(translator, face="serve/translate.py")
     # Bytes in, decoded here: a stray non-UTF-8 byte must not end the session with a traceback.
     stdin = sys.stdin.buffer
     stdout = utf8_stdout()

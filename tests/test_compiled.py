@@ -370,6 +370,20 @@ def test_decoder_threads_sharing_a_decoder_compile_nothing_more_once_each_kind_i
         assert [[h[0].tokens for h in hyps] for hyps in got[i]] == [[h[0].tokens for h in hyps] for hyps in expected[i]]
 
 
+@torch.inference_mode()
+def test_a_step_that_cannot_be_compiled_is_one_line():
+    """Inductor without a working C++ compiler (set in this thread only; nothing read from its disk cache): a
+    CompileError of one line naming its reason, where inductor's own error is pages of traceback."""
+    model = tiny(seed=11, num_decoder_layers=1)
+    compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",), "fx_graph_cache": False}):
+        with pytest.raises(compiled_module.CompileError) as caught:
+            decode(compiled, sources()[:1], SearchConfig(beam_size=1), bos=BOS, eos=EOS, pad=PAD)
+    assert str(caught.value).startswith("the decoding step could not be compiled (InvalidCxxCompiler: No working C++ "
+                                        "compiler found")
+    assert "\n" not in str(caught.value)
+
+
 def test_a_new_state_is_empty():
     state = CompiledState()
     assert (state.length, state.capacity, state.keys, state.cross_keys) == (0, 0, [], [])

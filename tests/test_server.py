@@ -27,6 +27,7 @@ import torch
 import uvicorn
 from libretranslatepy import LibreTranslateAPI
 
+from seq2seq.model.compiled import CompileError
 from seq2seq.search import SearchConfig
 from seq2seq.translator import Translator
 
@@ -318,9 +319,10 @@ def test_a_full_queue_answers_429_and_a_slow_one_503(translator: Translator):
 
 def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_answers(
         translator: Translator, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """--compile: every kind of decoding step is compiled before the server accepts a connection (a kind takes a
-    minute or more to compile, past a request's --timeout), on a decoder thread, whose intra-op thread count goes
-    into the compiled code (Translator.compile_decoding: tests/test_translator.py)."""
+    """A compiled translator given to create_app: every kind of decoding step is compiled before the server accepts
+    a connection (a kind takes a minute or more to compile, past a request's --timeout), on a decoder thread, whose
+    intra-op thread count goes into the compiled code (Translator.compile_decoding: tests/test_translator.py; the
+    server's main() compiles before uvicorn starts, the test below)."""
     compiled_on: list[tuple[str, int]] = []
 
     def compile_decoding(self: Translator) -> int:
@@ -337,7 +339,6 @@ def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_
     finally:
         running.stop()
     err = capsys.readouterr().err
-    assert "en→de: compiling the decoding steps before accepting connections" in err
     assert "en→de: 4 kinds of decoding step compiled in" in err
 
 
@@ -373,6 +374,36 @@ def test_bad_flags_and_ctrl_c_while_loading_are_one_line(trained: Path, monkeypa
         main(["--checkpoint", str(trained)])
     assert caught.value.code == 130
     assert capsys.readouterr().err.strip() == "interrupted while loading the model; the server was not started"
+
+
+def test_compile_failing_or_interrupted_before_the_server_starts_is_one_line(
+        trained: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """--compile compiles every kind of step in main(), for the decoder threads' --threads, before uvicorn starts: a
+    step that cannot be compiled (no C++ compiler) and Ctrl-C meanwhile are one line and an exit (a traceback of
+    uvicorn's lifespan before, and Ctrl-C waited for the compiling to end)."""
+    calls: list[int | None] = []
+
+    def failing(self: Translator, *, threads: int | None = None) -> int:
+        calls.append(threads)
+        raise CompileError("the decoding step could not be compiled (InvalidCxxCompiler: No working C++ compiler)")
+
+    def interrupted(self: Translator, *, threads: int | None = None) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Translator, "compile_decoding", failing)
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(trained), "--compile", "--precision", "fp32", "--workers", "2", "--threads", "1"])
+    assert calls == [1]
+    assert caught.value.code == ("error: the decoding step could not be compiled (InvalidCxxCompiler: No working C++ "
+                                 "compiler); the server was not started: run it without --compile")
+    assert "en→de: compiling the decoding steps (--compile" in capsys.readouterr().err
+    monkeypatch.setattr(Translator, "compile_decoding", interrupted)
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(trained), "--compile", "--precision", "fp32"])
+    assert caught.value.code == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted while compiling the decoding steps; the server was not started"
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("device,message", [

@@ -36,7 +36,7 @@ from torch._dynamo.utils import counters
 from seq2seq import translator as translator_module
 from seq2seq.checkpoint import store_search_defaults
 from seq2seq.model import MultiHeadAttention, Transformer, TransformerConfig
-from seq2seq.model.compiled import CompiledDecoder
+from seq2seq.model.compiled import CompiledDecoder, CompileError
 from seq2seq.model.numerics import PackedLinear
 from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig, beam_search, greedy
@@ -726,6 +726,30 @@ def test_ctrl_c_in_the_middle_of_a_line_leaves_whole_lines_and_says_how_many(
     assert output.read_bytes() == writes[0] + writes[1]  # the half line is gone
 
 
+def test_cli_with_compile_whose_step_cannot_be_compiled_says_so_in_one_line(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """--compile compiles each kind of step at its first batch: one that cannot be compiled (no C++ compiler) is one
+    line saying so, what to do and what was written (the compiling's failure pretended)."""
+    (tmp_path / "in.de").write_text("\n".join(SENTENCES[:3]) + "\n", encoding="utf-8")
+    output = tmp_path / "out.en"
+
+    def cannot_compile(self, tgt_in, memory, src_mask, state=None):
+        raise CompileError("the decoding step could not be compiled (InvalidCxxCompiler: No working C++ compiler)")
+
+    monkeypatch.setattr(CompiledDecoder, "decode", cannot_compile)
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output),
+              "--compile", "--precision", "fp32"])
+    assert caught.value.code == ("error: the decoding step could not be compiled (InvalidCxxCompiler: No working C++ "
+                                 f"compiler): translate without --compile; --output {output} holds the translations "
+                                 "of the 0 lines before it")
+    (tmp_path / "in.html").write_text("<p>" + SENTENCES[0] + "</p>", encoding="utf-8")
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.html"), "--output", str(output),
+              "--format", "html", "--compile", "--precision", "fp32"])
+    assert str(caught.value.code).endswith(f"translate without --compile; --output {output} was not written")
+
+
 def test_cli_never_overwrites_the_checkpoint_or_a_file_that_is_not_text(checkpoint: Path, tmp_path: Path):
     """`--output c.ckpt` made a 121 MB checkpoint 650 bytes of text, exit 0."""
     (tmp_path / "in.de").write_text("Ein Hund.\n", encoding="utf-8")
@@ -938,6 +962,34 @@ def test_serve_nbest(checkpoint: Path, translator: Translator):
         )
 
 
+def test_compile_decoding_compiles_on_a_daemon_thread_of_the_decoder_threads_count(checkpoint: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch):
+    """Dynamo compiles a graph per intra-op thread count: Translator.compile_decoding compiles for its workers' (or
+    the `threads` given) on a thread of that count, a daemon one (Ctrl-C in the caller would otherwise wait for the
+    compiling to end at exit), and raises what the compiling raised in the caller's thread (compiling pretended)."""
+    seen: list[tuple[str, bool, int]] = []
+    failure: list[BaseException] = []
+
+    def compile_kinds(self: CompiledDecoder) -> int:
+        seen.append((threading.current_thread().name, threading.current_thread().daemon, torch.get_num_threads()))
+        if failure:
+            raise failure[0]
+        return 4
+
+    monkeypatch.setattr(CompiledDecoder, "compile_kinds", compile_kinds)
+    translator = Translator.from_checkpoint(checkpoint, precision="fp32", compiled=True, workers=2, threads=1)
+    assert translator.compile_decoding() == 4 and translator.compile_decoding(threads=2) == 4
+    assert seen == [("decoder-compile", True, 1), ("decoder-compile", True, 2)]
+    failure.append(CompileError("the decoding step could not be compiled (InvalidCxxCompiler)"))
+    with pytest.raises(CompileError, match="could not be compiled"):
+        translator.compile_decoding()
+    caller = Translator.from_checkpoint(checkpoint, precision="fp32", compiled=True)  # no threads of its own
+    failure.clear()
+    seen.clear()
+    assert caller.compile_decoding() == 4 and seen == [(threading.current_thread().name, False,
+                                                        torch.get_num_threads())]
+
+
 def test_serve_with_compile_compiles_before_it_reads_the_first_line(checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    capsys: pytest.CaptureFixture[str]):
     """serve/translate.py --compile compiles every kind of step before it reads a line (run in this process, the
@@ -947,7 +999,7 @@ def test_serve_with_compile_compiles_before_it_reads_the_first_line(checkpoint: 
     interactive = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(interactive)
     events: list[str] = []
-    monkeypatch.setattr(Translator, "compile_decoding", lambda self: events.append("compiled") or 4)
+    monkeypatch.setattr(Translator, "compile_decoding", lambda self, threads=None: events.append("compiled") or 4)
 
     class Lines(io.BytesIO):
         def readline(self, size: int | None = -1) -> bytes:
@@ -958,7 +1010,15 @@ def test_serve_with_compile_compiles_before_it_reads_the_first_line(checkpoint: 
     interactive.main(["--checkpoint", str(checkpoint), "--compile", "--precision", "fp32"])
     assert events[0] == "compiled" and events.count("compiled") == 1 and "read" in events
     out, err = capsys.readouterr()
-    assert out == "\n" and "compiling the decoding steps (--compile" in err
+    assert out == "\n" and "compiling the decoding steps (--compile" in err and "4 kinds of decoding step" in err
+    # A step that cannot be compiled: one line, before any line is read
+    events.clear()
+    monkeypatch.setattr(Translator, "compile_decoding", lambda self, threads=None: (_ for _ in ()).throw(
+        CompileError("the decoding step could not be compiled (InvalidCxxCompiler)")))
+    with pytest.raises(SystemExit) as caught:
+        interactive.main(["--checkpoint", str(checkpoint), "--compile", "--precision", "fp32"])
+    assert caught.value.code == ("error: the decoding step could not be compiled (InvalidCxxCompiler); "
+                                 "serve/translate.py was not started: run it without --compile") and events == []
 
 
 def test_serve_reports_each_truncated_line_with_its_own_number(checkpoint: Path, translator: Translator):

@@ -201,6 +201,22 @@ sentence, beams; several sentences, one row each; several sentences with beams),
 (`CompiledDecoder._first_of_kind`); the rest is room for a specialisation not foreseen."""
 
 
+class CompileError(RuntimeError):
+    """The step could not be compiled (no working C++ compiler, say): one line naming inductor's reason."""
+
+
+@contextmanager
+def compiling() -> Iterator[None]:
+    """Around a call that may compile: inductor's failure (pages of traceback) becomes a CompileError of one line."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        yield
+    except BackendCompilerFailed as error:
+        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise CompileError(f"the decoding step could not be compiled ({reason})") from None
+
+
 RETRIES = 3
 """Times a call whose kind has its graph is made again when dynamo finds none fitting it (`CompiledDecoder._run`)."""
 
@@ -269,7 +285,8 @@ class CompiledDecoder:
         kind = (rows == 1, sentences == 1, rows > sentences)
         compiled = kind in self._kinds
         logits = []
-        with tracing_settings(compiled=compiled), (nullcontext() if compiled else self._first_of_kind(kind)):
+        first = nullcontext() if compiled else self._first_of_kind(kind)
+        with tracing_settings(compiled=compiled), first, compiling():
             for t in range(length):
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
                               num_layers=self.config.num_decoder_layers, dtype=memory.dtype, device=memory.device)
