@@ -623,8 +623,6 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C while the model loads: one line, as after it starts
         print("\ninterrupted while loading the model; the server was not started", file=sys.stderr)
         raise SystemExit(130) from None
-    for translator, _ in loaded:  # for the decoder threads' count, before uvicorn: a failure or Ctrl-C is one line
-        compile_before_answering(translator, threads=threads, face="the server")
     try:
         app = create_app([t for t, _ in loaded], [search for _, search in loaded], max_tokens=args.max_tokens,
                          max_wait=args.max_wait_ms / 1000,
@@ -634,6 +632,8 @@ def main(argv: list[str] | None = None) -> None:
                          max_body_size=args.max_body_size, workers=workers, threads=threads)
     except ValueError as error:  # a checkpoint's tuned beam over --max-beam-size, two models for one pair
         parser.error(str(error))
+    for translator, _ in loaded:  # for the decoder threads' count, before uvicorn: a failure or Ctrl-C is one line
+        compile_before_answering(translator, threads=threads, face="the server")
     for translator, search in loaded:
         print(f"{translator.src_lang}→{translator.tgt_lang} on http://{args.host}:{args.port} ({translator.precision}, "
               f"{workers} decoder threads x {threads} threads, {describe(search)})", file=sys.stderr, flush=True)

@@ -316,7 +316,7 @@ class CompiledDecoder:
         """The step, for a call whose kind has its graph. Threads sharing the decoder now and then find none of its
         graphs fitting such a call (dynamo's guards fail as one thread checks them while another decodes, and pass
         when checked again: "runtime guards failed even though they passed during recompilation-reason analysis",
-        torch 2.13, 1-2 calls in 200 of three threads), and dynamo would compile the graph again: seconds on a
+        torch 2.13; 6-11 calls in 300 searches by three threads), and dynamo would compile the graph again: seconds on a
         decoder thread, and a place of RECOMPILE_LIMIT, past which every call fails. Such a call raises instead
         (`error_on_recompile`, tracing_settings), before the step has run or written the cache, and is made again,
         which finds the graph; one that finds none RETRIES times over is a call the kind's graph does not cover,
