@@ -5,6 +5,7 @@ saying what is wrong), and how a translation is written as text. Faces import th
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import time
@@ -154,8 +155,11 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
     except CompileError as error:
         raise SystemExit(f"error: {error}; {face} was not started: run it without --compile") from None
     except KeyboardInterrupt:
-        print(f"\ninterrupted while compiling the decoding steps; {face} was not started", file=sys.stderr)
-        raise SystemExit(130) from None
+        print(f"\ninterrupted while compiling the decoding steps; {face} was not started", file=sys.stderr,
+              flush=True)
+        # The compiling thread is a daemon, maybe inside inductor's C++, which the interpreter's exit aborts under
+        # it ("terminate called without an active exception", exit 134): nothing is written yet, leave at once.
+        os._exit(130)
     print(f"{pair}: {kinds} kinds of decoding step compiled in {time.perf_counter() - started:.0f} s (--compile)",
           file=sys.stderr, flush=True)
 
