@@ -123,7 +123,8 @@ class Translator:
         are not. The batches are those of one worker, so outputs do not depend on `workers`, except where an
         input makes fewer batches than there are workers: those are cut into parts for the idle workers
         (shared_out), which can change a bf16 translation slightly (fp32: the same tokens), and a lone batch
-        too small to cut but wide enough (_wide) decodes on all the workers' threads; seeded sampling,
+        too small to cut but wide enough (_wide) decodes on all the workers' threads (not when `compiled`: its
+        graphs are for one worker's thread count); seeded sampling,
         whose draws run through one generator, decodes one batch at a time. On a device other than the CPU
         one worker is faster (several wait on each other's kernels): more are taken, with a warning.
 
