@@ -2,7 +2,7 @@
 
     python bench/compiled_profile.py --checkpoint checkpoints/multi30k-ende/best.ckpt [--beam 5] [--sentences 500]
 
-A `compiled=True` Translator (one thread, bf16 or fp32) compiles its kinds of step (`compile_decoding`), then
+A `compiled=True` Translator (one thread, bf16, fp32 or int8) compiles its kinds of step (`compile_decoding`), then
 translates the Multi30k test sentences at once, twice; the second run is timed by wrapping the CompiledDecoder's
 methods and the cache's: the encoder, the compiled step (its kernels and dynamo's call), `decode` around it (the
 step's Python: the position, the cache's room, the cross keys once a sentence), the cache's reorders and growth.
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "int8"))
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--sentences", type=int, default=500)
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared/data/multi30k")

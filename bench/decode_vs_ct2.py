@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true",
-                        help="also ours in the auto precision with its decoding steps compiled (Translator(compiled=True); "
+                        help="also ours in the auto precision and in int8 with its decoding steps compiled (Translator(compiled=True); "
                              "each configuration compiles on its first run, which the fastest of --repeats leaves out)")
     parser.add_argument("--scores", action="store_true",
                         help="both engines compute each translation's score (CTranslate2: return_scores)")
@@ -163,9 +163,10 @@ def run(args: argparse.Namespace, translator: Translator, sources: list[str], so
             label = f"ours {precision}" + (" (auto)" if precision == auto else "")
             engines[label] = {(w, t): Ours(Translator.from_checkpoint(args.checkpoint, precision=precision, workers=w,
                                                                       threads=t)) for w, t in configurations(cores)}
-        if args.compile:
-            engines[f"ours {auto} compiled"] = {(w, t): Ours(Translator.from_checkpoint(
-                args.checkpoint, precision=auto, workers=w, threads=t, compiled=True)) for w, t in configurations(cores)}
+        for precision in dict.fromkeys([auto, "int8"]) if args.compile else ():
+            engines[f"ours {precision} compiled"] = {(w, t): Ours(Translator.from_checkpoint(
+                args.checkpoint, precision=precision, workers=w, threads=t, compiled=True))
+                for w, t in configurations(cores)}
         for compute, folder in folders.items():
             engines[f"ct2 {compute}"] = {(w, t): Theirs(ctranslate2.Translator(str(folder), device="cpu",
                                                                                intra_threads=t, inter_threads=w))

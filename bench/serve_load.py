@@ -50,7 +50,7 @@ def start_server(checkpoint: str, extra: list[str]) -> tuple[subprocess.Popen, s
                *extra]
     process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + (1200 if "--compile" in extra else 120)  # (compiling every kind: minutes)
     while True:
         try:
             if httpx.get(url + "/health").status_code == 200:
@@ -66,7 +66,8 @@ def serving(args: argparse.Namespace, extra: list[str]) -> Iterator[tuple[str, s
     """serve/server.py with the run's options (and `extra`) for as long as the block runs: its URL and
     the language pair its checkpoint translates; stopped by SIGTERM as an operator would."""
     process, url = start_server(args.checkpoint, ["--beam-size", args.beam_size, "--threads", args.threads,
-                                                  "--workers", args.workers, "--precision", "auto", *extra])
+                                                  "--workers", args.workers, "--precision", args.precision,
+                                                  *(["--compile"] if args.compile else []), *extra])
     try:
         [(source, target)] = [(lang["code"], t) for lang in httpx.get(url + "/languages").json() for t in lang["targets"]]
         yield url, source, target
@@ -121,13 +122,15 @@ def main() -> None:
     parser.add_argument("--beam-size", default="5")
     parser.add_argument("--threads", default="2", help="the server's intra-op threads per decoder thread")
     parser.add_argument("--workers", default="1", help="the server's decoder threads (--workers)")
+    parser.add_argument("--precision", default="auto", help="the server's --precision")
+    parser.add_argument("--compile", action="store_true", help="the server compiles its decoding steps (--compile)")
     parser.add_argument("--paragraphs", type=int, default=0, metavar="K",
                         help="requests of K sentences each: split by the server against decoded whole")
     args = parser.parse_args()
     if args.paragraphs:
         return paragraphs(args)
     print(f"{cpu_model()}; {args.requests} requests per row, beam {args.beam_size}, server with {args.workers} decoder "
-          f"threads x {args.threads} threads")
+          f"threads x {args.threads} threads, precision {args.precision}{', compiled' if args.compile else ''}")
     print("| clients | server | sentences/s | p50 latency | p95 latency | decoder batches |")
     print("|---|---|---|---|---|---|")
     throughput: dict[tuple[int, str], float] = {}

@@ -64,7 +64,8 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="run the decoding steps compiled (torch.compile): one sentence 1.3-2x faster on a CPU, after "
                              "tens of seconds compiling each kind of step at first use (the server and the interactive "
-                             "tool compile them all before their first sentence); fp32 or bf16, absolute positions "
+                             "tool compile them all before their first sentence); any precision (int8: its int8 matmuls compiled "
+                             "into the step), absolute positions "
                              "(README: A compiled decoding step)")
 
 

@@ -36,7 +36,7 @@ from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.constraints import holds
 from seq2seq.markup import HtmlDocument
 from seq2seq.model import MultiHeadAttention, Transformer
-from seq2seq.model.compiled import CompiledDecoder, check_compilable
+from seq2seq.model.compiled import CompiledDecoder, check_compilable, int8_decoder
 from seq2seq.model.numerics import PackedLinear, for_inference, pack_linears
 from seq2seq.precision import Precision, few_rows_on_torch, one_query_sdpa, onednn_linears, resolve_precision
 from seq2seq.scoring import Forced, force_decode
@@ -158,9 +158,10 @@ class Translator:
             MultiHeadAttention.one_query_by_matmul = not one_query_sdpa(self.device, self.precision).pays
         if compiled:
             check_compilable(model.config)
-            if self.precision not in ("fp32", "bf16"):
-                raise ValueError(f"compiled decoding runs fp32 or bf16, not {self.precision}")
-        self.model = for_inference(model.to(self.device).fuse_self_attention(), self.precision,
+        model = model.to(self.device).fuse_self_attention()
+        if compiled and self.precision == "int8":  # the decoder's linears the compiled step's int8, the encoder eager's
+            int8_decoder(model.float())
+        self.model = for_inference(model, self.precision,
                                    packed=packed and not compiled)
         if packed and compiled:  # the encoder runs eagerly: packed where that pays, as without `compiled`
             pack_linears(self.model.encoder)

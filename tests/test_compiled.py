@@ -14,8 +14,14 @@ from torch._inductor.graph import GraphLowering
 
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model import compiled as compiled_module
-from seq2seq.model.compiled import CompiledDecoder, CompiledState, check_compilable, tracing_settings
-from seq2seq.model.numerics import for_inference
+from seq2seq.model.compiled import (
+    CompiledDecoder,
+    CompiledState,
+    check_compilable,
+    int8_decoder,
+    tracing_settings,
+)
+from seq2seq.model.numerics import RowInt8Linear, for_inference
 from seq2seq.search import SearchConfig, decode
 
 BOS, EOS, PAD = 1, 2, 0
@@ -235,6 +241,73 @@ def test_gemm_templates_decode_one_sentence_as_the_eager_step(dtype: torch.dtype
     assert graphs_compiled() == before + 1
     (one,) = decode(compiled, src, SearchConfig(beam_size=1), bos=BOS, eos=EOS, pad=PAD)
     assert one[0].tokens and one[0].log_prob < 0
+
+
+def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.MonkeyPatch):
+    """compile_kinds' first call of each kind is at KINDS' sizes (inductor keeps the kernels it timed at a graph's
+    first sizes for every size): one row, one sentence's 4 beams, 64 sentences, 64 with 4 beams each, sources of
+    16 tokens; each kind once, and none again once compiled."""
+    model = tiny(num_decoder_layers=1)
+    compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
+    seen = []
+
+    def decode(tgt_in, memory, src_mask, state=None):
+        seen.append((tgt_in.size(0), memory.size(0), memory.size(1), bool(src_mask.all())))
+        compiled._kinds.add((tgt_in.size(0) == 1, memory.size(0) == 1, tgt_in.size(0) > memory.size(0)))
+        return torch.zeros(tgt_in.size(0), 1, 48)
+
+    monkeypatch.setattr(compiled, "decode", decode)
+    assert compiled.compile_kinds() == 4
+    assert seen == [(1, 1, 16, True), (4, 1, 16, True), (64, 64, 16, True), (256, 64, 16, True)]
+    assert compiled.compile_kinds() == 0
+
+
+def test_int8_step_follows_the_eager_int8_step():
+    """int8_decoder's model (its decoder's and output's linear layers RowInt8Linear, oneDNN's int8 op) compiled as the
+    Translator compiles it: on a CPU with VNNI or AMX inductor's int8 micro-kernels among the fused work, elsewhere
+    oneDNN's op kept as a call (~60 s to compile). Its logits follow the eager int8 step's, which quantises the same
+    rows, not the float32 model's, one row and several, and greedy search gives the eager int8 search's tokens."""
+    fp32 = tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre")
+    model = int8_decoder(tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre"))
+    linears = [m for m in model.decoder.modules() if isinstance(m, RowInt8Linear)]
+    assert len(linears) == 7 and isinstance(model.output_projection, RowInt8Linear)  # qkv, out; q, kv, out; ffn 2
+    assert not any(isinstance(m, RowInt8Linear) for m in model.encoder.modules())
+    compiled = CompiledDecoder(model)
+    assert compiled.gemm_templates == torch.cpu._is_vnni_supported()
+    src = sources()
+    before = graphs_compiled()
+    with torch.inference_mode():
+        for rows in (slice(0, 1), slice(0, 4)):
+            memory, src_mask = model.encode(src[rows]), src[rows] != PAD
+            tokens = torch.full((memory.size(0), 1), BOS)
+            eager_state, state, fp32_state = model.new_state(), compiled.new_state(), fp32.new_state()
+            for _ in range(8):
+                expected = model.decode(tokens, memory, src_mask, state=eager_state)
+                got = compiled.decode(tokens, memory, src_mask, state=state)
+                unquantised = fp32.decode(tokens, fp32.encode(src[rows]), src_mask, state=fp32_state)
+                scale = expected.abs().max()
+                # (a product's halfway case may round the other way compiled: one step of one activation)
+                assert (got - expected).abs().max() <= 1e-3 * scale
+                assert (unquantised - expected).abs().max() >= 1e-3 * scale  # quantised: int8's error is larger
+                tokens = expected[:, -1].argmax(-1, keepdim=True)
+    assert graphs_compiled() == before + 2  # one row; several sentences
+    search = SearchConfig(beam_size=1)  # (beams, with their two kinds more to compile: test_translator.py's int8 test)
+    eager = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
+    got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
+    assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in eager]
+    assert graphs_compiled() == before + 2
+
+
+def test_int8_steps_time_inductor_s_templates_only_where_its_int8_micro_kernels_run(monkeypatch: pytest.MonkeyPatch):
+    """inductor's int8 micro-kernels are VNNI's and AMX's: on other CPUs its template is a scalar loop, tens of times
+    slower than oneDNN's int8 call, so an int8 step keeps the call there; float steps time the templates everywhere."""
+    fp32 = tiny(num_decoder_layers=1)
+    int8 = int8_decoder(tiny(num_decoder_layers=1))
+    for vnni in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda vnni=vnni: vnni)
+        assert CompiledDecoder(int8).gemm_templates is vnni
+        assert CompiledDecoder(fp32).gemm_templates is True
+        assert CompiledDecoder(int8, gemm_templates=False).gemm_templates is False
 
 
 @pytest.mark.parametrize("positions", ["relative", "rotary"])

@@ -13,6 +13,7 @@ from seq2seq.model.layers import FeedForward
 from seq2seq.model.numerics import (
     Int8Linear,
     PackedLinear,
+    RowInt8Linear,
     exp_,
     for_inference,
     pack_linears,
@@ -47,6 +48,59 @@ def test_int8_linear_is_close_to_the_float64_product(bias):
     error = (out.double() - reference).abs().max() / reference.abs().max()
     assert 0 < error < 0.03, error
     assert Int8Linear(linear)(x[0, :0]).shape == (0, 96)  # an empty batch
+
+
+def row_int8_reference(x: torch.Tensor, linear: nn.Linear, *, bits: int) -> torch.Tensor:
+    """RowInt8Linear's arithmetic, naively in float64: weights to int8 by rows, activations to `bits` by rows,
+    their integer products summed exactly, then scaled back."""
+    weight = linear.weight.detach().double()  # (out, in)
+    weight_scale = (weight.abs().amax(dim=1) / 127).float().double()  # (out,), as float32 stores it
+    levels = (1 << (bits - 1)) - 1
+    x = x.double()
+    scale = (x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / levels).float().double()  # (..., 1); 0 rows: 0
+    product = (x / scale).round() @ (weight / weight_scale[:, None]).round().T  # (..., out), integers
+    out = product * weight_scale * scale
+    return out + linear.bias.detach().double() if linear.bias is not None else out
+
+
+VNNI = torch.cpu._is_vnni_supported()
+
+
+@pytest.mark.parametrize("bits", [7, pytest.param(8, marks=pytest.mark.skipif(
+    not VNNI, reason="8-bit activations overflow the 16-bit pair sums of x86's int8 instructions without VNNI: "
+                     "RowInt8Linear never takes them there (test_row_int8_linear_takes_8_bits_only_with_vnni)"))])
+@pytest.mark.parametrize("bias", [True, False])
+def test_row_int8_linear_is_its_integer_arithmetic_done_in_float64(bits: int, bias: bool):
+    """oneDNN's int8 op sums the integer products exactly (int32): what is left is float32's rounding of the
+    scales, far below the quantisation's own error, which is a few percent of the output's scale and less with
+    8 bits than with 7."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=bias)
+    x = torch.randn(3, 7, 256) * torch.logspace(-3, 2, 7)[:, None]  # rows of scales 1e-3 to 1e2: each its own
+    x[1, 2] = 0  # a row of zeros: its outputs the bias
+    layer = RowInt8Linear(linear, activation_bits=bits)
+    out = layer(x)
+    assert out.shape == (3, 7, 96) and out.dtype == torch.float32
+    reference = row_int8_reference(x, linear, bits=bits)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-6 * reference.abs().amax())
+    with torch.no_grad():
+        exact = nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double() if bias else None)
+    error = ((out.double() - exact).abs().amax(dim=-1) / exact.abs().amax(dim=-1).clamp(min=1e-12))  # per row
+    assert error.max() < (0.02 if bits == 8 else 0.04), error.max()
+    assert f"activations {bits}-bit per row" in repr(layer)
+    assert layer(x[0, :0]).shape == (0, 96)  # an empty batch
+
+
+def test_row_int8_linear_takes_8_bits_only_with_vnni(monkeypatch: pytest.MonkeyPatch):
+    """Without VNNI, x86 sums pairs of u8 x s8 products in 16 bits (255 * 127 * 2 overflows): 7-bit activations
+    there, 8 where the sums are int32 throughout; either forced by activation_bits, and nothing else taken."""
+    linear = nn.Linear(32, 8)
+    for vnni, bits in ((True, 8), (False, 7)):
+        monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda vnni=vnni: vnni)
+        assert RowInt8Linear(linear).levels == (1 << (bits - 1)) - 1
+        assert RowInt8Linear(linear, activation_bits=15 - bits).levels == (1 << (14 - bits)) - 1
+    with pytest.raises(ValueError, match="activation_bits is 7 or 8, got 4"):
+        RowInt8Linear(linear, activation_bits=4)
 
 
 def test_int8_linear_runs_fbgemm_at_padded_rows_and_returns_the_rows_given(monkeypatch):

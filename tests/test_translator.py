@@ -31,13 +31,14 @@ import pytest
 import sacrebleu
 import torch
 from conftest import DEMO_DATA, write_not_ours
+from torch import nn
 from torch._dynamo.utils import counters
 
 from seq2seq import translator as translator_module
 from seq2seq.checkpoint import store_search_defaults
 from seq2seq.model import MultiHeadAttention, Transformer, TransformerConfig
 from seq2seq.model.compiled import CompiledDecoder, CompileError
-from seq2seq.model.numerics import PackedLinear
+from seq2seq.model.numerics import Int8Linear, PackedLinear, RowInt8Linear
 from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig, beam_search, greedy
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -459,8 +460,8 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     """Translator(compiled=True) in fp32: the searches run seq2seq/model/compiled.py's step over the decoder's
     unpacked linear layers (the encoder's packed where that pays, as before) and give the eager Translator's
     tokens (tests/test_compiled.py decodes one sentence at a time, and more variants); `compile_decoding` compiles
-    every kind of step at once, after which no search compiles another. int8 and a model with
-    rotary positions are refused in one line, before anything compiles. (Compiled without timing inductor's GEMM
+    every kind of step at once, after which no search compiles another. A model with rotary
+    positions is refused in one line, before anything compiles. (Compiled without timing inductor's GEMM
     templates, which for this model took minutes, and with the step's call in Python: tests/test_compiled.py runs
     both on tiny models.)"""
     class QuickToCompile(CompiledDecoder):
@@ -489,12 +490,37 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
         compiled.translate_nbest(sources[:1], search)
     compiled.translate_nbest(sources[:3], SearchConfig(beam_size=3))
     assert counters["stats"]["unique_graphs"] == graphs + 4 and compiled.compile_decoding() == 0
-    with pytest.raises(ValueError, match="compiled decoding runs fp32 or bf16, not int8"):
-        Translator.from_checkpoint(trained, precision="int8", compiled=True)
     rotary = Transformer(TransformerConfig(vocab_size=compiled.tokenizer.vocab_size, d_model=32, num_heads=2,
                                            d_ff=64, positions="rotary"))
     with pytest.raises(ValueError, match="decode without compile"):
         Translator(model=rotary, tokenizer=compiled.tokenizer, compiled=True)
+
+
+def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch):
+    """Translator(precision="int8", compiled=True): the decoder's and output's linear layers RowInt8Linear (int8
+    activations a row each, oneDNN's op, compiled into the step), the encoder's Int8Linear (fbgemm, run eagerly,
+    as int8 without compile); the compiled step's translations are the same model's eager step's, and close to
+    int8's without compile (another quantisation of the activations: a few sentences may differ)."""
+    class QuickToCompile(CompiledDecoder):
+        def __init__(self, model: Transformer):
+            super().__init__(model, gemm_templates=False, cpp_wrapper=False)
+
+    monkeypatch.setattr("seq2seq.translator.CompiledDecoder", QuickToCompile)
+    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
+        sources = f.read().split("\n")[:24]
+    compiled = Translator.from_checkpoint(trained, precision="int8", compiled=True, threads=1)
+    assert compiled.precision == "int8" and isinstance(compiled.decoding, CompiledDecoder)
+    assert isinstance(compiled.model.output_projection, RowInt8Linear)
+    assert not any(isinstance(m, (nn.Linear, Int8Linear)) for m in compiled.model.decoder.modules())
+    assert not any(isinstance(m, (nn.Linear, RowInt8Linear)) for m in compiled.model.encoder.modules())
+    search = SearchConfig(beam_size=2)
+    got = compiled.translate_nbest(sources, search)
+    compiled.decoding = compiled.model  # the same model, its eager step
+    want = compiled.translate_nbest(sources, search)
+    assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
+    assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], abs=1e-3)
+    eager_int8 = Translator.from_checkpoint(trained, precision="int8").translate_nbest(sources, search)
+    assert sum(g[0].tokens == e[0].tokens for g, e in zip(got, eager_int8, strict=True)) >= 20
 
 
 def test_bf16_attention_at_one_query_a_row_follows_the_machine_s_verdict(trained: Path,

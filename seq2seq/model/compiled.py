@@ -32,6 +32,7 @@ from torch import Tensor
 from seq2seq.model.attention import CACHE_GROWTH, fold_beams, unfold_beams
 from seq2seq.model.config import TransformerConfig
 from seq2seq.model.layers import DecoderLayer
+from seq2seq.model.numerics import RowInt8Linear, replace_linears
 from seq2seq.model.transformer import Transformer, check_length
 
 COMPILABLE_POSITIONS = ("sinusoidal", "learned")
@@ -90,6 +91,15 @@ def attend(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor) -> Te
     values (B, H, Tk, Dh), a boolean mask broadcastable to (B, H, Tq, Tk); every query sees a key."""
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * queries.size(-1) ** -0.5  # (B, H, Tq, Tk)
     return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), values)
+
+
+def int8_decoder(model: Transformer) -> Transformer:
+    """`model` (float32; in place) with its decoder's and output projection's linear layers RowInt8Linear: the
+    compiled step's int8, whose oneDNN op inductor compiles to its int8 micro-kernels (the encoder, run eagerly,
+    is left to numerics.quantize_int8)."""
+    replace_linears(model.decoder, RowInt8Linear)
+    model.output_projection = RowInt8Linear(model.output_projection)  # type: ignore[assignment]  # (a linear's stand-in)
+    return model
 
 
 Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], Tensor]
@@ -217,6 +227,16 @@ def compiling() -> Iterator[None]:
         raise CompileError(f"the decoding step could not be compiled ({reason})") from None
 
 
+KINDS = ((1, 1), (1, 4), (BULK_SENTENCES := 64, 1), (BULK_SENTENCES, 4))
+"""(sentences, beams) of `compile_kinds`' one step of each kind: one row; one sentence's beams; several sentences;
+several with beams. inductor times its GEMM templates at the sizes of a graph's first call and keeps what it chose
+for every size: the several-sentence kinds first called at 2 sentences chose kernels that ran the Multi30k model's
+bf16 step at half the speed in bulk (beam 5: 951 against 2,039 tgt tok/s at 64 sentences) and at 0.6x in batches
+of 8 (README, "A compiled decoding step"); the translate CLI, which compiles at its first batch, chose well."""
+
+KIND_SOURCE_LENGTH = 16
+"""Source tokens of `compile_kinds`' made-up sentences (the cross-attention's sizes at its first call, as above)."""
+
 RETRIES = 3
 """Times a call whose kind has its graph is made again when dynamo finds none fitting it (`CompiledDecoder._run`)."""
 
@@ -232,13 +252,19 @@ class CompiledDecoder:
     thread of another intra-op count compiles its own graphs, as dynamo guards on the count). On a
     CPU, `gemm_templates` off compiles faster to a slower step (GEMM_TEMPLATES), and `cpp_wrapper` off compiles
     faster to a step that holds the GIL while it runs (CPP_WRAPPER): both are for tests. The model's linear
-    layers must be plain nn.Linear (the Translator packs only the encoder's), fp32 or bf16, and its weights
-    must not change afterwards: they are frozen into the compiled code."""
+    layers must be plain nn.Linear (the Translator packs only the encoder's), fp32 or bf16, or RowInt8Linear
+    (int8_decoder), and its weights must not change afterwards: they are frozen into the compiled code."""
 
     def __init__(self, model: Transformer, *, gemm_templates: bool = True, cpp_wrapper: bool = True):
         self.model = model
         self.config = model.config
         on_cpu = next(model.parameters()).device.type == "cpu"
+        if any(isinstance(module, RowInt8Linear) for module in model.modules()) and not torch.cpu._is_vnni_supported():
+            # inductor's int8 micro-kernels are VNNI's and AMX's; elsewhere its template runs a scalar loop (tens of
+            # times slower than oneDNN's int8 call, which the step then keeps)
+            gemm_templates = False
+        self.gemm_templates = gemm_templates
+        """Whether inductor's GEMM templates are timed against ATen's kernels (on a CPU)."""
         backend = inductor_backend({**QUIET, **(CPP_WRAPPER if cpp_wrapper and on_cpu else {}),
                                     **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})})
         self._kinds: set[tuple[bool, bool, bool]] = set()  # (one row, one sentence, beams) compiled so far
@@ -302,12 +328,13 @@ class CompiledDecoder:
     def compile_kinds(self) -> int:
         """Compile every kind of call now, on this thread (with its intra-op thread count, as the decoding threads
         would): a server does this before it answers, so that no request waits the minutes compiling takes. One
-        step of each kind on made-up sentences; the number of kinds compiled (0 when all were)."""
+        step of each kind on made-up sentences of the sizes in KINDS; the number of kinds compiled (0 when all were)."""
         compiled = len(self._kinds)
         parameter = next(self.model.parameters())
-        for sentences, beams in ((1, 1), (1, 2), (2, 1), (2, 2)):  # one row; one sentence's beams; several; both
-            src = torch.full((sentences, 2), 3, device=parameter.device)  # (N, 2): two tokens, none padding
-            memory = self.encode(src)  # (N, 2, D)
+        for sentences, beams in KINDS:
+            length = min(KIND_SOURCE_LENGTH, self.config.max_positions)
+            src = torch.full((sentences, length), 3, device=parameter.device)  # (N, S), none padding
+            memory = self.encode(src)  # (N, S, D)
             tgt_in = torch.zeros(sentences * beams, 1, dtype=torch.long, device=parameter.device)  # (R, 1)
             self.decode(tgt_in, memory, torch.ones_like(src, dtype=torch.bool), state=self.new_state())
         return len(self._kinds) - compiled

@@ -4,7 +4,9 @@ layers), the linear layers' weights packed for oneDNN, and an exp that avoids a 
     fp32   float32 weights and activations
     bf16   bfloat16 weights (cast once, not per call as autocast would), float32 logits
     int8   the linear layers' weights in int8, one scale per output row; activations quantised per
-           call (dynamic quantisation), on fbgemm's int8 kernels; CPU only
+           call (dynamic quantisation), on fbgemm's int8 kernels; CPU only. A compiled decoding step's
+           linear layers are RowInt8Linear instead: oneDNN's int8 op, which inductor compiles to its
+           VNNI or AMX micro-kernels
 
 Which format pays on a machine, and whether oneDNN's packed matmuls beat torch's own, is
 seq2seq/precision.py's question; this module only converts.
@@ -83,7 +85,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         weight = linear.weight.detach().float().cpu()  # (out, in)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # (out,)
+        scale = int8_row_scales(weight).double()  # (out,)
         zero = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes one
             warnings.simplefilter("ignore", UserWarning)
@@ -99,6 +101,57 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def int8_row_scales(weight: Tensor) -> Tensor:
+    """(out,) float32 scales of a (out, in) weight quantised to int8 symmetrically, one per output row: the
+    row's largest magnitude maps to 127."""
+    return (weight.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
+
+
+class RowInt8Linear(nn.Module):
+    """nn.Linear with int8 weights, symmetric, one scale per output row, and activations quantised per call,
+    symmetric, one scale per row (token), as CTranslate2's int8 does; on oneDNN's int8 op, which inductor
+    compiles into a decoding step as its own int8 micro-kernels (AVX512-VNNI or AMX), where Int8Linear's fbgemm
+    call would stay an opaque call between the fused kernels (and float32 around it). CPU, float32 in and out.
+
+    x86's int8 instructions multiply unsigned bytes by signed ones, so the activations are shifted by a zero
+    point into unsigned bytes (oneDNN subtracts it back, exactly, from the int32 sums). Without VNNI, CPUs
+    sum pairs of those products in 16 bits first, which 8-bit activations overflow (oneDNN's "int8
+    computation aspects"): there they are quantised to 7 bits (`activation_bits`), as fbgemm's reduce_range
+    does; with VNNI the sums are int32 throughout, and 8 bits are exact.
+    """
+
+    def __init__(self, linear: nn.Linear, *, activation_bits: int | None = None):
+        super().__init__()
+        bits = activation_bits if activation_bits is not None else (8 if torch.cpu._is_vnni_supported() else 7)
+        if bits not in (7, 8):
+            raise ValueError(f"activation_bits is 7 or 8, got {bits!r}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.levels = (1 << (bits - 1)) - 1
+        """Largest magnitude of a quantised activation (127 or 63); the zero point is one more."""
+        weight = linear.weight.detach().float().cpu()  # (out, in)
+        scale = int8_row_scales(weight)  # (out,)
+        self.register_buffer("weight_scale", scale)
+        quantised = (weight / scale[:, None]).round().to(torch.int8)  # (out, in), within +-127
+        self.register_buffer("_packed", torch.ops.onednn.qlinear_prepack(quantised, None))  # oneDNN's layout
+        self.register_buffer("_weight_zero", torch.zeros(self.out_features, dtype=torch.int32))
+        self.register_buffer("bias", linear.bias.detach().float().cpu() if linear.bias is not None else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: (..., in) float32 or bfloat16 -> (..., out) the same, computed in float32
+        x32 = x.float()
+        scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / self.levels  # (..., 1)
+        shifted = ((x32 / scale).round() + (self.levels + 1)).to(torch.uint8)  # (..., in), 1 to 2 * levels + 1
+        out = torch.ops.onednn.qlinear_pointwise(  # (..., out): int32 sums times the weight's scales, float32
+            shifted, 1.0, self.levels + 1, self._packed, self.weight_scale, self._weight_zero, None, 1.0, 0,
+            torch.float32, "none", [], "")
+        out = out * scale  # (the op takes one activation scale for all rows: each row's applied here)
+        return (out + self.bias if self.bias is not None else out).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8, "
+                f"activations {self.levels.bit_length() + 1}-bit per row")
 
 
 class PackedLinear(nn.Module):
