@@ -89,6 +89,10 @@ def test_row_int8_linear_is_its_integer_arithmetic_done_in_float64(bits: int, bi
     assert error.max() < (0.02 if bits == 8 else 0.04), error.max()
     assert f"activations {bits}-bit per row" in repr(layer)
     assert layer(x[0, :0]).shape == (0, 96)  # an empty batch
+    half = layer(x.bfloat16())  # bf16 in, bf16 out: the same arithmetic on the bf16-rounded input
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.double(), row_int8_reference(x.bfloat16().float(), linear, bits=bits).bfloat16()
+                               .double(), rtol=1e-2, atol=1e-2 * reference.abs().amax())
 
 
 def test_row_int8_linear_takes_8_bits_only_with_vnni(monkeypatch: pytest.MonkeyPatch):

@@ -456,6 +456,18 @@ def test_few_rows_on_torch_s_own_linear_follow_the_machine_s_verdict(trained: Pa
             assert got.tokens == want.tokens and got.score == pytest.approx(want.score, abs=1e-4)
 
 
+def quick_to_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Translators made from now on compile without timing inductor's GEMM templates and with the step's call in
+    Python (minutes less for the demo model); 24 demo test sentences to translate."""
+    class QuickToCompile(CompiledDecoder):
+        def __init__(self, model: Transformer):
+            super().__init__(model, gemm_templates=False, cpp_wrapper=False)
+
+    monkeypatch.setattr("seq2seq.translator.CompiledDecoder", QuickToCompile)
+    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
+        return f.read().split("\n")[:24]
+
+
 def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch):
     """Translator(compiled=True) in fp32: the searches run seq2seq/model/compiled.py's step over the decoder's
     unpacked linear layers (the encoder's packed where that pays, as before) and give the eager Translator's
@@ -464,13 +476,7 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     positions is refused in one line, before anything compiles. (Compiled without timing inductor's GEMM
     templates, which for this model took minutes, and with the step's call in Python: tests/test_compiled.py runs
     both on tiny models.)"""
-    class QuickToCompile(CompiledDecoder):
-        def __init__(self, model: Transformer):
-            super().__init__(model, gemm_templates=False, cpp_wrapper=False)
-
-    monkeypatch.setattr("seq2seq.translator.CompiledDecoder", QuickToCompile)
-    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
-        sources = f.read().split("\n")[:24]
+    sources = quick_to_compile(monkeypatch)
     base = Translator.from_checkpoint(trained, precision="fp32")
     compiled = Translator.from_checkpoint(trained, precision="fp32", compiled=True, threads=1)  # on its own thread
     assert isinstance(compiled.decoding, CompiledDecoder) and base.decoding is base.model and compiled.compiled
@@ -501,13 +507,7 @@ def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: 
     activations a row each, oneDNN's op, compiled into the step), the encoder's Int8Linear (fbgemm, run eagerly,
     as int8 without compile); the compiled step's translations are the same model's eager step's, and close to
     int8's without compile (another quantisation of the activations: a few sentences may differ)."""
-    class QuickToCompile(CompiledDecoder):
-        def __init__(self, model: Transformer):
-            super().__init__(model, gemm_templates=False, cpp_wrapper=False)
-
-    monkeypatch.setattr("seq2seq.translator.CompiledDecoder", QuickToCompile)
-    with gzip.open(DEMO_DATA / "test.en.gz", "rt", encoding="utf-8") as f:
-        sources = f.read().split("\n")[:24]
+    sources = quick_to_compile(monkeypatch)
     compiled = Translator.from_checkpoint(trained, precision="int8", compiled=True, threads=1)
     assert compiled.precision == "int8" and isinstance(compiled.decoding, CompiledDecoder)
     assert isinstance(compiled.model.output_projection, RowInt8Linear)

@@ -71,6 +71,12 @@ def at_padded_rows(kernel: Callable[[Tensor], Tensor], x: Tensor, *, in_features
     return kernel(flat)[:rows].view(*x.shape[:-1], out_features)
 
 
+def int8_row_scales(weight: Tensor) -> Tensor:
+    """(out,) float32 scales of a (out, in) weight quantised to int8 symmetrically, one per output row: the
+    row's largest magnitude maps to 127."""
+    return (weight.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
+
+
 class Int8Linear(nn.Module):
     """nn.Linear with int8 weights, symmetric, one scale per output row, and dynamically quantised
     activations, on fbgemm's int8 GEMM.
@@ -103,17 +109,12 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def int8_row_scales(weight: Tensor) -> Tensor:
-    """(out,) float32 scales of a (out, in) weight quantised to int8 symmetrically, one per output row: the
-    row's largest magnitude maps to 127."""
-    return (weight.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
-
-
 class RowInt8Linear(nn.Module):
     """nn.Linear with int8 weights, symmetric, one scale per output row, and activations quantised per call,
     symmetric, one scale per row (token), as CTranslate2's int8 does; on oneDNN's int8 op, which inductor
     compiles into a decoding step as its own int8 micro-kernels (AVX512-VNNI or AMX), where Int8Linear's fbgemm
-    call would stay an opaque call between the fused kernels (and float32 around it). CPU, float32 in and out.
+    call would stay an opaque call between the fused kernels (and float32 around it). CPU; float32 or bfloat16 in,
+    the same out, computed in float32.
 
     x86's int8 instructions multiply unsigned bytes by signed ones, so the activations are shifted by a zero
     point into unsigned bytes (oneDNN subtracts it back, exactly, from the int32 sums). Without VNNI, CPUs
