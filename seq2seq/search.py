@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, NamedTuple, Protocol, TypeVar, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -182,6 +182,17 @@ class EncoderDecoder(Protocol[State]):
 # Small pure functions: one decoding step, the constraints on it, scoring.
 
 
+@runtime_checkable
+class StepDecoder(Protocol):
+    """An EncoderDecoder whose one-token step gives with its logits what `step_logits` would compute from them
+    (the compiled decoder: model/compiled.py, computed in the step's generated code)."""
+
+    chunk: int  # columns per chunk of the maxima: TOP_K_CHUNK
+
+    def decode_step(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor,
+                    state: Any) -> tuple[Tensor, Tensor | None, Tensor | None]: ...  # (R, V), (R,), (R, V // chunk)
+
+
 class StepLogits(NamedTuple):
     """What `step_logits` gives for the next token of every row."""
 
@@ -204,6 +215,15 @@ def step_logits(
     float32, instead of writing and reading a full (R, V) float32 copy; float32 and float64 models give
     float32 logits. Only the normaliser reads every row whole, in float32 (`log_normalizer`).
     """
+    if isinstance(model, StepDecoder) and state is not None:
+        if model.chunk != TOP_K_CHUNK:
+            raise ValueError(f"the decoder's chunk maxima are of {model.chunk} columns; top_k_rows takes {TOP_K_CHUNK}")
+        logits, normalizer, maxima = model.decode_step(tgt_in, memory, src_mask, state)  # (R, V), (R,), (R, V/chunk)
+        if not normalize:
+            normalizer = torch.full(logits.shape[:1], math.nan, device=logits.device)
+        elif normalizer is None:
+            normalizer = log_normalizer(logits)
+        return StepLogits(logits, normalizer, maxima)
     logits = model.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
     if logits.element_size() >= 4:
         logits = logits.float()
@@ -649,12 +669,14 @@ def beam_search(
 
     while True:
         n, k_cur, step = live.tokens.shape
-        # No bounds here (greedy takes them): with k > 1, which of several equal logits topk keeps depends on
-        # the other candidates it is given, so chunks chosen on bounds could keep another tied token than before.
-        logits, normalizer, _ = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N*K_cur, V)
+        # Bounds are not asked for (greedy asks): with k > 1, which of several equal logits topk keeps depends on
+        # the other candidates it is given, so chunks chosen on bounds the constraints made loose could keep
+        # another tied token. A StepDecoder gives them anyway, exact but where constraints lowered a logit.
+        logits, normalizer, bounds = step_logits(model, live.tgt_in, live.memory, live.src_mask,
+                                                 live.state)  # (N*K_cur, V), (N*K_cur,), chunk maxima or None
         constrain_(logits.view(n, k_cur, -1), live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
-        top_logits, top_tokens = top_k_rows(logits, 2 * beam_size)  # (N*K_cur, 2K): the 2K best are among them
+        top_logits, top_tokens = top_k_rows(logits, 2 * beam_size, bounds=bounds)  # (N*K_cur, 2K): the 2K best
         del logits  # freed now, not once the next step has computed its own: one (R, V) buffer at a time
         cand_log_probs = (top_logits.float() - normalizer[:, None]).view(n, k_cur, -1)
         cand = beam_step(live.scores, cand_log_probs, tokens=top_tokens.view(n, k_cur, -1), beam_size=beam_size,

@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor.graph import GraphLowering
 
+from seq2seq import search as search_module
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model import compiled as compiled_module
 from seq2seq.model.compiled import (
@@ -132,6 +133,41 @@ def test_searches_give_the_eager_searches_outputs(pair, search: SearchConfig):
         return
     one = [decode(compiled, src[i : i + 1], search, bos=BOS, eos=EOS, pad=PAD)[0] for i in range(4)]
     assert [[h.tokens for h in hyps] for hyps in one] == [[h.tokens for h in hyps] for hyps in eager]
+
+
+@torch.inference_mode()
+def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute():
+    """With a vocabulary top_k_rows ranks in chunks (300: four whole chunks of 64 and a part), the step gives the
+    chunk maxima (top_k_rows' bounds) and, where the rows are beams, the log-normaliser, as search.py computes
+    them from its logits; one row per sentence leaves the normaliser to the search. The searches that take
+    them give the eager searches' outputs, constraints (which lower logits below the bounds) included."""
+    model = tiny(seed=4, vocab_size=300, num_decoder_layers=1)
+    compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
+    src = sources(seed=4)
+    memory, src_mask = model.encode(src), src != PAD
+    state = compiled.new_state()
+    for rows, beams in ((4, False), (12, True)):
+        logits, normalizer, maxima = compiled.decode_step(torch.full((rows, 1), BOS), memory, src_mask, state)
+        assert maxima is not None and torch.equal(maxima, search_module.chunk_maxima(logits, chunk=64))
+        assert maxima.shape == (rows, 4)
+        if beams:
+            assert normalizer is not None
+            torch.testing.assert_close(normalizer, search_module.log_normalizer(logits), atol=1e-5, rtol=1e-6)
+        else:
+            assert normalizer is None
+            state.reorder(torch.arange(4).repeat_interleave(3))
+    with pytest.raises(ValueError, match="one token per row"):
+        compiled.decode_step(torch.full((12, 2), BOS), memory, src_mask, state)
+    for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=1, scores=False),
+                   SearchConfig(beam_size=3, nbest=2, min_len=4, no_repeat_ngram_size=2)):
+        eager = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
+        got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
+        assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in eager]
+        assert [h.log_prob for hyps in got for h in hyps] == pytest.approx(
+            [h.log_prob for hyps in eager for h in hyps], abs=1e-4, nan_ok=True)
+    compiled.chunk = 32
+    with pytest.raises(ValueError, match="chunk maxima are of 32 columns; top_k_rows takes 64"):
+        decode(compiled, src, SearchConfig(beam_size=1), bos=BOS, eos=EOS, pad=PAD)
 
 
 def test_stateless_calls_are_the_models_own(pair):
@@ -400,7 +436,7 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
         compiled._step(*inputs)
     before, retried = graphs_compiled(), compiled.retried
     with tracing_settings(compiled=True):
-        got = compiled._run(*inputs)
+        got, _, _ = compiled._run(*inputs)
     assert compiled.retried - retried == compiled_module.RETRIES
     assert graphs_compiled() == before + 1
     eager_state = model.new_state()

@@ -759,10 +759,10 @@ def test_cli_with_compile_whose_step_cannot_be_compiled_says_so_in_one_line(
     (tmp_path / "in.de").write_text("\n".join(SENTENCES[:3]) + "\n", encoding="utf-8")
     output = tmp_path / "out.en"
 
-    def cannot_compile(self, tgt_in, memory, src_mask, state=None):
+    def cannot_compile(self, tgt_in, memory, src_mask, state):
         raise CompileError("the decoding step could not be compiled (InvalidCxxCompiler: No working C++ compiler)")
 
-    monkeypatch.setattr(CompiledDecoder, "decode", cannot_compile)
+    monkeypatch.setattr(CompiledDecoder, "_steps", cannot_compile)  # (decode's and decode_step's)
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output),
               "--compile", "--precision", "fp32"])

@@ -15,7 +15,8 @@ and rotary positions act inside self-attention at positions given as Python ints
 out here, and a model that uses them is refused (`check_compilable`).
 
     memory (N, S, D) ──cross keys/values, once──► CompiledState ◄── reorder (beams, finished sentences)
-    tgt_in (R, 1), position ──compiled step──► logits (R, V), the cache written at `position`
+    tgt_in (R, 1), position ──compiled step──► logits (R, V), the cache written at `position`;
+                                               the search's normaliser (R,) and chunk maxima of the logits
 """
 
 from __future__ import annotations
@@ -102,14 +103,36 @@ def int8_decoder(model: Transformer) -> Transformer:
     return model
 
 
-Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], Tensor]
+def chunk_maxima(logits: Tensor, *, chunk: int) -> Tensor:
+    """logits (R, V) -> the maxima of each row's whole chunks of `chunk` columns (R, V // chunk) float32 (a last,
+    partial chunk left out): search.top_k_rows' bounds, computed in the step's generated code as the logits are
+    written (eager, on bf16 logits, a pass as slow as the output layer's matmul)."""
+    rows, vocab = logits.shape
+    body = vocab // chunk * chunk
+    return logits[:, :body].float().reshape(rows, vocab // chunk, chunk).amax(dim=-1)
 
 
-def decoder_step(model: Transformer) -> Step:
+def log_normalizer(logits: Tensor) -> Tensor:
+    """logits (R, V) -> log(sum(exp(logits))) (R,) float32, the row maximum subtracted first (search.log_normalizer's
+    numbers to float32's rounding, at a third of its time as generated code)."""
+    x = logits.float()
+    peak = x.amax(dim=-1, keepdim=True)  # (R, 1)
+    return (x - peak).exp().sum(dim=-1).log() + peak[:, 0]
+
+
+Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor],
+                tuple[Tensor, Tensor | None, Tensor | None]]
+
+
+def decoder_step(model: Transformer, *, chunk: int) -> Step:
     """step(tokens (R,), position () long, keys, values, cross_keys, cross_values, src_mask (N, S) bool) ->
-    logits (R, V): `model`'s decoder fed one token per row at `position`, writing that position's self-attention
-    keys and values into keys[i] and values[i] (R, H, capacity, Dh) in place; R = N * K rows, a sentence's K
-    hypotheses adjacent (they share its cross keys/values, as MultiHeadAttention folds them)."""
+    logits (R, V), their log-normaliser (R,) and the maxima of their chunks (R, V // chunk): `model`'s decoder fed
+    one token per row at `position`, writing that position's self-attention keys and values into keys[i] and
+    values[i] (R, H, capacity, Dh) in place; R = N * K rows, a sentence's K hypotheses adjacent (they share its
+    cross keys/values, as MultiHeadAttention folds them).
+
+    The normaliser is computed where the search always takes it, with beams (K > 1), and is None without: greedy
+    search without scores takes none, and the few rows of one hypothesis per sentence are left to the search."""
     check_compilable(model.config)
     decoder = model.decoder
     layers = cast(list[DecoderLayer], list(decoder.layers))
@@ -118,7 +141,7 @@ def decoder_step(model: Transformer) -> Step:
     assert positions is not None  # absolute positions (check_compilable)
 
     def step(tokens: Tensor, position: Tensor, keys: list[Tensor], values: list[Tensor], cross_keys: list[Tensor],
-             cross_values: list[Tensor], src_mask: Tensor) -> Tensor:
+             cross_values: list[Tensor], src_mask: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         rows = tokens.size(0)
         table = positions(model.config.max_positions)  # (P, D)
         x = embed.tokens(tokens[:, None]) * embed.scale + table.index_select(0, position.view(1))  # (R, 1, D)
@@ -145,7 +168,10 @@ def decoder_step(model: Transformer) -> Step:
             x = layer.ffn_residual.after(x, layer.ffn(layer.ffn_residual.before(x)))
         if decoder.final_norm is not None:
             x = decoder.final_norm(x)
-        return model.output_projection(x)[:, 0]  # (R, V)
+        logits = model.output_projection(x)[:, 0]  # (R, V)
+        beams = rows > cross_keys[0].size(0)  # (a guard on the sizes: the kinds of call are apart already)
+        maxima = chunk_maxima(logits, chunk=chunk) if logits.size(1) >= 4 * chunk else None  # (top_k_rows ranks
+        return logits, log_normalizer(logits) if beams else None, maxima  # fewer columns whole: no chunks)
 
     return step
 
@@ -255,8 +281,10 @@ class CompiledDecoder:
     layers must be plain nn.Linear (the Translator packs only the encoder's), fp32 or bf16, or RowInt8Linear
     (int8_decoder), and its weights must not change afterwards: they are frozen into the compiled code."""
 
-    def __init__(self, model: Transformer, *, gemm_templates: bool = True, cpp_wrapper: bool = True):
+    def __init__(self, model: Transformer, *, chunk: int = 64, gemm_templates: bool = True, cpp_wrapper: bool = True):
         self.model = model
+        self.chunk = chunk
+        """Columns per chunk of the step's chunk maxima (`decode_step`): search.TOP_K_CHUNK, which top_k_rows takes."""
         self.config = model.config
         on_cpu = next(model.parameters()).device.type == "cpu"
         if any(isinstance(module, RowInt8Linear) for module in model.modules()) and not torch.cpu._is_vnni_supported():
@@ -275,7 +303,7 @@ class CompiledDecoder:
         # decoder's apart from other decoders' (all share the step's code): a graph break or more graphs
         # than RECOMPILE_LIMIT is an error, not a silent fall back to the eager step.
         self._step = torch.compile(  # type: ignore[call-overload]  # (torch's overloads lack the last two)
-            decoder_step(model), dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
+            decoder_step(model, chunk=chunk), dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
             recompile_limit=RECOMPILE_LIMIT)
 
     def encode(self, src: Tensor) -> Tensor:
@@ -294,6 +322,22 @@ class CompiledDecoder:
         tokens is one compiled step (the searches feed one a step; fed tokens are all real, none masked)."""
         if state is None:
             return self.model.decode(tgt_in, memory, src_mask)
+        logits = [step[0] for step in self._steps(tgt_in, memory, src_mask, state)]
+        # (R, T, V); one step's logits as a view: stacking would copy them (48 MB a step at 3,000 rows of 8,000)
+        return logits[0][:, None] if len(logits) == 1 else torch.stack(logits, dim=1)
+
+    def decode_step(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor,
+                    state: CompiledState) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """One token per row, `tgt_in` (R, 1): the next token's logits (R, V), their log-normaliser (R,) float32 where
+        the rows are beams (None where they are one per sentence) and the maxima of their chunks of `chunk` columns
+        (R, V // chunk) float32, all from the compiled step: search.step_logits' work done in the step."""
+        if tgt_in.size(1) != 1:
+            raise ValueError(f"decode_step feeds one token per row, got {tgt_in.size(1)}")
+        return self._steps(tgt_in, memory, src_mask, state)[0]
+
+    def _steps(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor,
+               state: CompiledState) -> list[tuple[Tensor, Tensor | None, Tensor | None]]:
+        """The compiled step's outputs for each of tgt_in's (R, T) tokens, fed in turn."""
         rows, length = tgt_in.shape
         check_length(state.length + length, max_positions=self.config.max_positions)
         one_token = src_mask.size(1) == 1  # padded to two, masked: a size of 1 would make graphs apart
@@ -310,7 +354,7 @@ class CompiledDecoder:
         sentences = src_mask.size(0)
         kind = (rows == 1, sentences == 1, rows > sentences)
         compiled = kind in self._kinds
-        logits = []
+        outputs = []
         first = nullcontext() if compiled else self._first_of_kind(kind)
         with tracing_settings(compiled=compiled), first, compiling():
             for t in range(length):
@@ -319,10 +363,9 @@ class CompiledDecoder:
                 position = torch.tensor(state.length, device=tgt_in.device)
                 tokens = tgt_in[:, t].contiguous()  # (R,): a strided column would be another graph's input
                 inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values, src_mask)
-                logits.append(self._run(*inputs) if compiled else self._step(*inputs))
+                outputs.append(self._run(*inputs) if compiled else self._step(*inputs))
                 state.length += 1
-        # (R, T, V); one step's logits as a view: stacking would copy them (48 MB a step at 3,000 rows of 8,000)
-        return logits[0][:, None] if length == 1 else torch.stack(logits, dim=1)
+        return outputs
 
     @torch.inference_mode()
     def compile_kinds(self) -> int:
@@ -339,7 +382,7 @@ class CompiledDecoder:
             self.decode(tgt_in, memory, torch.ones_like(src, dtype=torch.bool), state=self.new_state())
         return len(self._kinds) - compiled
 
-    def _run(self, *inputs: Tensor | list[Tensor]) -> Tensor:
+    def _run(self, *inputs: Tensor | list[Tensor]) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """The step, for a call whose kind has its graph. Threads sharing the decoder now and then find none of its
         graphs fitting such a call (dynamo's guards fail as one thread checks them while another decodes, and pass
         when checked again: "runtime guards failed even though they passed during recompilation-reason analysis",
@@ -352,11 +395,11 @@ class CompiledDecoder:
 
         for _ in range(RETRIES):
             try:
-                return cast(Tensor, self._step(*inputs))
+                return cast(tuple[Tensor, Tensor | None, Tensor | None], self._step(*inputs))
             except RecompileError:
                 self.retried += 1
         with self._compiling, tracing_settings(compiled=False):
-            return cast(Tensor, self._step(*inputs))
+            return cast(tuple[Tensor, Tensor | None, Tensor | None], self._step(*inputs))
 
     @contextmanager
     def _first_of_kind(self, kind: tuple[bool, bool, bool]) -> Iterator[None]:
