@@ -198,7 +198,7 @@ class StepLogits(NamedTuple):
 
     logits: Tensor  # (R, V) in the model's dtype where narrower than float32 (bf16), else float32
     normalizer: Tensor  # (R,) float32: log-probabilities are logits - normalizer (NaN: not computed)
-    bounds: Tensor | None  # (R, V // TOP_K_CHUNK) float32, the rows' chunk maxima for top_k_rows (greedy's)
+    bounds: Tensor | None  # (R, V // TOP_K_CHUNK) float32, the rows' chunk maxima for top_k_rows (greedy's; a StepDecoder's)
 
 
 def step_logits(
@@ -214,6 +214,9 @@ def step_logits(
     rank them there (masking writes -inf, ranking compares, both exact) and take the few they keep to
     float32, instead of writing and reading a full (R, V) float32 copy; float32 and float64 models give
     float32 logits. Only the normaliser reads every row whole, in float32 (`log_normalizer`).
+
+    A StepDecoder's step (the compiled one) gives the chunk maxima, and the normaliser where its rows are beams,
+    from its own code: they are taken from it, bounds whether asked for or not (they cost nothing more there).
     """
     if isinstance(model, StepDecoder) and state is not None:
         if model.chunk != TOP_K_CHUNK:
