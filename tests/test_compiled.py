@@ -137,11 +137,12 @@ def test_searches_give_the_eager_searches_outputs(pair, search: SearchConfig):
 
 @torch.inference_mode()
 def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute():
-    """With a vocabulary top_k_rows ranks in chunks (300: four whole chunks of 64 and a part), the step gives the
-    chunk maxima (top_k_rows' bounds) and, where the rows are beams, the log-normaliser, as search.py computes
-    them from its logits; one row per sentence leaves the normaliser to the search. The searches that take
-    them give the eager searches' outputs, constraints (which lower logits below the bounds) included."""
-    model = tiny(seed=4, vocab_size=300, num_decoder_layers=1)
+    """With a vocabulary top_k_rows ranks in chunks, even for beam 3's 6 candidates (1,650: 25 whole chunks of 64
+    and a part), the step gives the chunk maxima (top_k_rows' bounds) and, where the rows are beams, the
+    log-normaliser, as search.py computes them from its logits; one row per sentence leaves the normaliser to the
+    search. The searches that take them give the eager searches' outputs, constraints (which lower logits below
+    the bounds) included."""
+    model = tiny(seed=4, vocab_size=1650, num_decoder_layers=1)
     compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
     src = sources(seed=4)
     memory, src_mask = model.encode(src), src != PAD
@@ -149,7 +150,7 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
     for rows, beams in ((4, False), (12, True)):
         logits, normalizer, maxima = compiled.decode_step(torch.full((rows, 1), BOS), memory, src_mask, state)
         assert maxima is not None and torch.equal(maxima, search_module.chunk_maxima(logits, chunk=64))
-        assert maxima.shape == (rows, 4)
+        assert maxima.shape == (rows, 25)
         if beams:
             assert normalizer is not None
             torch.testing.assert_close(normalizer, search_module.log_normalizer(logits), atol=1e-5, rtol=1e-6)
