@@ -132,7 +132,7 @@ class Translator:
         faster on a CPU, where the eager step is mostly per-call overhead (README, "A compiled decoding
         step"), even with the eager step at hundreds of rows; the first batches of each
         kind (one row, several rows, beams) wait while it compiles, tens of seconds each (inductor keeps the
-        code on disk for the next process). fp32 or bf16, models with absolute positions; outputs can differ
+        code on disk for the next process). fp32, bf16 or int8, models with absolute positions; outputs can differ
         from the eager step's in the last bits of a logit, as a different kernel's would. The decoder's linear
         layers stay unpacked (inductor packs its own copy), so teacher-forced scoring runs slower."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
