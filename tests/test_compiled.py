@@ -159,6 +159,8 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
             state.reorder(torch.arange(4).repeat_interleave(3))
     with pytest.raises(ValueError, match="one token per row"):
         compiled.decode_step(torch.full((12, 2), BOS), memory, src_mask, state)
+    with pytest.raises(ValueError, match="each of the 4 sentences the same number of rows"):
+        compiled.decode_step(torch.full((10, 1), BOS), memory, src_mask, state)  # (before the state is touched)
     for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=1, scores=False),
                    SearchConfig(beam_size=3, nbest=2, min_len=4, no_repeat_ngram_size=2)):
         eager = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
@@ -431,7 +433,7 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
     compiled.decode(tokens, memory, src_mask, state=state)  # the cross keys made, the cache reserved
     state.reserve(rows=2, heads=4, head_dim=8, num_layers=2, dtype=memory.dtype, device=memory.device)
     strided_mask = src_mask.t().contiguous().t()  # (N, S), column-major: the graph's guards fail on its strides
-    inputs = (torch.full((2,), 7), torch.tensor(state.length), state.keys, state.values, state.cross_keys,
+    inputs = (torch.full((2, 1), 7), torch.tensor(state.length), state.keys, state.values, state.cross_keys,
               state.cross_values, strided_mask)
     with tracing_settings(compiled=True), pytest.raises(RecompileError):
         compiled._step(*inputs)

@@ -125,11 +125,16 @@ Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[
 
 
 def decoder_step(model: Transformer, *, chunk: int) -> Step:
-    """step(tokens (R,), position () long, keys, values, cross_keys, cross_values, src_mask (N, S) bool) ->
+    """step(tokens (N, K), position () long, keys, values, cross_keys, cross_values, src_mask (N, S) bool) ->
     logits (R, V), their log-normaliser (R,) and the maxima of their chunks (R, V // chunk): `model`'s decoder fed
     one token per row at `position`, writing that position's self-attention keys and values into keys[i] and
     values[i] (R, H, capacity, Dh) in place; R = N * K rows, a sentence's K hypotheses adjacent (they share its
     cross keys/values, as MultiHeadAttention folds them).
+
+    The tokens come as (N, K), not (R,), so that the beams K are a size of their own and the rows their product:
+    with K as rows // N, and the head size a symbol of the caches' shapes, every index of the cross-attention's
+    folding and of the quantising after it held floor divisions of symbols, which inductor compiled to a scalar
+    loop (int8 beam 5's step ran 1.25x slower; README, "Beams a size of their own").
 
     The normaliser is computed where the search always takes it, with beams (K > 1), and is None without: greedy
     search without scores takes none, and the few rows of one hypothesis per sentence are left to the search."""
@@ -140,9 +145,15 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
     positions = embed.positions
     assert positions is not None  # absolute positions (check_compilable)
 
+    head_dim = model.config.d_model // model.config.num_heads
+
     def step(tokens: Tensor, position: Tensor, keys: list[Tensor], values: list[Tensor], cross_keys: list[Tensor],
              cross_values: list[Tensor], src_mask: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        rows = tokens.size(0)
+        sentences, beams = tokens.shape
+        rows = sentences * beams
+        tokens = tokens.reshape(rows)
+        for cache in (*keys, *values, *cross_keys, *cross_values):
+            torch._check(cache.size(3) == head_dim)  # (the head size a constant, as the projections' views make it)
         table = positions(model.config.max_positions)  # (P, D)
         x = embed.tokens(tokens[:, None]) * embed.scale + table.index_select(0, position.view(1))  # (R, 1, D)
         x = embed.dropout(x)
@@ -155,23 +166,22 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
             keys[i][:, :, position.view(1)] = new_keys
             values[i][:, :, position.view(1)] = new_values
             out = attend(queries, keys[i], values[i], mask=self_mask)  # (R, H, 1, Dh)
-            x = layer.self_attn_residual.after(x, attention.out_proj(out.transpose(1, 2).reshape(rows, 1, -1)))
+            x = layer.self_attn_residual.after(x, attention.out_proj(out.reshape(rows, 1, -1)))
 
             attention = layer.cross_attn
             h = layer.cross_attn_residual.before(x)
-            sentences = cross_keys[i].size(0)
             queries = fold_beams(attention.split_heads(attention.q_proj(h)), sentences=sentences)  # (N, H, K, Dh)
             out = attend(queries, cross_keys[i], cross_values[i], mask=cross_mask)  # (N, H, K, Dh)
-            out = unfold_beams(out, beams=rows // sentences)  # (R, H, 1, Dh)
-            x = layer.cross_attn_residual.after(x, attention.out_proj(out.transpose(1, 2).reshape(rows, 1, -1)))
+            out = unfold_beams(out, beams=beams)  # (R, H, 1, Dh)
+            x = layer.cross_attn_residual.after(x, attention.out_proj(out.reshape(rows, 1, -1)))
 
             x = layer.ffn_residual.after(x, layer.ffn(layer.ffn_residual.before(x)))
         if decoder.final_norm is not None:
             x = decoder.final_norm(x)
         logits = model.output_projection(x)[:, 0]  # (R, V)
-        beams = rows > cross_keys[0].size(0)  # (a guard on the sizes: the kinds of call are apart already)
         maxima = chunk_maxima(logits, chunk=chunk) if logits.size(1) >= 4 * chunk else None  # (top_k_rows ranks
-        return logits, log_normalizer(logits) if beams else None, maxima  # fewer columns whole: no chunks)
+        # fewer columns whole: no chunks); `beams > 1` is a guard on the sizes: the kinds of call are apart already
+        return logits, log_normalizer(logits) if beams > 1 else None, maxima
 
     return step
 
@@ -339,6 +349,10 @@ class CompiledDecoder:
                state: CompiledState) -> list[tuple[Tensor, Tensor | None, Tensor | None]]:
         """The compiled step's outputs for each of tgt_in's (R, T) tokens, fed in turn."""
         rows, length = tgt_in.shape
+        sentences = src_mask.size(0)
+        if rows % sentences:
+            raise ValueError(f"the compiled step feeds each of the {sentences} sentences the same number of rows "
+                             f"(its beams), got {rows} rows")
         check_length(state.length + length, max_positions=self.config.max_positions)
         one_token = src_mask.size(1) == 1  # padded to two, masked: a size of 1 would make graphs apart
         if one_token:
@@ -351,7 +365,6 @@ class CompiledDecoder:
                 state.cross_keys.append(cross_keys.contiguous())
                 state.cross_values.append(cross_values.contiguous())
         heads = self.config.num_heads
-        sentences = src_mask.size(0)
         kind = (rows == 1, sentences == 1, rows > sentences)
         compiled = kind in self._kinds
         outputs = []
@@ -361,7 +374,7 @@ class CompiledDecoder:
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
                               num_layers=self.config.num_decoder_layers, dtype=memory.dtype, device=memory.device)
                 position = torch.tensor(state.length, device=tgt_in.device)
-                tokens = tgt_in[:, t].contiguous()  # (R,): a strided column would be another graph's input
+                tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
                 inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values, src_mask)
                 outputs.append(self._run(*inputs) if compiled else self._step(*inputs))
                 state.length += 1
