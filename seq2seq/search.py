@@ -29,6 +29,7 @@ Callers put the model in eval mode; the searches run under `torch.inference_mode
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -185,12 +186,18 @@ class EncoderDecoder(Protocol[State]):
 @runtime_checkable
 class StepDecoder(Protocol):
     """An EncoderDecoder whose one-token step gives with its logits what `step_logits` would compute from them
-    (the compiled decoder: model/compiled.py, computed in the step's generated code)."""
+    (the compiled decoder: model/compiled.py, computed in the step's generated code): the maxima of the logits'
+    chunks of `chunk` columns (a ValueError where it computes them over another width)."""
 
-    chunk: int  # columns per chunk of the maxima: TOP_K_CHUNK
+    def decode_step(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: Any, *,
+                    chunk: int) -> tuple[Tensor, Tensor | None, Tensor | None]: ...  # (R, V), (R,), (R, V // chunk)
 
-    def decode_step(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor,
-                    state: Any) -> tuple[Tensor, Tensor | None, Tensor | None]: ...  # (R, V), (R,), (R, V // chunk)
+
+@functools.cache
+def steps_itself(kind: type) -> bool:
+    """Whether a decoder of this class is a StepDecoder: asked once a class (a protocol's isinstance took ~9 us,
+    at every step)."""
+    return issubclass(kind, StepDecoder)
 
 
 class StepLogits(NamedTuple):
@@ -218,10 +225,9 @@ def step_logits(
     A StepDecoder's step (the compiled one) gives the chunk maxima, and the normaliser where its rows are beams,
     from its own code: they are taken from it, bounds whether asked for or not (they cost nothing more there).
     """
-    if isinstance(model, StepDecoder) and state is not None:
-        if model.chunk != TOP_K_CHUNK:
-            raise ValueError(f"the decoder's chunk maxima are of {model.chunk} columns; top_k_rows takes {TOP_K_CHUNK}")
-        logits, normalizer, maxima = model.decode_step(tgt_in, memory, src_mask, state)  # (R, V), (R,), (R, V/chunk)
+    if state is not None and steps_itself(type(model)):
+        logits, normalizer, maxima = cast(StepDecoder, model).decode_step(  # (R, V), (R,), (R, V / chunk)
+            tgt_in, memory, src_mask, state, chunk=TOP_K_CHUNK)
         if not normalize:
             normalizer = torch.full(logits.shape[:1], math.nan, device=logits.device)
         elif normalizer is None:

@@ -148,7 +148,7 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
     memory, src_mask = model.encode(src), src != PAD
     state = compiled.new_state()
     for rows, beams in ((4, False), (12, True)):
-        logits, normalizer, maxima = compiled.decode_step(torch.full((rows, 1), BOS), memory, src_mask, state)
+        logits, normalizer, maxima = compiled.decode_step(torch.full((rows, 1), BOS), memory, src_mask, state, chunk=64)
         assert maxima is not None and torch.equal(maxima, search_module.chunk_maxima(logits, chunk=64))
         assert maxima.shape == (rows, 25)
         if beams:
@@ -158,9 +158,9 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
             assert normalizer is None
             state.reorder(torch.arange(4).repeat_interleave(3))
     with pytest.raises(ValueError, match="one token per row"):
-        compiled.decode_step(torch.full((12, 2), BOS), memory, src_mask, state)
+        compiled.decode_step(torch.full((12, 2), BOS), memory, src_mask, state, chunk=64)
     with pytest.raises(ValueError, match="each of the 4 sentences the same number of rows"):
-        compiled.decode_step(torch.full((10, 1), BOS), memory, src_mask, state)  # (before the state is touched)
+        compiled.decode_step(torch.full((10, 1), BOS), memory, src_mask, state, chunk=64)  # (before the state is touched)
     for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=1, scores=False),
                    SearchConfig(beam_size=3, nbest=2, min_len=4, no_repeat_ngram_size=2)):
         eager = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
@@ -169,7 +169,7 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
         assert [h.log_prob for hyps in got for h in hyps] == pytest.approx(
             [h.log_prob for hyps in eager for h in hyps], abs=1e-4, nan_ok=True)
     compiled.chunk = 32
-    with pytest.raises(ValueError, match="chunk maxima are of 32 columns; top_k_rows takes 64"):
+    with pytest.raises(ValueError, match="chunk maxima are of 32 columns; 64 were asked for"):
         decode(compiled, src, SearchConfig(beam_size=1), bos=BOS, eos=EOS, pad=PAD)
 
 

@@ -336,11 +336,14 @@ class CompiledDecoder:
         # (R, T, V); one step's logits as a view: stacking would copy them (48 MB a step at 3,000 rows of 8,000)
         return logits[0][:, None] if len(logits) == 1 else torch.stack(logits, dim=1)
 
-    def decode_step(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor,
-                    state: CompiledState) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def decode_step(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: CompiledState, *,
+                    chunk: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """One token per row, `tgt_in` (R, 1): the next token's logits (R, V), their log-normaliser (R,) float32 where
         the rows are beams (None where they are one per sentence) and the maxima of their chunks of `chunk` columns
         (R, V // chunk) float32, all from the compiled step: search.step_logits' work done in the step."""
+        if chunk != self.chunk:
+            raise ValueError(f"the decoder's chunk maxima are of {self.chunk} columns; {chunk} were asked for "
+                             f"(top_k_rows takes search.TOP_K_CHUNK)")
         if tgt_in.size(1) != 1:
             raise ValueError(f"decode_step feeds one token per row, got {tgt_in.size(1)}")
         return self._steps(tgt_in, memory, src_mask, state)[0]
