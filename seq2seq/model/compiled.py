@@ -134,7 +134,7 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
     The tokens come as (N, K), not (R,), so that the beams K are a size of their own and the rows their product:
     with K as rows // N, and the head size a symbol of the caches' shapes, every index of the cross-attention's
     folding and of the quantising after it held floor divisions of symbols, which inductor compiled to a scalar
-    loop (int8 beam 5's step ran 1.25x slower; README, "Beams a size of their own").
+    loop, a quarter of int8 beam search's time (README, "Beams a size of their own").
 
     The normaliser is computed where the search always takes it, with beams (K > 1), and is None without: greedy
     search without scores takes none, and the few rows of one hypothesis per sentence are left to the search."""
