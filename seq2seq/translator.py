@@ -36,9 +36,16 @@ from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.constraints import holds
 from seq2seq.markup import HtmlDocument
 from seq2seq.model import MultiHeadAttention, Transformer
-from seq2seq.model.compiled import CompiledDecoder, check_compilable, int8_decoder
+from seq2seq.model.compiled import CompiledDecoder, bf16_around_int8, check_compilable, int8_decoder
 from seq2seq.model.numerics import PackedLinear, for_inference, pack_linears
-from seq2seq.precision import Precision, few_rows_on_torch, one_query_sdpa, onednn_linears, resolve_precision
+from seq2seq.precision import (
+    Precision,
+    bf16_matmuls_pay,
+    few_rows_on_torch,
+    one_query_sdpa,
+    onednn_linears,
+    resolve_precision,
+)
 from seq2seq.scoring import Forced, force_decode
 from seq2seq.search import EncoderDecoder, Hypothesis, SearchConfig, decode
 from seq2seq.sentences import Paragraphs, model_sentence_spans
@@ -165,6 +172,8 @@ class Translator:
                                    packed=packed and not compiled)
         if packed and compiled:  # the encoder runs eagerly: packed where that pays, as without `compiled`
             pack_linears(self.model.encoder)
+        if compiled and self.precision == "int8" and bf16_matmuls_pay(self.device):
+            bf16_around_int8(self.model)  # (after for_inference, whose .float() would undo it)
         self.compiled = compiled
         self.decoding: EncoderDecoder[Any] = CompiledDecoder(self.model) if compiled else self.model
         """What the searches decode with: the model, or its compiled decoding step."""

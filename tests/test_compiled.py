@@ -18,6 +18,7 @@ from seq2seq.model import compiled as compiled_module
 from seq2seq.model.compiled import (
     CompiledDecoder,
     CompiledState,
+    bf16_around_int8,
     check_compilable,
     int8_decoder,
     tracing_settings,
@@ -335,6 +336,41 @@ def test_int8_step_follows_the_eager_int8_step():
     got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
     assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in eager]
     assert graphs_compiled() == before + 2
+
+
+def test_bf16_around_int8_runs_the_step_in_bf16_around_its_int8_matmuls():
+    """bf16_around_int8 (the Translator's int8 compiled step where bf16 pays; forced here on any CPU): the decoder's
+    embedding, positions and norms in bf16, its int8 layers' scales and biases and the whole encoder float32 (a
+    shared embedding copied); the compiled step's cache and logits are bf16 and follow the same model's eager step,
+    which takes the encoder's float32 memory too; greedy search gives the eager search's tokens."""
+    model = bf16_around_int8(int8_decoder(tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre")))
+    assert model.config.tie_embeddings == "all"
+    assert model.decoder.embed.tokens is not model.encoder.embed.tokens
+    assert model.decoder.embed.tokens.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.encoder.parameters())
+    int8_layers = [m for m in (*model.decoder.modules(), model.output_projection) if isinstance(m, RowInt8Linear)]
+    assert len(int8_layers) == 8
+    assert all(m.weight_scale.dtype == torch.float32 and (m.bias is None or m.bias.dtype == torch.float32)
+               for m in int8_layers)
+    compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
+    assert compiled.dtype == torch.bfloat16
+    src = sources()
+    with torch.inference_mode():
+        memory, src_mask = model.encode(src), src != PAD
+        assert memory.dtype == torch.float32
+        tokens = torch.full((memory.size(0), 1), BOS)
+        eager_state, state = model.new_state(), compiled.new_state()
+        for _ in range(6):
+            expected = model.decode(tokens, memory, src_mask, state=eager_state)
+            got = compiled.decode(tokens, memory, src_mask, state=state)
+            assert got.dtype == expected.dtype == torch.bfloat16 and state.keys[0].dtype == torch.bfloat16
+            assert state.cross_keys[0].dtype == torch.bfloat16
+            assert (got.float() - expected.float()).abs().max() <= 3e-2 * expected.float().abs().max()
+            tokens = expected[:, -1].argmax(-1, keepdim=True)
+    search = SearchConfig(beam_size=1)
+    eager = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
+    got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
+    assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in eager]
 
 
 def test_int8_steps_time_inductor_s_templates_only_where_its_int8_micro_kernels_run(monkeypatch: pytest.MonkeyPatch):

@@ -21,6 +21,7 @@ out here, and a model that uses them is refused (`check_compilable`).
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -28,7 +29,7 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from seq2seq.model.attention import CACHE_GROWTH, fold_beams, unfold_beams
 from seq2seq.model.config import TransformerConfig
@@ -100,6 +101,27 @@ def int8_decoder(model: Transformer) -> Transformer:
     is left to numerics.quantize_int8)."""
     replace_linears(model.decoder, RowInt8Linear)
     model.output_projection = RowInt8Linear(model.output_projection)  # type: ignore[assignment]  # (a linear's stand-in)
+    return model
+
+
+def bf16_around_int8(model: Transformer) -> Transformer:
+    """`model`'s int8 decoder (int8_decoder's; in place) with all but its int8 linear layers in bfloat16: the token
+    embedding, positions and norms, so that the compiled step's activations, cache, attention and logits are bf16
+    around the int8 matmuls (RowInt8Linear takes bf16 and gives bf16, computing in float32), as CTranslate2's
+    int8_bfloat16. Where bf16 pays on the CPU this halves the bytes the step moves besides the weights: the cache
+    read by the attention and copied by beam reorders, the cross-attention's batched matmuls, the logits (README,
+    "int8 with bf16 around it"). A token embedding the encoder shares is copied first (the encoder stays float32)."""
+    decoder = model.decoder
+    if any(decoder.embed.tokens is module for module in model.encoder.modules()):
+        decoder.embed.tokens = copy.deepcopy(decoder.embed.tokens)
+    for module in decoder.modules():
+        if isinstance(module, RowInt8Linear):
+            continue
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(parameter.detach().to(torch.bfloat16), requires_grad=False))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_floating_point():
+                setattr(module, name, buffer.to(torch.bfloat16))
     return model
 
 
@@ -296,6 +318,8 @@ class CompiledDecoder:
         self.chunk = chunk
         """Columns per chunk of the step's chunk maxima (`decode_step`): search.TOP_K_CHUNK, which top_k_rows takes."""
         self.config = model.config
+        self.dtype = model.decoder.embed.tokens.weight.dtype
+        """The step's activations, cache and logits: the model's dtype, bf16 for bf16_around_int8's int8 decoder."""
         on_cpu = next(model.parameters()).device.type == "cpu"
         if any(isinstance(module, RowInt8Linear) for module in model.modules()) and not torch.cpu._is_vnni_supported():
             # inductor's int8 micro-kernels are VNNI's and AMX's; elsewhere its template runs a scalar loop (tens of
@@ -364,7 +388,7 @@ class CompiledDecoder:
             if one_token:
                 memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
             for layer in cast(list[DecoderLayer], list(self.model.decoder.layers)):
-                cross_keys, cross_values = layer.cross_attn.keys_values(memory)  # (N, H, S, Dh) each
+                cross_keys, cross_values = layer.cross_attn.keys_values(memory.to(self.dtype))  # (N, H, S, Dh) each
                 state.cross_keys.append(cross_keys.contiguous())
                 state.cross_values.append(cross_values.contiguous())
         heads = self.config.num_heads
@@ -375,7 +399,7 @@ class CompiledDecoder:
         with tracing_settings(compiled=compiled), first, compiling():
             for t in range(length):
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
-                              num_layers=self.config.num_decoder_layers, dtype=memory.dtype, device=memory.device)
+                              num_layers=self.config.num_decoder_layers, dtype=self.dtype, device=memory.device)
                 position = torch.tensor(state.length, device=tgt_in.device)
                 tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
                 inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values, src_mask)

@@ -282,6 +282,9 @@ class Transformer(nn.Module):
         `new_state()`), `tgt_in` holds only the tokens after the `state.length` already cached ones; the
         state grows by T positions and holds the cross-attention keys/values after its first call.
         """
+        # the memory in the decoder's dtype: a float32 encoder's for a bf16 decoder (int8 with bf16 around it,
+        # model/compiled.py's bf16_around_int8), else the same tensor
+        memory = memory.to(self.decoder.embed.tokens.weight.dtype)
         hidden = self.decoder(tgt_in, memory=memory, src_mask=src_mask[:, None, None, :], state=state)
         return self.output_projection(hidden)
 
@@ -294,7 +297,8 @@ class Transformer(nn.Module):
         if not -len(self.decoder.layers) <= layer < len(self.decoder.layers):
             raise IndexError(f"decoder layer {layer} of {len(self.decoder.layers)}")
         seen: list[Tensor] = []
-        hidden = self.decoder(tgt_in, memory=memory, src_mask=src_mask[:, None, None, :], state=None,
+        hidden = self.decoder(tgt_in, memory=memory.to(self.decoder.embed.tokens.weight.dtype),  # (as `decode`)
+                              src_mask=src_mask[:, None, None, :], state=None,
                               cross_weights=(layer % len(self.decoder.layers), seen))
         return self.output_projection(hidden), seen[0].mean(dim=1)  # (R, T, V), (R, T, S)
 
