@@ -385,10 +385,11 @@ class CompiledDecoder:
         if one_token:
             src_mask = F.pad(src_mask, (0, 1))  # (N, 2), False at the pad
         if not state.cross_keys:
+            memory = memory.to(self.dtype)  # (once: a float32 encoder's for bf16_around_int8's decoder)
             if one_token:
                 memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
             for layer in cast(list[DecoderLayer], list(self.model.decoder.layers)):
-                cross_keys, cross_values = layer.cross_attn.keys_values(memory.to(self.dtype))  # (N, H, S, Dh) each
+                cross_keys, cross_values = layer.cross_attn.keys_values(memory)  # (N, H, S, Dh) each
                 state.cross_keys.append(cross_keys.contiguous())
                 state.cross_values.append(cross_values.contiguous())
         heads = self.config.num_heads
