@@ -318,7 +318,7 @@ class CompiledDecoder:
         self.chunk = chunk
         """Columns per chunk of the step's chunk maxima (`decode_step`): search.TOP_K_CHUNK, which top_k_rows takes."""
         self.config = model.config
-        self.dtype = model.decoder.embed.tokens.weight.dtype
+        self.dtype = model.decoder_dtype
         """The step's activations, cache and logits: the model's dtype, bf16 for bf16_around_int8's int8 decoder."""
         on_cpu = next(model.parameters()).device.type == "cpu"
         if any(isinstance(module, RowInt8Linear) for module in model.modules()) and not torch.cpu._is_vnni_supported():

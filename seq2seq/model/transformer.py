@@ -272,6 +272,12 @@ class Transformer(nn.Module):
         out = self.encoder(src, src_mask=padding_mask(src, pad_id=self.config.pad_id))
         return out.masked_fill((src == self.config.pad_id)[:, :, None], 0.0)
 
+    @property
+    def decoder_dtype(self) -> torch.dtype:
+        """The dtype the decoder computes in (its embedding's): the model's, or bf16 for a float32 int8 model's decoder
+        under model/compiled.py's bf16_around_int8."""
+        return self.decoder.embed.tokens.weight.dtype
+
     def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: DecoderState | None = None) -> Tensor:
         """Logits (R, T, V) for the target tokens `tgt_in` (R, T).
 
@@ -282,9 +288,7 @@ class Transformer(nn.Module):
         `new_state()`), `tgt_in` holds only the tokens after the `state.length` already cached ones; the
         state grows by T positions and holds the cross-attention keys/values after its first call.
         """
-        # the memory in the decoder's dtype: a float32 encoder's for a bf16 decoder (int8 with bf16 around it,
-        # model/compiled.py's bf16_around_int8), else the same tensor
-        memory = memory.to(self.decoder.embed.tokens.weight.dtype)
+        memory = memory.to(self.decoder_dtype)  # (a float32 encoder's for bf16_around_int8's decoder; else itself)
         hidden = self.decoder(tgt_in, memory=memory, src_mask=src_mask[:, None, None, :], state=state)
         return self.output_projection(hidden)
 
@@ -297,7 +301,7 @@ class Transformer(nn.Module):
         if not -len(self.decoder.layers) <= layer < len(self.decoder.layers):
             raise IndexError(f"decoder layer {layer} of {len(self.decoder.layers)}")
         seen: list[Tensor] = []
-        hidden = self.decoder(tgt_in, memory=memory.to(self.decoder.embed.tokens.weight.dtype),  # (as `decode`)
+        hidden = self.decoder(tgt_in, memory=memory.to(self.decoder_dtype),  # (as `decode`)
                               src_mask=src_mask[:, None, None, :], state=None,
                               cross_weights=(layer % len(self.decoder.layers), seen))
         return self.output_projection(hidden), seen[0].mean(dim=1)  # (R, T, V), (R, T, S)
