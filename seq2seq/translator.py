@@ -82,6 +82,7 @@ class Document(Protocol):
 
 T = TypeVar("T")
 PART_ROWS = 32  # see shared_out
+BALANCE = 1.2  # see shared_out
 WIDE_WORK = 5e8  # see Translator._wide
 EMPTY = Translation(text="", score=0.0, tokens=[])  # what an empty sentence translates to
 
@@ -128,8 +129,8 @@ class Translator:
         thread decodes with the caller's count):
         a decoding step's parallel regions are too small for several threads to pay, several batches
         are not. The batches are those of one worker, so outputs do not depend on `workers`, except where an
-        input makes fewer batches than there are workers: those are cut into parts for the idle workers
-        (shared_out), which can change a bf16 translation slightly (fp32: the same tokens), and a lone batch
+        input's batches would leave workers idle (fewer than the workers, or unequal in work): those are cut
+        into parts (shared_out), which can change a bf16 translation slightly (fp32: the same tokens), and a lone batch
         too small to cut but wide enough (_wide) decodes on all the workers' threads (not when `compiled`: its
         graphs are for one worker's thread count); seeded sampling,
         whose draws run through one generator, decodes one batch at a time. On a device other than the CPU
@@ -364,7 +365,7 @@ class Translator:
                 yield from translate_batch(batch)
         else:
             rows = 1 if search.sampling else search.beam_size
-            parts = shared_out(batches, workers=self.workers, rows=rows)
+            parts = shared_out(batches, workers=self.workers, rows=rows, work=[len(sentence) for sentence in ids])
             if len(parts) == 1 and self.workers > 1 and not self.compiled and self._wide(len(parts[0]) * rows):
                 # Too few rows to cut, enough for every core's threads on one batch (not compiled: dynamo
                 # compiles every kind of step again for another thread count, minutes, mid-run)
@@ -728,23 +729,42 @@ def length_sorted_batches(ids: list[list[int]], *, max_tokens: int) -> list[list
     return batches
 
 
-def shared_out(batches: list[list[int]], *, workers: int, rows: int) -> list[list[int]]:
-    """The batches, those of an input too short to give every worker one cut into consecutive parts of
-    equal size, in order: as many as the idle workers need, but no more than the batch has sentences, nor
-    than it has PART_ROWS decoder rows (`rows` is the rows a sentence takes: the beam).
+def shared_out(batches: list[list[int]], *, workers: int, rows: int, work: Sequence[int]) -> list[list[int]]:
+    """The batches, cut into consecutive parts where the workers would otherwise wait on one of them, in order.
+
+    The workers take the parts in order, each the next one as it becomes free (`Translator._in_parallel`), and
+    `work[i]` is sentence i's share of the decoding (its source tokens: targets grow with them). Each batch is
+    cut into k equal parts, the same k for all, but no more parts than it has sentences, nor than it has
+    PART_ROWS decoder rows (`rows` is the rows a sentence takes: the beam); k is the least, up to `workers`, that
+    leaves the busiest worker no more than BALANCE times its share of the whole work (else the k that leaves it
+    the least). So an input of fewer batches than workers is cut for the idle workers, and so is one of two
+    batches of unequal work for two workers: 500 Multi30k sentences make one batch of long sentences and one of
+    short ones, which left one of two workers idle for a third of the run (README, "Every core"). Enough
+    batches to go round stay whole.
 
     Parts rather than a lone batch on several threads: a decoding step's parallel regions are too small
     to share, two batches are not. Below PART_ROWS a part no longer pays for the Python its steps run,
     which the workers take turns at (the GIL): measured in the README, "Every core".
     """
-    if len(batches) >= workers:
-        return batches
-    out: list[list[int]] = []
-    for batch in batches:
-        parts = max(1, min(-(-workers // len(batches)), len(batch) * rows // PART_ROWS, len(batch)))
-        cuts = [len(batch) * i // parts for i in range(parts + 1)]
-        out += [batch[a:b] for a, b in itertools.pairwise(cuts)]
-    return out
+
+    def cut(k: int) -> list[list[int]]:
+        parts = []
+        for batch in batches:
+            count = max(1, min(k, len(batch) * rows // PART_ROWS, len(batch)))
+            cuts = [len(batch) * j // count for j in range(count + 1)]
+            parts += [batch[a:b] for a, b in itertools.pairwise(cuts)]
+        return parts
+
+    def busiest(parts: list[list[int]]) -> int:  # the most work one worker gets
+        loads = [0] * workers
+        for part in parts:
+            loads[loads.index(min(loads))] += sum(work[i] for i in part)
+        return max(loads)
+
+    share = sum(work[i] for batch in batches for i in batch) / workers
+    candidates = [cut(k) for k in range(1, workers + 1)]
+    return next((parts for parts in candidates if busiest(parts) <= BALANCE * share),
+                min(candidates, key=busiest))
 
 
 def pad_batch(sentences: list[list[int]], *, pad: int, device: torch.device) -> torch.Tensor:

@@ -1255,19 +1255,41 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
 
 
 def test_an_input_of_fewer_batches_than_workers_is_shared_out_in_parts():
+    even = [1] * 130  # every sentence the same work
     batches = [list(range(100)), list(range(100, 130))]
-    assert shared_out(batches, workers=2, rows=1) == batches  # a batch each already
-    assert shared_out(batches[:1], workers=1, rows=5) == batches[:1]
-    assert shared_out(batches[:1], workers=2, rows=1) == [list(range(50)), list(range(50, 100))]
-    assert shared_out(batches[:1], workers=3, rows=1) == [list(range(33)), list(range(33, 66)), list(range(66, 100))]
+    assert shared_out(batches[:1], workers=1, rows=5, work=even) == batches[:1]
+    assert shared_out(batches[:1], workers=2, rows=1, work=even) == [list(range(50)), list(range(50, 100))]
+    assert shared_out(batches[:1], workers=3, rows=1, work=even) == [list(range(33)), list(range(33, 66)),
+                                                                     list(range(66, 100))]
     # Parts of about PART_ROWS decoder rows (sentences x beam) or more; a batch too small stays whole
-    assert shared_out(batches[:1], workers=8, rows=1) == [list(range(33)), list(range(33, 66)), list(range(66, 100))]
-    assert shared_out([list(range(63))], workers=2, rows=1) == [list(range(63))]
-    assert shared_out([list(range(13))], workers=2, rows=5) == [list(range(6)), list(range(6, 13))]
-    assert shared_out(batches, workers=4, rows=1) == [list(range(50)), list(range(50, 100)), list(range(100, 130))]
+    assert shared_out(batches[:1], workers=8, rows=1, work=even) == [list(range(33)), list(range(33, 66)),
+                                                                     list(range(66, 100))]
+    assert shared_out([list(range(63))], workers=2, rows=1, work=even) == [list(range(63))]
+    assert shared_out([list(range(13))], workers=2, rows=5, work=even) == [list(range(6)), list(range(6, 13))]
+    assert shared_out(batches, workers=4, rows=1, work=even) == [list(range(33)), list(range(33, 66)),
+                                                                 list(range(66, 100)), list(range(100, 130))]
     # A wide beam: never more parts than sentences (an empty part has nothing to decode)
-    assert shared_out([[7]], workers=2, rows=64) == [[7]]
-    assert shared_out([[0, 1, 2, 3]], workers=8, rows=40) == [[0], [1], [2], [3]]
+    assert shared_out([[7]], workers=2, rows=64, work=even) == [[7]]
+    assert shared_out([[0, 1, 2, 3]], workers=8, rows=40, work=even) == [[0], [1], [2], [3]]
+
+
+def test_batches_of_unequal_work_are_cut_so_that_no_worker_waits_on_another():
+    # Two batches for two workers: whole when their work is about equal, cut when one is a batch of long
+    # sentences and the other of short ones (500 Multi30k sentences: one worker idle a third of the run)
+    batches = [list(range(64)), list(range(64, 128))]
+    assert shared_out(batches, workers=2, rows=1, work=[1] * 128) == batches
+    long_then_short = [3] * 64 + [1] * 64
+    parts = shared_out(batches, workers=2, rows=1, work=long_then_short)
+    assert parts == [list(range(32)), list(range(32, 64)), list(range(64, 96)), list(range(96, 128))]
+    # Cut no finer than PART_ROWS rows a part: the best that leaves, balanced or not
+    assert shared_out(batches, workers=2, rows=1, work=[9] * 64 + [1] * 64) == parts
+    # Enough batches to go round stay whole (the 3 batches of 1,000 Multi30k sentences for two workers)
+    three = [list(range(40)), list(range(40, 120)), list(range(120, 170))]
+    assert shared_out(three, workers=2, rows=1, work=[3] * 40 + [2] * 80 + [1] * 50) == three
+    # Every sentence in one part, in order, whatever the cut
+    for workers in (2, 3, 4):
+        cut = shared_out(batches, workers=workers, rows=1, work=long_then_short)
+        assert [i for part in cut for i in part] == list(range(128))
 
 
 @pytest.mark.parametrize("workers, threads, cores, device, expected", [
