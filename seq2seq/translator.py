@@ -17,7 +17,9 @@ file's translations can be written as they are made.
 """
 
 import dataclasses
+import heapq
 import itertools
+import math
 import re
 import threading
 import unicodedata
@@ -756,15 +758,24 @@ def shared_out(batches: list[list[int]], *, workers: int, rows: int, work: Seque
         return parts
 
     def busiest(parts: list[list[int]]) -> int:  # the most work one worker gets
-        loads = [0] * workers
+        loads = [0] * workers  # a heap: the worker free first on top
         for part in parts:
-            loads[loads.index(min(loads))] += sum(work[i] for i in part)
+            heapq.heapreplace(loads, loads[0] + sum(work[i] for i in part))
         return max(loads)
 
     share = sum(work[i] for batch in batches for i in batch) / workers
-    candidates = [cut(k) for k in range(1, workers + 1)]
-    return next((parts for parts in candidates if busiest(parts) <= BALANCE * share),
-                min(candidates, key=busiest))
+    best: list[list[int]] = batches
+    least, previous = math.inf, -1
+    for k in range(1, workers + 1):
+        parts = cut(k)
+        if len(parts) == previous:
+            break  # every batch as finely cut as it can be
+        previous, load = len(parts), busiest(parts)
+        if load <= BALANCE * share:
+            return parts
+        if load < least:
+            best, least = parts, load
+    return best
 
 
 def pad_batch(sentences: list[list[int]], *, pad: int, device: torch.device) -> torch.Tensor:
