@@ -734,15 +734,17 @@ def length_sorted_batches(ids: list[list[int]], *, max_tokens: int) -> list[list
 def shared_out(batches: list[list[int]], *, workers: int, rows: int, work: Sequence[int]) -> list[list[int]]:
     """The batches, cut into consecutive parts where the workers would otherwise wait on one of them, in order.
 
-    The workers take the parts in order, each the next one as it becomes free (`Translator._in_parallel`), and
-    `work[i]` is sentence i's share of the decoding (its source tokens: targets grow with them). Each batch is
+    The workers take the parts in order, each the next one as it becomes free (`Translator._in_parallel`, whose
+    window of 2W parts in flight can hold a part back behind a slow one: contrived inputs, not length-sorted
+    ones), and `work[i]` is sentence i's share of the decoding (its source tokens: targets grow with them). Each batch is
     cut into k equal parts, the same k for all, but no more parts than it has sentences, nor than it has
     PART_ROWS decoder rows (`rows` is the rows a sentence takes: the beam); k is the least, up to `workers`, that
     leaves the busiest worker no more than BALANCE times its share of the whole work (else the k that leaves it
     the least). So an input of fewer batches than workers is cut for the idle workers, and so is one of two
     batches of unequal work for two workers: 500 Multi30k sentences make one batch of long sentences and one of
-    short ones, which left one of two workers idle for a third of the run (README, "Every core"). Enough
-    batches to go round stay whole.
+    short ones, which left one of two workers idle for a third of the run (README, "Every core"). Batches that
+    already keep the busiest worker within BALANCE of its share stay whole (the 3 batches of 1,000 Multi30k
+    sentences for two workers).
 
     Parts rather than a lone batch on several threads: a decoding step's parallel regions are too small
     to share, two batches are not. Below PART_ROWS a part no longer pays for the Python its steps run,

@@ -1281,8 +1281,12 @@ def test_batches_of_unequal_work_are_cut_so_that_no_worker_waits_on_another():
     long_then_short = [3] * 64 + [1] * 64
     parts = shared_out(batches, workers=2, rows=1, work=long_then_short)
     assert parts == [list(range(32)), list(range(32, 64)), list(range(64, 96)), list(range(96, 128))]
-    # Cut no finer than PART_ROWS rows a part: the best that leaves, balanced or not
-    assert shared_out(batches, workers=2, rows=1, work=[9] * 64 + [1] * 64) == parts
+    # Cut no finer than PART_ROWS rows a part: the best cut that leaves, balanced or not (one sentence outweighs
+    # the rest)
+    assert shared_out(batches[:1], workers=2, rows=1, work=[1000] + [1] * 127) == [list(range(32)), list(range(32, 64))]
+    # Every batch takes the same k: a heavy batch cut for two workers cuts the light ones too
+    heavy_first = [list(range(64)), list(range(64, 128)), list(range(128, 192))]
+    assert len(shared_out(heavy_first, workers=2, rows=1, work=[10] * 64 + [1] * 128)) == 6
     # Enough batches to go round stay whole (the 3 batches of 1,000 Multi30k sentences for two workers)
     three = [list(range(40)), list(range(40, 120)), list(range(120, 170))]
     assert shared_out(three, workers=2, rows=1, work=[3] * 40 + [2] * 80 + [1] * 50) == three
