@@ -310,7 +310,8 @@ def test_int8_step_follows_the_eager_int8_step():
     fp32 = tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre")
     model = int8_decoder(tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre"))
     linears = [m for m in model.decoder.modules() if isinstance(m, RowInt8Linear)]
-    assert len(linears) == 7 and isinstance(model.output_projection, RowInt8Linear)  # qkv, out; q, kv, out; ffn 2
+    assert len(linears) == 8 and isinstance(model.output_projection, RowInt8Linear)  # qkv, out; q, kv, out; ffn 2;
+    assert isinstance(model.decoder.cross_kv_proj, RowInt8Linear)  # and every layer's cross kv stacked
     assert not any(isinstance(m, RowInt8Linear) for m in model.encoder.modules())
     compiled = CompiledDecoder(model)
     assert compiled.gemm_templates == torch.cpu._is_vnni_supported()
@@ -338,6 +339,32 @@ def test_int8_step_follows_the_eager_int8_step():
     assert graphs_compiled() == before + 2
 
 
+@torch.inference_mode()
+def test_every_layers_cross_keys_and_values_are_one_int8_projection_of_the_memory_quantised_once():
+    """int8_decoder stacks the decoder layers' cross-attention key/value projections before quantising them, and the
+    compiled step's state takes every layer's keys and values from that one call, which quantises the memory once:
+    to the bit each layer's own int8 projection's (the same rows quantised the same way, each weight row its own
+    scale), without compiling anything."""
+    model = int8_decoder(tiny(num_decoder_layers=3))
+    calls: list[str] = []
+    model.decoder.cross_kv_proj.register_forward_hook(lambda *args: calls.append("stacked"))
+    for layer in model.decoder.layers:
+        layer.cross_attn.kv_proj.register_forward_hook(lambda *args: calls.append("layer"))
+    memory = model.encode(sources())  # (N, S, D)
+    pairs = compiled_module.cross_keys_values(model, memory=memory)
+    assert calls == ["stacked"]
+    assert len(pairs) == 3
+    for layer, (keys, values) in zip(model.decoder.layers, pairs, strict=True):
+        expected_keys, expected_values = layer.cross_attn.keys_values(memory)
+        assert keys.is_contiguous() and values.is_contiguous()
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    model.decoder.cross_kv_proj = None  # (a model whose projections could not be stacked: layer by layer)
+    calls.clear()
+    assert all(torch.equal(a, b) for got, expected in zip(compiled_module.cross_keys_values(model, memory=memory),
+                                                          pairs, strict=True) for a, b in zip(got, expected, strict=True))
+    assert calls == ["layer"] * 3
+
+
 def test_bf16_around_int8_runs_the_step_in_bf16_around_its_int8_matmuls():
     """bf16_around_int8 (the Translator's int8 compiled step where bf16 pays; forced here on any CPU): the decoder's
     embedding, positions and norms in bf16, its int8 layers' scales and biases and the whole encoder float32 (a
@@ -349,7 +376,7 @@ def test_bf16_around_int8_runs_the_step_in_bf16_around_its_int8_matmuls():
     assert model.decoder.embed.tokens.weight.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in model.encoder.parameters())
     int8_layers = [m for m in (*model.decoder.modules(), model.output_projection) if isinstance(m, RowInt8Linear)]
-    assert len(int8_layers) == 8
+    assert len(int8_layers) == 9  # (the layer's cross kv and their stacked copy: test_every_layers_cross_keys_*)
     assert all(m.weight_scale.dtype == torch.float32 and (m.bias is None or m.bias.dtype == torch.float32)
                for m in int8_layers)
     compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)

@@ -184,6 +184,38 @@ def test_fused_self_attention_projections_give_the_same_numbers(positions, dtype
     assert len(calls) == 1 + 7  # one projection a step
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_cross_projections_give_each_layers_keys_and_values(dtype):
+    """stack_cross_projections: every decoder layer's cross-attention key/value projection in one matmul
+    (`decoder.cross_kv_proj`, for the compiled step), whose slices are each layer's keys and values to the bit;
+    the layers keep theirs, and the model's own decoding is unchanged."""
+    model = tiny_model(norm_placement="pre").to(dtype)
+    src = pad_rows(random_tokens(3, 9, generator=torch.Generator().manual_seed(2)), [9, 6, 2])
+    with torch.inference_mode():
+        memory = model.encode(src)  # (N, S, D)
+        before = model(src, src)
+        assert model.decoder.cross_kv_proj is None  # not for training, nor made unasked
+        assert model.stack_cross_projections() is model
+        stacked = model.decoder.cross_kv_proj
+        assert stacked is not None and model.stack_cross_projections().decoder.cross_kv_proj is stacked  # again: as it was
+        layers = list(model.decoder.layers)
+        assert stacked.out_features == len(layers) * 2 * model.config.d_model and not stacked.weight.requires_grad
+        for layer, projected in zip(layers, stacked(memory).chunk(len(layers), dim=-1), strict=True):
+            for got, expected in zip(layer.cross_attn.split_keys_values(projected),
+                                     layer.cross_attn.keys_values(memory), strict=True):
+                assert got.shape == expected.shape == (3, 2, 9, 8)  # (N, H, S, Dh)
+                assert torch.equal(got, expected)
+        assert torch.equal(model(src, src), before)
+
+
+def test_cross_projections_converted_for_inference_are_left_unstacked():
+    """A decoder whose projections are already int8 (no nn.Linear to stack) keeps them as they are."""
+    from seq2seq.model.numerics import quantize_int8
+
+    model = quantize_int8(tiny_model())
+    assert model.stack_cross_projections() is model and model.decoder.cross_kv_proj is None
+
+
 def test_projections_converted_for_inference_are_left_unfused():
     """A model packed or quantised before a Translator fuses it (a caller's own for_inference) keeps its
     projections as they are: there is no nn.Linear to stack."""

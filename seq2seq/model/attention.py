@@ -105,6 +105,12 @@ class MultiHeadAttention(nn.Module):
         keys, values = self.kv_proj(x).chunk(2, dim=-1)  # (B, T, D) each
         return self._heads(keys, values, rotary=rotary, offset=offset)
 
+    def split_keys_values(self, projected: Tensor) -> tuple[Tensor, Tensor]:
+        """kv_proj's output (B, T, 2D), computed elsewhere (Decoder.cross_kv_proj's slice) -> keys and values
+        (B, H, T, Dh) each, unrotated (cross-attention's)."""
+        keys, values = projected.chunk(2, dim=-1)  # (B, T, D) each
+        return self._heads(keys, values, rotary=None, offset=0)
+
     def self_projections(self, x: Tensor, *, rotary: Rotary | None = None,
                          offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention's queries, keys and values of x (B, T, D): (B, H, T, Dh) each, the keys rotated

@@ -99,7 +99,7 @@ def int8_decoder(model: Transformer) -> Transformer:
     """`model` (float32; in place) with its decoder's and output projection's linear layers RowInt8Linear: the
     compiled step's int8, whose oneDNN op inductor compiles to its int8 micro-kernels (the encoder, run eagerly,
     is left to numerics.quantize_int8)."""
-    replace_linears(model.decoder, RowInt8Linear)
+    replace_linears(model.stack_cross_projections().decoder, RowInt8Linear)
     model.output_projection = RowInt8Linear(model.output_projection)  # type: ignore[assignment]  # (a linear's stand-in)
     return model
 
@@ -123,6 +123,19 @@ def bf16_around_int8(model: Transformer) -> Transformer:
             if buffer.is_floating_point():
                 setattr(module, name, buffer.to(torch.bfloat16))
     return model
+
+
+def cross_keys_values(model: Transformer, *, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """memory (N, S, D) -> each decoder layer's cross-attention keys and values (N, H, S, Dh), contiguous (read at
+    every step): from the model's stacked projection (Transformer.stack_cross_projections), else layer by layer."""
+    layers = cast(list[DecoderLayer], list(model.decoder.layers))
+    stacked = model.decoder.cross_kv_proj
+    if stacked is None:
+        pairs = [layer.cross_attn.keys_values(memory) for layer in layers]
+    else:
+        projected = stacked(memory).chunk(len(layers), dim=-1)  # (N, S, 2D) each
+        pairs = [layer.cross_attn.split_keys_values(kv) for layer, kv in zip(layers, projected, strict=True)]
+    return [(keys.contiguous(), values.contiguous()) for keys, values in pairs]
 
 
 def chunk_maxima(logits: Tensor, *, chunk: int) -> Tensor:
@@ -314,7 +327,7 @@ class CompiledDecoder:
     (int8_decoder), and its weights must not change afterwards: they are frozen into the compiled code."""
 
     def __init__(self, model: Transformer, *, chunk: int = 64, gemm_templates: bool = True, cpp_wrapper: bool = True):
-        self.model = model
+        self.model = model.stack_cross_projections()  # (a model int8_decoder converted has them stacked already)
         self.chunk = chunk
         """Columns per chunk of the step's chunk maxima (`decode_step`): search.TOP_K_CHUNK, which top_k_rows takes."""
         self.config = model.config
@@ -388,10 +401,9 @@ class CompiledDecoder:
             memory = memory.to(self.dtype)  # (once: a float32 encoder's for bf16_around_int8's decoder)
             if one_token:
                 memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
-            for layer in cast(list[DecoderLayer], list(self.model.decoder.layers)):
-                cross_keys, cross_values = layer.cross_attn.keys_values(memory)  # (N, H, S, Dh) each
-                state.cross_keys.append(cross_keys.contiguous())
-                state.cross_values.append(cross_values.contiguous())
+            for cross_keys, cross_values in cross_keys_values(self.model, memory=memory):
+                state.cross_keys.append(cross_keys)
+                state.cross_values.append(cross_values)
         heads = self.config.num_heads
         kind = (rows == 1, sentences == 1, rows > sentences)
         compiled = kind in self._kinds

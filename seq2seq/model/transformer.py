@@ -104,6 +104,8 @@ class Encoder(nn.Module):
         self.relative_bias, self.rotary = relative_positions(config, bidirectional=True)
         self.layers = nn.ModuleList(EncoderLayer(config, alpha=alpha) for _ in range(config.num_encoder_layers))
         self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
+        self.cross_kv_proj: nn.Module | None = None
+        """Transformer.stack_cross_projections': every layer's cross-attention kv_proj in one, for the compiled step."""
 
     def forward(self, src: Tensor, *, src_mask: Tensor) -> Tensor:
         # src: (B, S); src_mask: (B, 1, 1, S)
@@ -123,6 +125,8 @@ class Decoder(nn.Module):
         self.relative_bias, self.rotary = relative_positions(config, bidirectional=False)
         self.layers = nn.ModuleList(DecoderLayer(config, alpha=alpha) for _ in range(config.num_decoder_layers))
         self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
+        self.cross_kv_proj: nn.Module | None = None
+        """Transformer.stack_cross_projections': every layer's cross-attention kv_proj in one, for the compiled step."""
 
     def forward(self, tgt_in: Tensor, *, memory: Tensor, src_mask: Tensor, state: DecoderState | None,
                 cross_weights: tuple[int, list[Tensor]] | None = None) -> Tensor:
@@ -233,6 +237,27 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (EncoderLayer, DecoderLayer)):
                 module.self_attn.fuse_projections()
+        return self
+
+    def stack_cross_projections(self) -> "Transformer":
+        """For the compiled decoding step, in place: every decoder layer's cross-attention key/value projection
+        stacked into one, `decoder.cross_kv_proj` (D -> layers * 2D, layer by layer), so that a batch's memory
+        is projected for all layers in one matmul, and quantised once where the step is int8 (a call per layer
+        quantised the same memory again each time; README, "A compiled decoding step"). Each output is the same dot product. The layers keep theirs, for the eager decode (scoring,
+        alignments): the stacked weights are a second copy. Again, or on projections already converted for
+        inference (int8): nothing to do."""
+        decoder = self.decoder
+        projections = [cast(DecoderLayer, layer).cross_attn.kv_proj for layer in decoder.layers]
+        if decoder.cross_kv_proj is not None or any(type(p) is not nn.Linear for p in projections):
+            return self
+        first = projections[0]
+        stacked = nn.Linear(first.in_features, sum(p.out_features for p in projections), bias=first.bias is not None,
+                            device=first.weight.device, dtype=first.weight.dtype)
+        with torch.no_grad():
+            stacked.weight.copy_(torch.cat([p.weight for p in projections]))
+            if stacked.bias is not None:
+                stacked.bias.copy_(torch.cat([p.bias for p in projections]))
+        decoder.cross_kv_proj = stacked.requires_grad_(False)
         return self
 
     def src_mask(self, src: Tensor) -> Tensor:
