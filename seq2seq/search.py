@@ -516,13 +516,87 @@ def beam_step(
     cand_scores, flat = total.topk(num_cand, dim=1)  # (N, 2K), best first
     cand_beams = flat // width
     cand_tokens = flat % width if tokens is None else tokens.reshape(batch, k_cur * width).gather(1, flat)
+    return next_beams(cand_scores, cand_beams, cand_tokens, beam_size=beam_size, eos=eos)
+
+
+def next_beams(cand_scores: Tensor, cand_beams: Tensor, cand_tokens: Tensor, *, beam_size: int, eos: int) -> BeamStep:
+    """beam_step's rule applied to each sentence's 2K best candidates (N, 2K each, best first): which finish,
+    which go on."""
+    num_cand = 2 * beam_size
     is_eos = cand_tokens == eos
-    rank = torch.arange(num_cand, device=scores.device)
+    rank = torch.arange(num_cand, device=cand_scores.device)
     finished = is_eos & (rank < beam_size) & cand_scores.isfinite()
     # Push EOS candidates behind all others; the K smallest keys are then the K best non-EOS, in order.
     keep = (rank + is_eos.long() * num_cand).topk(beam_size, dim=1, largest=False).indices  # (N, K)
     next_beams, next_tokens, next_scores = (x.gather(1, keep) for x in (cand_beams, cand_tokens, cand_scores))
     return BeamStep(cand_scores, cand_tokens, cand_beams, finished, next_beams, next_tokens, next_scores)
+
+
+def beam_candidates(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: Tensor, *, count: int,
+                    chunk: int = TOP_K_CHUNK) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each sentence's `count` best extensions over all its beams, ranked on the chunk maxima of the whole
+    sentence at once, not row by row: (cand_scores, cand_beams, cand_tokens) (N, count) best first, as
+    beam_step finds them, and `proven` (N,), where they are certainly those.
+
+    scores (N, K) cumulative log_prob; logits (N*K, V) float32 or narrower, constrained after `bounds` (N*K,
+    V // chunk), their chunk maxima in float32, were taken (as the compiled step gives them); normalizer (N*K,).
+    A chunk's best total, score + (maximum - normaliser), is at least the total of each of its tokens (the
+    float operations are monotone), so the best `count` totals lie in the `count` chunks of the sentence whose
+    bounds rank first, with the last, partial chunk of every beam: only those are read and ranked. top_k_rows
+    ranks each row's 2K best chunks, then 2K tokens of each row, then beam_step 2K of the K * 2K: three top-k
+    passes over K times as many rows, the larger part of a beam search step's own work at a few hundred
+    sentences (README, "Candidates by the sentence"). A sentence is proven where its count-th total is at least
+    the largest bound left out (a tie with a chunk left out keeps the token read: the totals are the same); not
+    where a constraint lowered logits the bounds of the chunks read were taken from (the caller ranks those
+    sentences again, exactly). Of equal totals, other tokens may be kept than beam_step keeps."""
+    sentences, beams = scores.shape
+    vocab = logits.size(1)
+    chunks = vocab // chunk
+    body = chunks * chunk
+    row_normalizer = normalizer.view(sentences, beams)  # (N, K)
+    chunk_totals = (scores[:, :, None] + (bounds.view(sentences, beams, chunks)
+                                          - row_normalizer[:, :, None])).view(sentences, beams * chunks)
+    ranked = chunk_totals.topk(count + 1, dim=1)  # (N, count + 1): the chunks to read, and the best left out
+    chosen = ranked.indices[:, :count].sort(dim=1).values  # (N, count): in the order of the sentence's rows
+    left_out = ranked.values[:, count]  # (N,)
+    cand_beams = (chosen // chunks)[:, :, None].expand(-1, -1, chunk).reshape(sentences, count * chunk)  # (N, M)
+    cand_tokens = ((chosen % chunks * chunk)[:, :, None] + torch.arange(chunk, device=logits.device)).view(
+        sentences, count * chunk)  # (N, M)
+    if body < vocab:  # every beam's last, partial chunk: always read
+        tail = vocab - body
+        cand_beams = torch.cat((cand_beams, torch.arange(beams, device=logits.device).repeat_interleave(tail)
+                                .expand(sentences, -1)), dim=1)
+        cand_tokens = torch.cat((cand_tokens, torch.arange(body, vocab, device=logits.device).repeat(beams)
+                                 .expand(sentences, -1)), dim=1)
+    values = logits.view(sentences, beams * vocab).gather(1, cand_beams * vocab + cand_tokens)  # (N, M)
+    # beam_step's arithmetic, score + (logit - normaliser), to the bit
+    totals = scores.gather(1, cand_beams) + (values.float() - row_normalizer.gather(1, cand_beams))
+    top = totals.topk(count, dim=1)  # (N, count)
+    return (top.values, cand_beams.gather(1, top.indices), cand_tokens.gather(1, top.indices),
+            top.values[:, count - 1] >= left_out)
+
+
+def beam_step_on_bounds(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: Tensor, *, beam_size: int,
+                        eos: int, chunk: int = TOP_K_CHUNK) -> BeamStep:
+    """beam_step's step from the logits' chunk maxima (`beam_candidates`); a sentence they do not prove is
+    ranked row by row (top_k_rows, on the same bounds), as without them."""
+    count = 2 * beam_size
+    cand_scores, cand_beams, cand_tokens, proven = beam_candidates(scores, logits, normalizer, bounds, count=count,
+                                                                   chunk=chunk)
+    unproven = (~proven).nonzero()[:, 0]  # (U,)
+    if unproven.numel():
+        beams = scores.size(1)
+        rows = (unproven[:, None] * beams + torch.arange(beams, device=logits.device)).view(-1)  # (U * K,)
+        top_logits, top_tokens = top_k_rows(logits.index_select(0, rows), count, chunk=chunk,
+                                            bounds=bounds.index_select(0, rows))  # (U * K, 2K)
+        exact = beam_step(scores.index_select(0, unproven),
+                          (top_logits.float() - normalizer.index_select(0, rows)[:, None]).view(unproven.numel(),
+                                                                                                beams, -1),
+                          tokens=top_tokens.view(unproven.numel(), beams, -1), beam_size=beam_size, eos=eos)
+        cand_scores = cand_scores.index_copy(0, unproven, exact.cand_scores)
+        cand_beams = cand_beams.index_copy(0, unproven, exact.cand_beams)
+        cand_tokens = cand_tokens.index_copy(0, unproven, exact.cand_tokens)
+    return next_beams(cand_scores, cand_beams, cand_tokens, beam_size=beam_size, eos=eos)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -685,11 +759,14 @@ def beam_search(
                                                  live.state)  # (N*K_cur, V), (N*K_cur,), chunk maxima or None
         constrain_(logits.view(n, k_cur, -1), live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
-        top_logits, top_tokens = top_k_rows(logits, 2 * beam_size, bounds=bounds)  # (N*K_cur, 2K): the 2K best
+        if bounds is not None and logits.element_size() <= 4 and k_cur * (logits.size(1) // TOP_K_CHUNK) > 2 * beam_size:
+            cand = beam_step_on_bounds(live.scores, logits, normalizer, bounds, beam_size=beam_size, eos=ids.eos)
+        else:  # (float64 bounds would be float32's rounding of them, below some logits: not bounds)
+            top_logits, top_tokens = top_k_rows(logits, 2 * beam_size, bounds=bounds)  # (N*K_cur, 2K): the 2K best
+            cand_log_probs = (top_logits.float() - normalizer[:, None]).view(n, k_cur, -1)
+            cand = beam_step(live.scores, cand_log_probs, tokens=top_tokens.view(n, k_cur, -1), beam_size=beam_size,
+                             eos=ids.eos)
         del logits  # freed now, not once the next step has computed its own: one (R, V) buffer at a time
-        cand_log_probs = (top_logits.float() - normalizer[:, None]).view(n, k_cur, -1)
-        cand = beam_step(live.scores, cand_log_probs, tokens=top_tokens.view(n, k_cur, -1), beam_size=beam_size,
-                         eos=ids.eos)
         _collect_finished(finished, cand, live, beam_size=beam_size, alpha=alpha)
 
         live.num_finished = (live.num_finished + cand.finished.sum(dim=1)).clamp(max=beam_size)

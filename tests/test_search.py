@@ -385,6 +385,76 @@ def test_top_k_rows_on_bounds_taken_before_the_constraints_equals_it_on_exact_ma
         top_k_rows(x, k, bounds=bounds[:, :-1])
 
 
+@pytest.mark.parametrize("vocab,beams", [(8000, 5), (8000, 1), (64 * 40 + 63, 5), (64 * 40 + 63, 1), (300, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_beam_candidates_by_the_sentence_on_stale_bounds_are_beam_steps(vocab, beams, dtype):
+    """beam_step_on_bounds: each sentence's 2K candidates found on the chunk maxima of all its beams at once, the
+    bounds taken before the constraints lowered logits (as the compiled step gives them), are beam_step's over the
+    whole vocabulary: the same totals to the bit in every sentence, each the total of the beam and token it names,
+    and (random float32 logits: no ties) the same beams and tokens. Sentences the bounds cannot prove (a constraint
+    lowered the logits of the chunks read) are ranked row by row; the others are proven."""
+    from seq2seq.search import beam_candidates, beam_step_on_bounds
+
+    gen = torch.Generator().manual_seed(vocab + beams)
+    sentences, beam_size = 12, 4
+    logits = (torch.randn(sentences * beams, vocab, generator=gen) * 3).to(dtype)  # (N*K, V)
+    normalizer, bounds = normalizer_and_bounds(logits)
+    scores = -torch.rand(sentences, beams, generator=gen) * 5  # (N, K)
+    best = logits.float().argmax(dim=-1)
+    logits[0, best[0]] = NEG  # the best token banned (min_len bans EOS, n-grams ban repeats)
+    logits[beams : 2 * beams, :] = NEG  # a sentence forced: EOS at max_len on every beam, all else -inf
+    logits[beams : 2 * beams, EOS] = -1.0
+    logits[2 * beams, torch.randperm(vocab, generator=gen)[: vocab // 2]] = NEG  # half the vocabulary banned
+    logits[3 * beams, best[3 * beams] // 64 * 64 : best[3 * beams] // 64 * 64 + 64] = NEG  # the best chunk, whole
+    logits[4 * beams :, [0, 1]] = NEG  # the columns banned on every row (BOS, PAD)
+    if beams > 1:
+        scores[5, 1:] = NEG  # dead beams (a forced prefix leaves one live beam)
+    got = beam_step_on_bounds(scores, logits, normalizer, bounds, beam_size=beam_size, eos=EOS)
+    full = beam_step(scores, (logits.float() - normalizer[:, None]).view(sentences, beams, vocab),
+                     beam_size=beam_size, eos=EOS)
+    assert torch.equal(got.cand_scores, full.cand_scores)
+    rows = torch.arange(sentences)[:, None] * beams + got.cand_beams  # (N, 2K)
+    recomputed = scores.gather(1, got.cand_beams) + (logits[rows, got.cand_tokens].float() - normalizer[rows])
+    assert torch.equal(recomputed, got.cand_scores)
+    if dtype == torch.float32:
+        untied = full.cand_scores.isfinite().all(dim=1)  # (the forced sentence's -inf candidates are all tied)
+        assert untied.sum() >= sentences - 2
+        for name in ("cand_beams", "cand_tokens", "finished", "next_beams", "next_tokens", "next_scores"):
+            assert torch.equal(getattr(got, name)[untied], getattr(full, name)[untied]), name
+    *_, proven = beam_candidates(scores, logits, normalizer, bounds, count=2 * beam_size)
+    assert not proven[1]  # the forced sentence: its chunks' bounds were its banned logits'
+    assert proven[4:].sum() >= 6
+
+
+def test_beam_search_ranks_candidates_by_the_sentence_on_a_step_decoder_s_bounds(monkeypatch):
+    """beam_search on a decoder whose step gives the chunk maxima (the compiled one) takes its candidates by the
+    sentence (beam_step_on_bounds) and returns what ranking plain topk over the whole vocabulary returns; a
+    model without bounds, and one whose vocabulary has too few chunks, take them row by row."""
+    import seq2seq.search as search
+
+    class BoundsModel(RunningSumModel):  # a StepDecoder: its step gives the chunk maxima
+        def decode_step(self, tgt_in, memory, src_mask, state, *, chunk):
+            logits = self.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
+            return logits, None, search.chunk_maxima(logits, chunk=chunk)
+
+    calls = []
+    by_sentence = search.beam_step_on_bounds
+    monkeypatch.setattr(search, "beam_step_on_bounds", lambda scores, *args, **kwargs: calls.append(
+        scores.size(1)) or by_sentence(scores, *args, **kwargs))
+    config = SearchConfig(beam_size=3, nbest=2, length_penalty=0.6, min_len=2, no_repeat_ngram_size=2, **MEDIUM)
+    # 3,000 columns: 46 chunks of 64 a row; 300: 4, too few for 2K + 1 on the first step's one row, enough on three
+    for vocab_size, first_beams in ((3000, 1), (300, 3)):
+        calls.clear()
+        got = beam_search(BoundsModel(seed=5, vocab_size=vocab_size), RANDOM_SOURCES, config, **IDS)
+        assert calls[0] == first_beams and set(calls) <= {1, 3} and len(calls) >= 4
+        with monkeypatch.context() as plain:
+            plain.setattr(search, "top_k_rows", lambda x, k, bounds=None: x.topk(k, dim=-1))
+            plain.setattr(search, "beam_step_on_bounds", None)  # (not called without bounds)
+            reference = beam_search(RunningSumModel(seed=5, vocab_size=vocab_size), RANDOM_SOURCES, config, **IDS)
+        for hyps, want in zip(got, reference, strict=True):
+            assert [(h.tokens, h.score) for h in hyps] == [(h.tokens, h.score) for h in want]
+
+
 def test_top_k_rows_on_bounds_settles_a_tie_with_a_chunk_left_out_exactly():
     """A k-th value equal to the bound of a chunk left out is not proven (that chunk may hold a tie, and the
     exact ranking may keep it); nor is a float64 value the float32 bounds round below (review findings)."""
