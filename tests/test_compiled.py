@@ -174,6 +174,25 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
         decode(compiled, src, SearchConfig(beam_size=1), bos=BOS, eos=EOS, pad=PAD)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_s_normaliser_takes_its_maximum_from_the_chunk_maxima_and_the_last_partial_chunk(dtype):
+    """The step's log-normaliser (written for inductor, run eagerly here) takes each row's maximum from the chunk
+    maxima it computes anyway and from the last, partial chunk, which they leave out: the same numbers as taking
+    it from the whole row, a best token in the partial chunk included."""
+    logits = (torch.randn(6, 1650, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)  # 25 chunks and 50
+    logits[1, 1640] = 40.0  # the best in the partial chunk
+    logits[2, 5] = 40.0  # in the first chunk
+    logits[3, :] = -1.0e4  # nothing likely (a finished row's logits)
+    maxima = compiled_module.chunk_maxima(logits, chunk=64)
+    assert maxima.shape == (6, 25)
+    got = compiled_module.log_normalizer(logits, maxima=maxima, chunk=64)
+    assert torch.equal(got, compiled_module.log_normalizer(logits))
+    torch.testing.assert_close(got, search_module.log_normalizer(logits), atol=1e-5, rtol=1e-6)
+    whole = torch.randn(2, 1600)  # (no partial chunk)
+    assert torch.equal(compiled_module.log_normalizer(whole, maxima=compiled_module.chunk_maxima(whole, chunk=64),
+                                                      chunk=64), compiled_module.log_normalizer(whole))
+
+
 def test_stateless_calls_are_the_models_own(pair):
     """Teacher-forced scoring and alignments decode without a state: the eager model, unchanged."""
     model, compiled = pair

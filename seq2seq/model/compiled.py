@@ -147,11 +147,18 @@ def chunk_maxima(logits: Tensor, *, chunk: int) -> Tensor:
     return logits[:, :body].float().reshape(rows, vocab // chunk, chunk).amax(dim=-1)
 
 
-def log_normalizer(logits: Tensor) -> Tensor:
+def log_normalizer(logits: Tensor, *, maxima: Tensor | None = None, chunk: int = 0) -> Tensor:
     """logits (R, V) -> log(sum(exp(logits))) (R,) float32, the row maximum subtracted first (search.log_normalizer's
-    numbers to float32's rounding, at a third of its time as generated code)."""
+    numbers to float32's rounding, at a third of its time as generated code); the maximum taken from the maxima of
+    the chunks of `chunk` columns (R, V // chunk) where given, and the last, partial chunk's (a pass fewer)."""
     x = logits.float()
-    peak = x.amax(dim=-1, keepdim=True)  # (R, 1)
+    if maxima is None:
+        peak = x.amax(dim=-1, keepdim=True)  # (R, 1)
+    else:
+        peak = maxima.amax(dim=-1, keepdim=True)
+        body = maxima.size(1) * chunk
+        if body < x.size(1):
+            peak = torch.maximum(peak, x[:, body:].amax(dim=-1, keepdim=True))
     return (x - peak).exp().sum(dim=-1).log() + peak[:, 0]
 
 
@@ -216,7 +223,7 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
         logits = model.output_projection(x)[:, 0]  # (R, V)
         maxima = chunk_maxima(logits, chunk=chunk) if logits.size(1) >= 4 * chunk else None  # (top_k_rows ranks
         # fewer columns whole: no chunks); `beams > 1` is a guard on the sizes: the kinds of call are apart already
-        return logits, log_normalizer(logits) if beams > 1 else None, maxima
+        return logits, log_normalizer(logits, maxima=maxima, chunk=chunk) if beams > 1 else None, maxima
 
     return step
 
