@@ -540,9 +540,10 @@ def beam_candidates(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: 
 
     scores (N, K) cumulative log_prob; logits (N*K, V) float32 or narrower, constrained after `bounds` (N*K,
     V // chunk), their chunk maxima in float32, were taken (as the compiled step gives them); normalizer (N*K,).
-    A chunk's best total, score + (maximum - normaliser), is at least the total of each of its tokens (the
-    float operations are monotone), so the best `count` totals lie in the `count` chunks of the sentence whose
-    bounds rank first, with the last, partial chunk of every beam: only those are read and ranked. top_k_rows
+    A chunk's bound, score + (maximum - normaliser), is at least the total of each of its tokens (the float
+    operations are monotone; constraints only lower logits), so where the count-th best total of the `count`
+    chunks whose bounds rank first (and every beam's last, partial chunk: always read) is at least every bound
+    left out, those are the sentence's best: only they are read and ranked. top_k_rows
     ranks each row's 2K best chunks, then 2K tokens of each row, then beam_step 2K of the K * 2K: three top-k
     passes over K times as many rows, the larger part of a beam search step's own work at a few hundred
     sentences (README, "Candidates by the sentence"). A sentence is proven where its count-th total is at least
@@ -553,6 +554,9 @@ def beam_candidates(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: 
     vocab = logits.size(1)
     chunks = vocab // chunk
     body = chunks * chunk
+    if bounds.shape != (sentences * beams, chunks):
+        raise ValueError(f"bounds {tuple(bounds.shape)} are not the chunk maxima of {sentences * beams} rows of "
+                         f"{vocab} in chunks of {chunk}")
     row_normalizer = normalizer.view(sentences, beams)  # (N, K)
     chunk_totals = (scores[:, :, None] + (bounds.view(sentences, beams, chunks)
                                           - row_normalizer[:, :, None])).view(sentences, beams * chunks)
@@ -568,7 +572,7 @@ def beam_candidates(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: 
                                 .expand(sentences, -1)), dim=1)
         cand_tokens = torch.cat((cand_tokens, torch.arange(body, vocab, device=logits.device).repeat(beams)
                                  .expand(sentences, -1)), dim=1)
-    values = logits.view(sentences, beams * vocab).gather(1, cand_beams * vocab + cand_tokens)  # (N, M)
+    values = logits.reshape(sentences, beams * vocab).gather(1, cand_beams * vocab + cand_tokens)  # (N, M)
     # beam_step's arithmetic, score + (logit - normaliser), to the bit
     totals = scores.gather(1, cand_beams) + (values.float() - row_normalizer.gather(1, cand_beams))
     top = totals.topk(count, dim=1)  # (N, count)

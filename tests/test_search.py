@@ -424,6 +424,11 @@ def test_beam_candidates_by_the_sentence_on_stale_bounds_are_beam_steps(vocab, b
     *_, proven = beam_candidates(scores, logits, normalizer, bounds, count=2 * beam_size)
     assert not proven[1]  # the forced sentence: its chunks' bounds were its banned logits'
     assert proven[4:].sum() >= 6
+    strided = torch.cat((logits, logits), dim=1)[:, :vocab]  # (a step's logits as a view of a wider output)
+    assert torch.equal(beam_step_on_bounds(scores, strided, normalizer, bounds, beam_size=beam_size,
+                                           eos=EOS).cand_scores, got.cand_scores)
+    with pytest.raises(ValueError, match="are not the chunk maxima"):
+        beam_candidates(scores, logits, normalizer, bounds[:, :-1], count=2 * beam_size)
 
 
 def test_beam_search_ranks_candidates_by_the_sentence_on_a_step_decoder_s_bounds(monkeypatch):
