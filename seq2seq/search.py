@@ -543,10 +543,10 @@ def beam_candidates(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: 
     A chunk's bound, score + (maximum - normaliser), is at least the total of each of its tokens (the float
     operations are monotone; constraints only lower logits), so where the count-th best total of the `count`
     chunks whose bounds rank first (and every beam's last, partial chunk: always read) is at least every bound
-    left out, those are the sentence's best: only they are read and ranked. top_k_rows
-    ranks each row's 2K best chunks, then 2K tokens of each row, then beam_step 2K of the K * 2K: three top-k
-    passes over K times as many rows, the larger part of a beam search step's own work at a few hundred
-    sentences (README, "Candidates by the sentence"). A sentence is proven where its count-th total is at least
+    left out, those are the sentence's best: only they are read and ranked. top_k_rows ranks each row's 2K
+    best chunks, then 2K tokens of each row, then beam_step 2K of the K * 2K: three top-k passes over K times
+    as many rows, the larger part of a beam search step's own work at a few hundred sentences (README,
+    "Candidates by the sentence"). A sentence is proven where its count-th total is at least
     the largest bound left out (a tie with a chunk left out keeps the token read: the totals are the same); not
     where a constraint lowered logits the bounds of the chunks read were taken from (the caller ranks those
     sentences again, exactly). Of equal totals, other tokens may be kept than beam_step keeps."""

@@ -104,8 +104,6 @@ class Encoder(nn.Module):
         self.relative_bias, self.rotary = relative_positions(config, bidirectional=True)
         self.layers = nn.ModuleList(EncoderLayer(config, alpha=alpha) for _ in range(config.num_encoder_layers))
         self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
-        self.cross_kv_proj: nn.Module | None = None
-        """Transformer.stack_cross_projections': every layer's cross-attention kv_proj in one, for the compiled step."""
 
     def forward(self, src: Tensor, *, src_mask: Tensor) -> Tensor:
         # src: (B, S); src_mask: (B, 1, 1, S)
@@ -243,9 +241,10 @@ class Transformer(nn.Module):
         """For the compiled decoding step, in place: every decoder layer's cross-attention key/value projection
         stacked into one, `decoder.cross_kv_proj` (D -> layers * 2D, layer by layer), so that a batch's memory
         is projected for all layers in one matmul, and quantised once where the step is int8 (a call per layer
-        quantised the same memory again each time; README, "A compiled decoding step"). Each output is the same dot product. The layers keep theirs, for the eager decode (scoring,
-        alignments): the stacked weights are a second copy. Again, or on projections already converted for
-        inference (int8): nothing to do."""
+        quantised the same memory again each time; README, "Candidates by the sentence, one cross-attention
+        projection"). Each output is the same dot product. The layers keep theirs, for the eager decode
+        (scoring, alignments): the stacked weights are a second copy. Again, or on projections already
+        converted for inference (int8): nothing to do."""
         decoder = self.decoder
         projections = [cast(DecoderLayer, layer).cross_attn.kv_proj for layer in decoder.layers]
         if decoder.cross_kv_proj is not None or any(type(p) is not nn.Linear for p in projections):
