@@ -580,6 +580,16 @@ def beam_candidates(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: 
             top.values[:, count - 1] >= left_out)
 
 
+def beam_step_by_rows(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: Tensor | None, *, beam_size: int,
+                      eos: int, chunk: int = TOP_K_CHUNK) -> BeamStep:
+    """beam_step on each row's 2K best tokens (top_k_rows, on the chunk maxima `bounds` where given): scores (N, K),
+    logits (N*K, V), normalizer (N*K,)."""
+    sentences, beams = scores.shape
+    top_logits, top_tokens = top_k_rows(logits, 2 * beam_size, chunk=chunk, bounds=bounds)  # (N*K, 2K)
+    log_probs = (top_logits.float() - normalizer[:, None]).view(sentences, beams, -1)
+    return beam_step(scores, log_probs, tokens=top_tokens.view(sentences, beams, -1), beam_size=beam_size, eos=eos)
+
+
 def beam_step_on_bounds(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: Tensor, *, beam_size: int,
                         eos: int, chunk: int = TOP_K_CHUNK) -> BeamStep:
     """beam_step's step from the logits' chunk maxima (`beam_candidates`); a sentence they do not prove is
@@ -591,12 +601,9 @@ def beam_step_on_bounds(scores: Tensor, logits: Tensor, normalizer: Tensor, boun
     if unproven.numel():
         beams = scores.size(1)
         rows = (unproven[:, None] * beams + torch.arange(beams, device=logits.device)).view(-1)  # (U * K,)
-        top_logits, top_tokens = top_k_rows(logits.index_select(0, rows), count, chunk=chunk,
-                                            bounds=bounds.index_select(0, rows))  # (U * K, 2K)
-        exact = beam_step(scores.index_select(0, unproven),
-                          (top_logits.float() - normalizer.index_select(0, rows)[:, None]).view(unproven.numel(),
-                                                                                                beams, -1),
-                          tokens=top_tokens.view(unproven.numel(), beams, -1), beam_size=beam_size, eos=eos)
+        exact = beam_step_by_rows(scores.index_select(0, unproven), logits.index_select(0, rows),
+                                  normalizer.index_select(0, rows), bounds.index_select(0, rows),
+                                  beam_size=beam_size, eos=eos, chunk=chunk)
         cand_scores = cand_scores.index_copy(0, unproven, exact.cand_scores)
         cand_beams = cand_beams.index_copy(0, unproven, exact.cand_beams)
         cand_tokens = cand_tokens.index_copy(0, unproven, exact.cand_tokens)
@@ -766,10 +773,7 @@ def beam_search(
         if bounds is not None and logits.element_size() <= 4 and k_cur * (logits.size(1) // TOP_K_CHUNK) > 2 * beam_size:
             cand = beam_step_on_bounds(live.scores, logits, normalizer, bounds, beam_size=beam_size, eos=ids.eos)
         else:  # (float64 bounds would be float32's rounding of them, below some logits: not bounds)
-            top_logits, top_tokens = top_k_rows(logits, 2 * beam_size, bounds=bounds)  # (N*K_cur, 2K): the 2K best
-            cand_log_probs = (top_logits.float() - normalizer[:, None]).view(n, k_cur, -1)
-            cand = beam_step(live.scores, cand_log_probs, tokens=top_tokens.view(n, k_cur, -1), beam_size=beam_size,
-                             eos=ids.eos)
+            cand = beam_step_by_rows(live.scores, logits, normalizer, bounds, beam_size=beam_size, eos=ids.eos)
         del logits  # freed now, not once the next step has computed its own: one (R, V) buffer at a time
         _collect_finished(finished, cand, live, beam_size=beam_size, alpha=alpha)
 

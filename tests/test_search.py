@@ -453,7 +453,7 @@ def test_beam_search_ranks_candidates_by_the_sentence_on_a_step_decoder_s_bounds
         got = beam_search(BoundsModel(seed=5, vocab_size=vocab_size), RANDOM_SOURCES, config, **IDS)
         assert calls[0] == first_beams and set(calls) <= {1, 3} and len(calls) >= 4
         with monkeypatch.context() as plain:
-            plain.setattr(search, "top_k_rows", lambda x, k, bounds=None: x.topk(k, dim=-1))
+            plain.setattr(search, "top_k_rows", lambda x, k, **options: x.topk(k, dim=-1))
             plain.setattr(search, "beam_step_on_bounds", None)  # (not called without bounds)
             reference = beam_search(RunningSumModel(seed=5, vocab_size=vocab_size), RANDOM_SOURCES, config, **IDS)
         for hyps, want in zip(got, reference, strict=True):
@@ -648,7 +648,7 @@ def test_early_stopping_and_chunked_top_k_change_no_result(monkeypatch, vocab_si
     fast = beam_search(model, RANDOM_SOURCES, config, **IDS)
     fast_rows = sum(calls)
     monkeypatch.setattr(search, "cannot_be_overtaken", lambda worst, best, max_len, alpha: torch.zeros_like(best, dtype=torch.bool))
-    monkeypatch.setattr(search, "top_k_rows", lambda x, k, bounds=None: x.topk(k, dim=-1))
+    monkeypatch.setattr(search, "top_k_rows", lambda x, k, **options: x.topk(k, dim=-1))
     calls.clear()
     reference = beam_search(model, RANDOM_SOURCES, config, **IDS)
     for got, want in zip(fast, reference, strict=True):
