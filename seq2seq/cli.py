@@ -148,7 +148,7 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
     if not translator.compiled:
         return
     pair = f"{translator.src_lang}→{translator.tgt_lang}"
-    print(f"{pair}: compiling the decoding steps (--compile; about a minute a kind the first time)", file=sys.stderr,
+    print(f"{pair}: compiling the encoder and the decoding steps (--compile; about a minute a kind the first time)", file=sys.stderr,
           flush=True)
     started = time.perf_counter()
     try:
@@ -161,8 +161,8 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
         # The compiling thread is a daemon, maybe inside inductor's C++, which the interpreter's exit aborts under
         # it ("terminate called without an active exception", exit 134): nothing is written yet, leave at once.
         os._exit(130)
-    print(f"{pair}: {kinds} kinds of decoding step compiled in {time.perf_counter() - started:.0f} s (--compile)",
-          file=sys.stderr, flush=True)
+    print(f"{pair}: {kinds} kinds of call (encoder, decoding step) compiled in {time.perf_counter() - started:.0f} s "
+          "(--compile)", file=sys.stderr, flush=True)
 
 
 def describe(search: SearchConfig) -> str:

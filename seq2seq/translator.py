@@ -38,8 +38,8 @@ from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.constraints import holds
 from seq2seq.markup import HtmlDocument
 from seq2seq.model import MultiHeadAttention, Transformer
-from seq2seq.model.compiled import CompiledDecoder, bf16_around_int8, check_compilable, int8_decoder
-from seq2seq.model.numerics import PackedLinear, for_inference, pack_linears
+from seq2seq.model.compiled import CompiledDecoder, bf16_around_int8, check_compilable, int8_compiled
+from seq2seq.model.numerics import PackedLinear, for_inference
 from seq2seq.precision import (
     Precision,
     bf16_matmuls_pay,
@@ -169,12 +169,9 @@ class Translator:
         if compiled:
             check_compilable(model.config)
         model = model.to(self.device).fuse_self_attention()
-        if compiled and self.precision == "int8":  # the decoder's linears the compiled step's int8, the encoder eager's
-            int8_decoder(model.float())
-        self.model = for_inference(model, self.precision,
-                                   packed=packed and not compiled)
-        if packed and compiled:  # the encoder runs eagerly: packed where that pays, as without `compiled`
-            pack_linears(self.model.encoder)
+        if compiled and self.precision == "int8":  # every linear layer the compiled encoder's and step's int8
+            int8_compiled(model.float())
+        self.model = for_inference(model, self.precision, packed=packed and not compiled)
         if compiled and self.precision == "int8" and bf16_matmuls_pay(self.device):
             bf16_around_int8(self.model)  # (after for_inference, whose .float() would undo it)
         self.compiled = compiled

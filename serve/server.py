@@ -541,7 +541,7 @@ def create_app(translators: Translator | Sequence[Translator],
         for translator in translators:  # before the first request: compiling a kind takes a minute or more (main()
             started = time.perf_counter()  # compiled them already: here for create_app's other callers)
             if kinds := await loop.run_in_executor(executor, translator.compile_decoding):
-                print(f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of decoding step compiled in "
+                print(f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of call (encoder, decoding step) compiled in "
                       f"{time.perf_counter() - started:.0f} s (--compile)", file=sys.stderr, flush=True)
         app.state.server = Server(models, detector, char_limit=char_limit, timeout=timeout,
                                   max_request_tokens=max_request_tokens, max_beam_size=max_beam_size)

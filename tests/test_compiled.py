@@ -20,7 +20,7 @@ from seq2seq.model.compiled import (
     CompiledState,
     bf16_around_int8,
     check_compilable,
-    int8_decoder,
+    int8_compiled,
     tracing_settings,
 )
 from seq2seq.model.numerics import RowInt8Linear, for_inference
@@ -206,6 +206,32 @@ def test_stateless_calls_are_the_models_own(pair):
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def test_the_compiled_encoder_gives_the_models_memory(pair):
+    """`encode` runs the model's encoder compiled, by Transformer.encode's chunks of similar lengths: the memory is the
+    eager encoder's (zero at padding) for a batch cut into chunks, one sentence, and one-token sources (padded to two,
+    masked, as the step's are), in two graphs (one sentence; several). A source made outside inference mode (the
+    Translator's) reuses them: dynamo guards on a tensor's dispatch keys, and such a source would be a graph apart."""
+    model, compiled = pair
+    generator = torch.Generator().manual_seed(4)
+    long = torch.randint(3, 48, (24, 30), generator=generator)  # 720 positions, most of them padding: chunked
+    for row, length in enumerate(torch.randint(1, 31, (24,), generator=generator).tolist()):
+        long[row, length:] = PAD
+    long[0] = torch.randint(3, 48, (30,), generator=generator)
+    with torch.inference_mode():
+        for src in (sources(), sources()[:1], long):
+            compiled.encode(src)  # each kind compiled (the test's variants share their decoder)
+    before = graphs_compiled()
+    for src in (sources(), sources()[:1], long, sources()[3:4, :1], sources()[3:4, :1].repeat(3, 1)):
+        with torch.inference_mode():
+            expected = model.encode(src)
+        got = compiled.encode(src)  # the source, and the call, outside inference mode
+        assert got.shape == expected.shape == (*src.shape, 32)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+        assert not got[src == PAD].any()
+    assert graphs_compiled() == before
+    assert {kind for kind in compiled._kinds if kind[0] == "encoder"} == {("encoder", True), ("encoder", False)}
+
+
 def test_one_token_sources_reuse_the_graphs_of_longer_ones():
     """A batch whose longest source is one token is padded to two (masked): torch would compile sizes of 1
     apart, four graphs more a decoder. The outputs are the eager model's."""
@@ -305,33 +331,42 @@ def test_gemm_templates_decode_one_sentence_as_the_eager_step(dtype: torch.dtype
 def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.MonkeyPatch):
     """compile_kinds' first call of each kind is at KINDS' sizes (inductor keeps the kernels it timed at a graph's
     first sizes for every size): one row, one sentence's 4 beams, 64 sentences, 64 with 4 beams each, sources of
-    16 tokens; each kind once, and none again once compiled."""
+    16 tokens, encoded by the compiled encoder (one sentence, 64); each kind once, and none again once compiled."""
     model = tiny(num_decoder_layers=1)
     compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
     seen = []
 
+    encoded = []
+
     def decode(tgt_in, memory, src_mask, state=None):
         seen.append((tgt_in.size(0), memory.size(0), memory.size(1), bool(src_mask.all())))
-        compiled._kinds.add((tgt_in.size(0) == 1, memory.size(0) == 1, tgt_in.size(0) > memory.size(0)))
+        compiled._kinds.add(("step", tgt_in.size(0) == 1, memory.size(0) == 1, tgt_in.size(0) > memory.size(0)))
         return torch.zeros(tgt_in.size(0), 1, 48)
 
+    def encoder(src):
+        encoded.append((*src.shape, bool((src != PAD).all())))
+        return torch.zeros(*src.shape, 32)
+
     monkeypatch.setattr(compiled, "decode", decode)
-    assert compiled.compile_kinds() == 4
+    monkeypatch.setattr(compiled, "_encoder", encoder)
+    assert compiled.compile_kinds() == 6  # and the encoder's two: one sentence, several
     assert seen == [(1, 1, 16, True), (4, 1, 16, True), (64, 64, 16, True), (256, 64, 16, True)]
+    assert encoded == [(1, 16, True), (1, 16, True), (64, 16, True), (64, 16, True)]
     assert compiled.compile_kinds() == 0
 
 
 def test_int8_step_follows_the_eager_int8_step():
-    """int8_decoder's model (its decoder's and output's linear layers RowInt8Linear, oneDNN's int8 op) compiled as the
+    """int8_compiled's model (every linear layer RowInt8Linear, oneDNN's int8 op) compiled as the
     Translator compiles it: on a CPU with VNNI or AMX inductor's int8 micro-kernels among the fused work, elsewhere
     oneDNN's op kept as a call (~60 s to compile). Its logits follow the eager int8 step's, which quantises the same
     rows, not the float32 model's, one row and several, and greedy search gives the eager int8 search's tokens."""
     fp32 = tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre")
-    model = int8_decoder(tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre"))
+    model = int8_compiled(tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre"))
     linears = [m for m in model.decoder.modules() if isinstance(m, RowInt8Linear)]
     assert len(linears) == 8 and isinstance(model.output_projection, RowInt8Linear)  # qkv, out; q, kv, out; ffn 2;
     assert isinstance(model.decoder.cross_kv_proj, RowInt8Linear)  # and every layer's cross kv stacked
-    assert not any(isinstance(m, RowInt8Linear) for m in model.encoder.modules())
+    assert sum(isinstance(m, RowInt8Linear) for m in model.encoder.modules()) == 4  # qkv, out; ffn 2
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     compiled = CompiledDecoder(model)
     assert compiled.gemm_templates == torch.cpu._is_vnni_supported()
     src = sources()
@@ -351,20 +386,24 @@ def test_int8_step_follows_the_eager_int8_step():
                 assert (unquantised - expected).abs().max() >= 1e-3 * scale  # quantised: int8's error is larger
                 tokens = expected[:, -1].argmax(-1, keepdim=True)
     assert graphs_compiled() == before + 2  # one row; several sentences
+    with torch.inference_mode():  # the compiled encoder follows the eager int8 encoder, to a step of one activation
+        memory = model.encode(src)
+        assert (compiled.encode(src) - memory).abs().max() <= 1e-3 * memory.abs().max()
+    assert graphs_compiled() == before + 3  # the encoder's, several sentences
     search = SearchConfig(beam_size=1)  # (beams, with their two kinds more to compile: test_translator.py's int8 test)
     eager = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
     got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
     assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in eager]
-    assert graphs_compiled() == before + 2
+    assert graphs_compiled() == before + 3
 
 
 @torch.inference_mode()
 def test_every_layers_cross_keys_and_values_are_one_int8_projection_of_the_memory_quantised_once():
-    """int8_decoder stacks the decoder layers' cross-attention key/value projections before quantising them, and the
+    """int8_compiled stacks the decoder layers' cross-attention key/value projections before quantising them, and the
     compiled step's state takes every layer's keys and values from that one call, which quantises the memory once:
     to the bit each layer's own int8 projection's (the same rows quantised the same way, each weight row its own
     scale), without compiling anything."""
-    model = int8_decoder(tiny(num_decoder_layers=3))
+    model = int8_compiled(tiny(num_decoder_layers=3))
     calls: list[str] = []
     model.decoder.cross_kv_proj.register_forward_hook(lambda *args: calls.append("stacked"))
     for layer in model.decoder.layers:
@@ -388,8 +427,9 @@ def test_bf16_around_int8_runs_the_step_in_bf16_around_its_int8_matmuls():
     """bf16_around_int8 (the Translator's int8 compiled step where bf16 pays; forced here on any CPU): the decoder's
     embedding, positions and norms in bf16, its int8 layers' scales and biases and the whole encoder float32 (a
     shared embedding copied); the compiled step's cache and logits are bf16 and follow the same model's eager step,
-    which takes the encoder's float32 memory too; greedy search gives the eager search's tokens."""
-    model = bf16_around_int8(int8_decoder(tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre")))
+    which takes the encoder's float32 memory too; the compiled encoder follows the eager one, and greedy search gives
+    the eager search's tokens."""
+    model = bf16_around_int8(int8_compiled(tiny(num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre")))
     assert model.config.tie_embeddings == "all"
     assert model.decoder.embed.tokens is not model.encoder.embed.tokens
     assert model.decoder.embed.tokens.weight.dtype == torch.bfloat16
@@ -413,7 +453,11 @@ def test_bf16_around_int8_runs_the_step_in_bf16_around_its_int8_matmuls():
             assert state.cross_keys[0].dtype == torch.bfloat16
             assert (got.float() - expected.float()).abs().max() <= 3e-2 * expected.float().abs().max()
             tokens = expected[:, -1].argmax(-1, keepdim=True)
+        compiled_memory = compiled.encode(src)  # the eager int8 encoder's, to a step of one activation
+        assert (compiled_memory - memory).abs().max() <= 1e-3 * memory.abs().max()
     search = SearchConfig(beam_size=1)
+    src = sources(seed=2)  # (seed 1's second sentence opens on a near-tie of a random model's bf16 logits, which the
+    # int8 encoders' last-bit differences tip either way; seeds 2 to 8 hold none)
     eager = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
     got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
     assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in eager]
@@ -423,7 +467,7 @@ def test_int8_steps_time_inductor_s_templates_only_where_its_int8_micro_kernels_
     """inductor's int8 micro-kernels are VNNI's and AMX's: on other CPUs its template is a scalar loop, tens of times
     slower than oneDNN's int8 call, so an int8 step keeps the call there; float steps time the templates everywhere."""
     fp32 = tiny(num_decoder_layers=1)
-    int8 = int8_decoder(tiny(num_decoder_layers=1))
+    int8 = int8_compiled(tiny(num_decoder_layers=1))
     for vnni in (True, False):
         monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda vnni=vnni: vnni)
         assert CompiledDecoder(int8).gemm_templates is vnni
@@ -521,7 +565,7 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
         compiled._step(*inputs)
     before, retried = graphs_compiled(), compiled.retried
     with tracing_settings(compiled=True):
-        got, _, _ = compiled._run(*inputs)
+        got, _, _ = compiled._run(compiled._step, *inputs)
     assert compiled.retried - retried == compiled_module.RETRIES
     assert graphs_compiled() == before + 1
     eager_state = model.new_state()

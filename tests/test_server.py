@@ -327,7 +327,7 @@ def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_
 
     def compile_decoding(self: Translator) -> int:
         compiled_on.append((threading.current_thread().name, torch.get_num_threads()))
-        return 4
+        return 6
 
     monkeypatch.setattr(Translator, "compile_decoding", compile_decoding)
     monkeypatch.setattr(translator, "compiled", True)  # (its decoding stays the eager model's)
@@ -339,7 +339,7 @@ def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_
     finally:
         running.stop()
     err = capsys.readouterr().err
-    assert "en→de: 4 kinds of decoding step compiled in" in err
+    assert "en→de: 6 kinds of call (encoder, decoding step) compiled in" in err
 
 
 def test_batcher_refuses_beyond_its_queue(translator: Translator):
@@ -396,7 +396,7 @@ def test_compile_failing_or_interrupted_before_the_server_starts_is_one_line(
     assert calls == [1]
     assert caught.value.code == ("error: the decoding step could not be compiled (InvalidCxxCompiler: No working C++ "
                                  "compiler); the server was not started: run it without --compile")
-    assert "en→de: compiling the decoding steps (--compile" in capsys.readouterr().err
+    assert "en→de: compiling the encoder and the decoding steps (--compile" in capsys.readouterr().err
     monkeypatch.setattr(Translator, "compile_decoding", interrupted)
     monkeypatch.setattr("os._exit", lambda code: sys.exit(code))  # (the interpreter's exit could abort the compiling)
     with pytest.raises(SystemExit) as caught:

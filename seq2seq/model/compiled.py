@@ -1,4 +1,4 @@
-"""The decoder's one-token step written for torch.compile, over a cache of fixed shape.
+"""The decoder's one-token step written for torch.compile, over a cache of fixed shape; and the encoder compiled.
 
 At a few rows a decoding step is mostly overhead between kernels: each eager op and each linear layer's
 oneDNN call costs more than its arithmetic (README, "A compiled decoding step"). Compiled, the step is
@@ -8,13 +8,14 @@ the step has no Python state and no branch on the data: the decoding cache is on
 (R, H, capacity, Dh), written in place at a position given as a tensor, and every length is a symbolic
 size (`dynamic=True`), so a growing cache, changing rows and sources of any length reuse the graphs
 compiled for them: one per kind of call (one row; one sentence's beams; several sentences; several with beams).
+The encoder is the model's own, compiled as it is (one graph for one sentence, one for several).
 
 The arithmetic is the model's own modules (norms, residual placements, projections, feed-forward), so
 the compiled step computes what `Transformer.decode` computes, to the kernels' rounding. Relative (T5)
 and rotary positions act inside self-attention at positions given as Python ints: they are not written
 out here, and a model that uses them is refused (`check_compilable`).
 
-    memory (N, S, D) ──cross keys/values, once──► CompiledState ◄── reorder (beams, finished sentences)
+    src (N, S) ──compiled encoder──► memory (N, S, D) ──cross keys/values, once──► CompiledState ◄── reorder (beams, finished sentences)
     tgt_in (R, 1), position ──compiled step──► logits (R, V), the cache written at `position`;
                                                the search's normaliser (R,) and chunk maxima of the logits
 """
@@ -25,7 +26,7 @@ import copy
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -95,17 +96,16 @@ def attend(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor) -> Te
     return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), values)
 
 
-def int8_decoder(model: Transformer) -> Transformer:
-    """`model` (float32; in place) with its decoder's and output projection's linear layers RowInt8Linear: the
-    compiled step's int8, whose oneDNN op inductor compiles to its int8 micro-kernels (the encoder, run eagerly,
-    is left to numerics.quantize_int8)."""
-    replace_linears(model.stack_cross_projections().decoder, RowInt8Linear)
-    model.output_projection = RowInt8Linear(model.output_projection)  # type: ignore[assignment]  # (a linear's stand-in)
+def int8_compiled(model: Transformer) -> Transformer:
+    """`model` (float32; in place) with every linear layer RowInt8Linear (the decoder's cross-attention projections
+    stacked first): the compiled encoder's and step's int8, whose oneDNN op inductor compiles to its int8 micro-kernels
+    among the fused quantising, norms and residuals."""
+    replace_linears(model.stack_cross_projections(), RowInt8Linear)
     return model
 
 
 def bf16_around_int8(model: Transformer) -> Transformer:
-    """`model`'s int8 decoder (int8_decoder's; in place) with all but its int8 linear layers in bfloat16: the token
+    """`model`'s int8 decoder (int8_compiled's; in place) with all but its int8 linear layers in bfloat16: the token
     embedding, positions and norms, so that the compiled step's activations, cache, attention and logits are bf16
     around the int8 matmuls (RowInt8Linear takes bf16 and gives bf16, computing in float32), as CTranslate2's
     int8_bfloat16. Where bf16 pays on the CPU this halves the bytes the step moves besides the weights: the cache
@@ -283,8 +283,13 @@ def tracing_settings(*, compiled: bool = False) -> Iterator[None]:
         inductor.freezing, shapes.use_duck_shape, dynamo.error_on_recompile = before
 
 
+Kind = tuple[str | bool, ...]
+"""A kind of call with a graph of its own: ("encoder", one sentence) or ("step", one row, one sentence, beams)."""
+
+T = TypeVar("T")
+
 RECOMPILE_LIMIT = 16
-"""Graphs one CompiledDecoder may compile: a search makes up to four kinds of call (one row; several rows of one
+"""Graphs one CompiledDecoder may compile, each of its two compiled functions: a search makes up to four kinds of step (one row; several rows of one
 sentence, beams; several sentences, one row each; several sentences with beams), each compiled once
 (`CompiledDecoder._first_of_kind`); the rest is room for a specialisation not foreseen."""
 
@@ -320,21 +325,20 @@ RETRIES = 3
 
 
 class CompiledDecoder:
-    """A Transformer whose decoding step runs compiled: search.py's EncoderDecoder, for `search.decode`.
+    """A Transformer whose encoder and decoding step run compiled: search.py's EncoderDecoder, for `search.decode`.
 
-    `encode` and a stateless `decode` (teacher-forced scoring, alignments) are the model's own, eager; a
-    decode with a state (from `new_state`) runs the compiled step once per fed token. The first steps of
-    each kind compile (tens of seconds; inductor keeps the code on disk for the next process), on the
+    `encode` runs the compiled encoder; a stateless `decode` (teacher-forced scoring, alignments) is the model's
+    own, eager; a decode with a state (from `new_state`) runs the compiled step once per fed token. The first calls
+    of each kind compile (tens of seconds; inductor keeps the code on disk for the next process), on the
     thread that first decodes, with its intra-op thread count built into the code (decoder threads meeting a
     new kind at once wait for the one compiling it, `_kinds`; once it is compiled their steps run at once; a
     thread of another intra-op count compiles its own graphs, as dynamo guards on the count). On a
     CPU, `gemm_templates` off compiles faster to a slower step (GEMM_TEMPLATES), and `cpp_wrapper` off compiles
     faster to a step that holds the GIL while it runs (CPP_WRAPPER): both are for tests. The model's linear
-    layers must be plain nn.Linear (the Translator packs only the encoder's), fp32 or bf16, or RowInt8Linear
-    (int8_decoder), and its weights must not change afterwards: they are frozen into the compiled code."""
+    layers must be plain nn.Linear, fp32 or bf16, or RowInt8Linear (int8_compiled), and its weights must not change afterwards: they are frozen into the compiled code."""
 
     def __init__(self, model: Transformer, *, chunk: int = 64, gemm_templates: bool = True, cpp_wrapper: bool = True):
-        self.model = model.stack_cross_projections()  # (a model int8_decoder converted has them stacked already)
+        self.model = model.stack_cross_projections()  # (a model int8_compiled converted has them stacked already)
         self.chunk = chunk
         """Columns per chunk of the step's chunk maxima (`decode_step`): search.TOP_K_CHUNK, which top_k_rows takes."""
         self.config = model.config
@@ -349,7 +353,7 @@ class CompiledDecoder:
         """Whether inductor's GEMM templates are timed against ATen's kernels (on a CPU)."""
         backend = inductor_backend({**QUIET, **(CPP_WRAPPER if cpp_wrapper and on_cpu else {}),
                                     **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})})
-        self._kinds: set[tuple[bool, bool, bool]] = set()  # (one row, one sentence, beams) compiled so far
+        self._kinds: set[Kind] = set()  # compiled so far
         self._compiling = threading.Lock()
         self.retried = 0
         """Calls made again because dynamo found no graph fitting them (`_run`): a tally for reading, not a lock."""
@@ -359,9 +363,29 @@ class CompiledDecoder:
         self._step = torch.compile(  # type: ignore[call-overload]  # (torch's overloads lack the last two)
             decoder_step(model, chunk=chunk), dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
             recompile_limit=RECOMPILE_LIMIT)
+        # The encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate passes over
+        # a batch's activations, and fbgemm's int8 matmuls at two thirds of the compiled ones' rate (README, "The
+        # encoder compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own).
+        self._encoder = torch.compile(  # type: ignore[call-overload]
+            model._memory, dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
+            recompile_limit=RECOMPILE_LIMIT)
 
     def encode(self, src: Tensor) -> Tensor:
-        return self.model.encode(src)
+        """src (B, S) -> memory (B, S, D), as Transformer.encode gives it (by chunks of similar lengths), each chunk
+        through the compiled encoder."""
+        return self.model.encode(src, encode_chunk=self._encode_chunk)
+
+    @torch.inference_mode()
+    def _encode_chunk(self, src: Tensor) -> Tensor:
+        # src a tensor of inference mode's, made here, whatever the caller's was: dynamo guards on a tensor's dispatch
+        # keys, and a source made outside inference mode (the Translator's) would not fit compile_kinds' graphs
+        one_token = src.size(1) == 1  # padded to two, masked (a size of 1 would make graphs apart)
+        src = F.pad(src, (0, 1), value=self.config.pad_id) if one_token else src.clone()  # (B, S)
+        kind: Kind = ("encoder", src.size(0) == 1)
+        compiled = kind in self._kinds
+        with tracing_settings(compiled=compiled), nullcontext() if compiled else self._first_of_kind(kind), compiling():
+            memory = self._run(self._encoder, src) if compiled else self._encoder(src)  # (B, S, D)
+        return memory[:, :1] if one_token else memory
 
     @staticmethod
     def new_state() -> CompiledState:
@@ -412,7 +436,7 @@ class CompiledDecoder:
                 state.cross_keys.append(cross_keys)
                 state.cross_values.append(cross_values)
         heads = self.config.num_heads
-        kind = (rows == 1, sentences == 1, rows > sentences)
+        kind: Kind = ("step", rows == 1, sentences == 1, rows > sentences)
         compiled = kind in self._kinds
         outputs = []
         first = nullcontext() if compiled else self._first_of_kind(kind)
@@ -423,7 +447,7 @@ class CompiledDecoder:
                 position = torch.tensor(state.length, device=tgt_in.device)
                 tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
                 inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values, src_mask)
-                outputs.append(self._run(*inputs) if compiled else self._step(*inputs))
+                outputs.append(self._run(self._step, *inputs) if compiled else self._step(*inputs))
                 state.length += 1
         return outputs
 
@@ -442,8 +466,8 @@ class CompiledDecoder:
             self.decode(tgt_in, memory, torch.ones_like(src, dtype=torch.bool), state=self.new_state())
         return len(self._kinds) - compiled
 
-    def _run(self, *inputs: Tensor | list[Tensor]) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """The step, for a call whose kind has its graph. Threads sharing the decoder now and then find none of its
+    def _run(self, function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
+        """The compiled `function` (the step or the encoder), for a call whose kind has its graph. Threads sharing the decoder now and then find none of its
         graphs fitting such a call (dynamo's guards fail as one thread checks them while another decodes, and pass
         when checked again: "runtime guards failed even though they passed during recompilation-reason analysis",
         torch 2.13; 6-11 calls in 300 searches by three threads), and dynamo would compile the graph again: seconds on a
@@ -455,14 +479,14 @@ class CompiledDecoder:
 
         for _ in range(RETRIES):
             try:
-                return cast(tuple[Tensor, Tensor | None, Tensor | None], self._step(*inputs))
+                return function(*inputs)
             except RecompileError:
                 self.retried += 1
         with self._compiling, tracing_settings(compiled=False):
-            return cast(tuple[Tensor, Tensor | None, Tensor | None], self._step(*inputs))
+            return function(*inputs)
 
     @contextmanager
-    def _first_of_kind(self, kind: tuple[bool, bool, bool]) -> Iterator[None]:
+    def _first_of_kind(self, kind: Kind) -> Iterator[None]:
         """Around the first call of a kind (the graph dynamo compiles for it): one thread at a time, so that
         decoder threads meeting the kind at once compile it once (each would compile its own: dynamo looks
         for a graph before it takes its compile lock), the others waiting and then finding it."""

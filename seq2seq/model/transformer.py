@@ -16,6 +16,7 @@ Initialisation (as fairseq's transformer, with the paper's embedding scale in mi
 """
 
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import cast
 
@@ -263,7 +264,8 @@ class Transformer(nn.Module):
         """(B, S) source ids -> (B, S) bool, True at real tokens."""
         return src != self.config.pad_id
 
-    def encode(self, src: Tensor, *, chunk_tokens: int = 2048) -> Tensor:
+    def encode(self, src: Tensor, *, chunk_tokens: int = 2048,
+               encode_chunk: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """src: (B, S) ids, right-padded with pad_id -> memory (B, S, D); padded positions are 0.
 
         A batch of sentences of very different lengths wastes most of the encoder's work on padding
@@ -271,11 +273,13 @@ class Transformer(nn.Module):
         be padding). The rows are therefore encoded longest first in chunks of about `chunk_tokens`
         positions, each chunk cut to its own longest sentence. Every row's memory is what encoding it
         alone gives. Training (`forward`, `hidden_states`) encodes its length-bucketed batches whole.
+        `encode_chunk` encodes each chunk in place of the model's own `_memory` (model/compiled.py's compiled one).
         """
+        encode_chunk = encode_chunk or self._memory
         lengths = (src != self.config.pad_id).sum(dim=1)  # (B,)
         batch, width = src.shape
         if batch * width <= 1.25 * int(lengths.sum()) or batch * width <= chunk_tokens:
-            return self._memory(src)
+            return encode_chunk(src)
         order = lengths.argsort(descending=True, stable=True).tolist()
         sorted_lengths = lengths[order].tolist()
         memory: Tensor | None = None
@@ -283,7 +287,7 @@ class Transformer(nn.Module):
         while start < batch:
             longest = max(sorted_lengths[start], 1)
             rows = order[start : start + max(1, chunk_tokens // longest)]
-            out = self._memory(src[rows, :longest])  # (b, longest, D)
+            out = encode_chunk(src[rows, :longest])  # (b, longest, D)
             if memory is None:
                 memory = out.new_zeros(batch, width, out.size(-1))
             memory[rows, :longest] = out
