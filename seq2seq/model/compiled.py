@@ -15,7 +15,8 @@ the compiled step computes what `Transformer.decode` computes, to the kernels' r
 and rotary positions act inside self-attention at positions given as Python ints: they are not written
 out here, and a model that uses them is refused (`check_compilable`).
 
-    src (N, S) ──compiled encoder──► memory (N, S, D) ──cross keys/values, once──► CompiledState ◄── reorder (beams, finished sentences)
+    src (N, S) ──compiled encoder──► memory (N, S, D)
+    memory ──cross keys/values, once──► CompiledState ◄── reorder (beams, finished sentences)
     tgt_in (R, 1), position ──compiled step──► logits (R, V), the cache written at `position`;
                                                the search's normaliser (R,) and chunk maxima of the logits
 """
@@ -289,9 +290,10 @@ Kind = tuple[str | bool, ...]
 T = TypeVar("T")
 
 RECOMPILE_LIMIT = 16
-"""Graphs one CompiledDecoder may compile, each of its two compiled functions: a search makes up to four kinds of step (one row; several rows of one
-sentence, beams; several sentences, one row each; several sentences with beams), each compiled once
-(`CompiledDecoder._first_of_kind`); the rest is room for a specialisation not foreseen."""
+"""Graphs one CompiledDecoder may compile for each of its two compiled functions: a search makes up to four kinds of
+step (one row; several rows of one sentence, beams; several sentences, one row each; several sentences with beams)
+and two of encoder call (one sentence; several), each compiled once (`CompiledDecoder._first_of_kind`); the rest is
+room for a specialisation not foreseen."""
 
 
 class CompileError(RuntimeError):
@@ -335,7 +337,8 @@ class CompiledDecoder:
     thread of another intra-op count compiles its own graphs, as dynamo guards on the count). On a
     CPU, `gemm_templates` off compiles faster to a slower step (GEMM_TEMPLATES), and `cpp_wrapper` off compiles
     faster to a step that holds the GIL while it runs (CPP_WRAPPER): both are for tests. The model's linear
-    layers must be plain nn.Linear, fp32 or bf16, or RowInt8Linear (int8_compiled), and its weights must not change afterwards: they are frozen into the compiled code."""
+    layers must be plain nn.Linear, fp32 or bf16, or RowInt8Linear (int8_compiled), and its weights must not change
+    afterwards: they are frozen into the compiled code."""
 
     def __init__(self, model: Transformer, *, chunk: int = 64, gemm_templates: bool = True, cpp_wrapper: bool = True):
         self.model = model.stack_cross_projections()  # (a model int8_compiled converted has them stacked already)
@@ -364,8 +367,8 @@ class CompiledDecoder:
             decoder_step(model, chunk=chunk), dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
             recompile_limit=RECOMPILE_LIMIT)
         # The encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate passes over
-        # a batch's activations, and fbgemm's int8 matmuls at two thirds of the compiled ones' rate (README, "The
-        # encoder compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own).
+        # a batch's activations, and fbgemm's int8 matmuls ran slower than the compiled ones (README, "The encoder
+        # compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own).
         self._encoder = torch.compile(  # type: ignore[call-overload]
             model._memory, dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
             recompile_limit=RECOMPILE_LIMIT)
@@ -467,14 +470,14 @@ class CompiledDecoder:
         return len(self._kinds) - compiled
 
     def _run(self, function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
-        """The compiled `function` (the step or the encoder), for a call whose kind has its graph. Threads sharing the decoder now and then find none of its
-        graphs fitting such a call (dynamo's guards fail as one thread checks them while another decodes, and pass
-        when checked again: "runtime guards failed even though they passed during recompilation-reason analysis",
-        torch 2.13; 6-11 calls in 300 searches by three threads), and dynamo would compile the graph again: seconds on a
-        decoder thread, and a place of RECOMPILE_LIMIT, past which every call fails. Such a call raises instead
-        (`error_on_recompile`, tracing_settings), before the step has run or written the cache, and is made again,
-        which finds the graph; one that finds none RETRIES times over is a call the kind's graph does not cover,
-        compiled as a new kind's first call is."""
+        """The compiled `function` (the step or the encoder), for a call whose kind has its graph. Threads sharing the
+        decoder now and then find none of its graphs fitting such a call (dynamo's guards fail as one thread checks
+        them while another decodes, and pass when checked again: "runtime guards failed even though they passed during
+        recompilation-reason analysis", torch 2.13; 6-11 calls in 300 searches by three threads), and dynamo would
+        compile the graph again: seconds on a decoder thread, and a place of RECOMPILE_LIMIT, past which every call
+        fails. Such a call raises instead (`error_on_recompile`, tracing_settings), before the step has run or written
+        the cache, and is made again, which finds the graph; one that finds none RETRIES times over is a call the
+        kind's graph does not cover, compiled as a new kind's first call is."""
         from torch._dynamo.exc import RecompileError
 
         for _ in range(RETRIES):
