@@ -334,9 +334,7 @@ def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.Mon
     16 tokens, encoded by the compiled encoder (one sentence, 64); each kind once, and none again once compiled."""
     model = tiny(num_decoder_layers=1)
     compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
-    seen = []
-
-    encoded = []
+    seen, encoded = [], []
 
     def decode(tgt_in, memory, src_mask, state=None):
         seen.append((tgt_in.size(0), memory.size(0), memory.size(1), bool(src_mask.all())))
@@ -456,8 +454,8 @@ def test_bf16_around_int8_runs_the_step_in_bf16_around_its_int8_matmuls():
         compiled_memory = compiled.encode(src)  # the eager int8 encoder's, to a step of one activation
         assert (compiled_memory - memory).abs().max() <= 1e-3 * memory.abs().max()
     search = SearchConfig(beam_size=1)
-    src = sources(seed=2)  # (seed 1's second sentence opens on a near-tie of a random model's bf16 logits, which the
-    # int8 encoders' last-bit differences tip either way; seeds 2 to 8 hold none)
+    src = sources(seed=2)  # (with the encoder int8, seed 1's second sentence opens on a near-tie of this random model's
+    # bf16 logits, which the compiled and eager steps' roundings tip either way; seeds 2 to 8 hold none)
     eager = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
     got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
     assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in eager]
