@@ -161,8 +161,13 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
         # The compiling thread is a daemon, maybe inside inductor's C++, which the interpreter's exit aborts under
         # it ("terminate called without an active exception", exit 134): nothing is written yet, leave at once.
         os._exit(130)
-    print(f"{pair}: {kinds} kinds of call (encoder, decoding step) compiled in {time.perf_counter() - started:.0f} s "
-          "(--compile)", file=sys.stderr, flush=True)
+    print(compiled_line(translator, kinds=kinds, seconds=time.perf_counter() - started), file=sys.stderr, flush=True)
+
+
+def compiled_line(translator: Translator, *, kinds: int, seconds: float) -> str:
+    """The line a tool prints once `kinds` kinds of call were compiled (compile_before_answering; the server's app)."""
+    return (f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of call (encoder, decoding step) compiled in "
+            f"{seconds:.0f} s (--compile)")
 
 
 def describe(search: SearchConfig) -> str:

@@ -86,6 +86,7 @@ from seq2seq.cli import (
     add_search_arguments,
     check_flags,
     compile_before_answering,
+    compiled_line,
     describe,
     one_line_warnings,
     open_translator,
@@ -541,8 +542,8 @@ def create_app(translators: Translator | Sequence[Translator],
         for translator in translators:  # before the first request: compiling a kind takes a minute or more (main()
             started = time.perf_counter()  # compiled them already: here for create_app's other callers)
             if kinds := await loop.run_in_executor(executor, translator.compile_decoding):
-                print(f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of call (encoder, decoding step) compiled in "
-                      f"{time.perf_counter() - started:.0f} s (--compile)", file=sys.stderr, flush=True)
+                print(compiled_line(translator, kinds=kinds, seconds=time.perf_counter() - started), file=sys.stderr,
+                      flush=True)
         app.state.server = Server(models, detector, char_limit=char_limit, timeout=timeout,
                                   max_request_tokens=max_request_tokens, max_beam_size=max_beam_size)
         tasks = [asyncio.create_task(model.batcher.run()) for model in models.values() for _ in range(workers)]

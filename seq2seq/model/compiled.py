@@ -27,7 +27,7 @@ import copy
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -326,6 +326,10 @@ RETRIES = 3
 """Times a call whose kind has its graph is made again when dynamo finds none fitting it (`CompiledDecoder._run`)."""
 
 
+def _call(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
+    return function(*inputs)
+
+
 class CompiledDecoder:
     """A Transformer whose encoder and decoding step run compiled: search.py's EncoderDecoder, for `search.decode`.
 
@@ -384,10 +388,8 @@ class CompiledDecoder:
         # keys, and a source made outside inference mode (the Translator's) would not fit compile_kinds' graphs
         one_token = src.size(1) == 1  # padded to two, masked (a size of 1 would make graphs apart)
         src = F.pad(src, (0, 1), value=self.config.pad_id) if one_token else src.clone()  # (B, S)
-        kind: Kind = ("encoder", src.size(0) == 1)
-        compiled = kind in self._kinds
-        with tracing_settings(compiled=compiled), nullcontext() if compiled else self._first_of_kind(kind), compiling():
-            memory = self._run(self._encoder, src) if compiled else self._encoder(src)  # (B, S, D)
+        with self._calls(("encoder", src.size(0) == 1)) as call:
+            memory = call(self._encoder, src)  # (B, S, D)
         return memory[:, :1] if one_token else memory
 
     @staticmethod
@@ -439,18 +441,15 @@ class CompiledDecoder:
                 state.cross_keys.append(cross_keys)
                 state.cross_values.append(cross_values)
         heads = self.config.num_heads
-        kind: Kind = ("step", rows == 1, sentences == 1, rows > sentences)
-        compiled = kind in self._kinds
         outputs = []
-        first = nullcontext() if compiled else self._first_of_kind(kind)
-        with tracing_settings(compiled=compiled), first, compiling():
+        with self._calls(("step", rows == 1, sentences == 1, rows > sentences)) as call:
             for t in range(length):
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
                               num_layers=self.config.num_decoder_layers, dtype=self.dtype, device=memory.device)
                 position = torch.tensor(state.length, device=tgt_in.device)
                 tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
                 inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values, src_mask)
-                outputs.append(self._run(self._step, *inputs) if compiled else self._step(*inputs))
+                outputs.append(call(self._step, *inputs))
                 state.length += 1
         return outputs
 
@@ -468,6 +467,15 @@ class CompiledDecoder:
             tgt_in = torch.zeros(sentences * beams, 1, dtype=torch.long, device=parameter.device)  # (R, 1)
             self.decode(tgt_in, memory, torch.ones_like(src, dtype=torch.bool), state=self.new_state())
         return len(self._kinds) - compiled
+
+    @contextmanager
+    def _calls(self, kind: Kind) -> Iterator[Callable[..., Any]]:
+        """Around calls of one kind, the policy in one place: yields how to call a compiled function (`call(function,
+        *inputs)`): `_run` once the kind has its graph; else a plain call, the first of its kind, which compiles it
+        (`_first_of_kind`). Inductor's failure to compile becomes a CompileError (`compiling`)."""
+        compiled = kind in self._kinds
+        with tracing_settings(compiled=compiled), nullcontext() if compiled else self._first_of_kind(kind), compiling():
+            yield self._run if compiled else _call
 
     def _run(self, function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
         """The compiled `function` (the step or the encoder), for a call whose kind has its graph. Threads sharing the
