@@ -166,8 +166,8 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
 
 def compiled_line(translator: Translator, *, kinds: int, seconds: float) -> str:
     """The line a tool prints once `kinds` kinds of call were compiled (compile_before_answering; the server's app)."""
-    return (f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of call (encoder, decoding step) compiled in "
-            f"{seconds:.0f} s (--compile)")
+    return (f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of call (encoder, cross-attention "
+            f"projection, decoding step) compiled in {seconds:.0f} s (--compile)")
 
 
 def describe(search: SearchConfig) -> str:

@@ -327,7 +327,7 @@ def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_
 
     def compile_decoding(self: Translator) -> int:
         compiled_on.append((threading.current_thread().name, torch.get_num_threads()))
-        return 6
+        return 8
 
     monkeypatch.setattr(Translator, "compile_decoding", compile_decoding)
     monkeypatch.setattr(translator, "compiled", True)  # (its decoding stays the eager model's)
@@ -339,7 +339,7 @@ def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_
     finally:
         running.stop()
     err = capsys.readouterr().err
-    assert "en→de: 6 kinds of call (encoder, decoding step) compiled in" in err
+    assert "en→de: 8 kinds of call (encoder, cross-attention projection, decoding step) compiled in" in err
 
 
 def test_batcher_refuses_beyond_its_queue(translator: Translator):

@@ -469,8 +469,8 @@ def quick_to_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch):
-    """Translator(compiled=True) in fp32: the searches run seq2seq/model/compiled.py's encoder and step over the
-    model's unpacked linear layers and give the eager Translator's
+    """Translator(compiled=True) in fp32: the searches run seq2seq/model/compiled.py's encoder, cross-attention
+    projection and step over the model's unpacked linear layers and give the eager Translator's
     tokens (tests/test_compiled.py decodes one sentence at a time, and more variants); `compile_decoding` compiles
     every kind of step at once, after which no search compiles another. A model with rotary
     positions is refused in one line, before anything compiles. (Compiled without timing inductor's GEMM
@@ -483,8 +483,8 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     assert not any(isinstance(m, PackedLinear) for m in compiled.model.modules())
     assert base.compile_decoding() == 0
     graphs = counters["stats"]["unique_graphs"]
-    assert compiled.compile_decoding() == 6  # every kind, now (what the server does before its first request)
-    assert counters["stats"]["unique_graphs"] == graphs + 6  # the step's four, the encoder's two
+    assert compiled.compile_decoding() == 8  # every kind, now (what the server does before its first request)
+    assert counters["stats"]["unique_graphs"] == graphs + 8  # the step's 4, encoder's 2, cross projection's 2
     search = SearchConfig(beam_size=1)  # beam search's reorders: tests/test_compiled.py
     want, got = base.translate_nbest(sources, search), compiled.translate_nbest(sources, search)
     assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
@@ -492,7 +492,7 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     for search in (SearchConfig(beam_size=3), SearchConfig(beam_size=1), SearchConfig(beam_size=2, nbest=2)):
         compiled.translate_nbest(sources[:1], search)
     compiled.translate_nbest(sources[:3], SearchConfig(beam_size=3))
-    assert counters["stats"]["unique_graphs"] == graphs + 6 and compiled.compile_decoding() == 0
+    assert counters["stats"]["unique_graphs"] == graphs + 8 and compiled.compile_decoding() == 0
     rotary = Transformer(TransformerConfig(vocab_size=compiled.tokenizer.vocab_size, d_model=32, num_heads=2,
                                            d_ff=64, positions="rotary"))
     with pytest.raises(ValueError, match="decode without compile"):
@@ -504,8 +504,9 @@ def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: 
     """Translator(precision="int8", compiled=True): every linear layer RowInt8Linear (int8 activations a row each,
     oneDNN's op, compiled into the encoder and the step; int8 without compile runs fbgemm's Int8Linear, activations
     quantised a tensor at once); where bf16 pays on the CPU (both verdicts forced here) the rest of the decoder is
-    bf16 around them (bf16_around_int8). The compiled step's translations are the same model's eager step's, and
-    close to int8's without compile (another quantisation of the activations: a few sentences may differ)."""
+    bf16 around them (bf16_around_int8). The compiled step's translations are the same model's eager step's (in bf16
+    all but a near-tie), and close to int8's without compile (another quantisation of the activations: a few
+    sentences may differ)."""
     sources = quick_to_compile(monkeypatch)
     monkeypatch.setattr(translator_module, "bf16_matmuls_pay", lambda device: bf16_pays)
     compiled = Translator.from_checkpoint(trained, precision="int8", compiled=True, threads=1)
@@ -520,9 +521,12 @@ def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: 
     got = compiled.translate_nbest(sources, search)
     compiled.decoding = compiled.model  # the same model, its eager step
     want = compiled.translate_nbest(sources, search)
-    assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
-    # (bf16 logits, rounded to ~3 digits, in other places compiled: 0.06 apart at most in a sum of ~10 log-probs;
-    # in float32, an activation's halfway case the compiled encoder rounds the other way: 0.008 in one of 24)
+    same = sum(g[0].tokens == w[0].tokens for g, w in zip(got, want, strict=True))
+    # (bf16 logits, rounded to ~3 digits, in other places compiled: 0.06 apart at most in a sum of ~10 log-probs, and
+    # in bf16 the cross-attention's keys, projected compiled, a bf16 step apart here and there: one sentence of 24
+    # takes another beam at a near-tie, its output scoring -4.54 against the eager one's -4.48; in float32, an
+    # activation's halfway case the compiled encoder rounds the other way: 0.008 in one of 24, the tokens all the same)
+    assert same >= len(sources) - 1 if bf16_pays else same == len(sources)
     tolerance = dict(rel=5e-2) if bf16_pays else dict(rel=1e-2)
     assert [h[0].score for h in got] == pytest.approx([h[0].score for h in want], **tolerance)
     eager_int8 = Translator.from_checkpoint(trained, precision="int8").translate_nbest(sources, search)
@@ -1031,7 +1035,7 @@ def test_serve_with_compile_compiles_before_it_reads_the_first_line(checkpoint: 
     interactive = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(interactive)
     events: list[str] = []
-    monkeypatch.setattr(Translator, "compile_decoding", lambda self, threads=None: events.append("compiled") or 6)
+    monkeypatch.setattr(Translator, "compile_decoding", lambda self, threads=None: events.append("compiled") or 8)
 
     class Lines(io.BytesIO):
         def readline(self, size: int | None = -1) -> bytes:
@@ -1043,7 +1047,7 @@ def test_serve_with_compile_compiles_before_it_reads_the_first_line(checkpoint: 
     assert events[0] == "compiled" and events.count("compiled") == 1 and "read" in events
     out, err = capsys.readouterr()
     assert out == "\n" and "compiling the encoder and the decoding steps (--compile" in err
-    assert "6 kinds of call (encoder, decoding step) compiled" in err
+    assert "8 kinds of call (encoder, cross-attention projection, decoding step) compiled" in err
     # A step that cannot be compiled: one line, before any line is read
     events.clear()
     monkeypatch.setattr(Translator, "compile_decoding", lambda self, threads=None: (_ for _ in ()).throw(

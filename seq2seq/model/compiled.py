@@ -8,7 +8,8 @@ the step has no Python state and no branch on the data: the decoding cache is on
 (R, H, capacity, Dh), written in place at a position given as a tensor, and every length is a symbolic
 size (`dynamic=True`), so a growing cache, changing rows and sources of any length reuse the graphs
 compiled for them: one per kind of call (one row; one sentence's beams; several sentences; several with beams).
-The encoder is the model's own, compiled as it is (one graph for one sentence, one for several).
+The encoder is the model's own, compiled as it is (one graph for one sentence, one for several), and so is the
+projection of its memory into every layer's cross-attention keys and values.
 
 The arithmetic is the model's own modules (norms, residual placements, projections, feed-forward), so
 the compiled step computes what `Transformer.decode` computes, to the kernels' rounding. Relative (T5)
@@ -16,7 +17,7 @@ and rotary positions act inside self-attention at positions given as Python ints
 out here, and a model that uses them is refused (`check_compilable`).
 
     src (N, S) ──compiled encoder──► memory (N, S, D)
-    memory ──cross keys/values, once──► CompiledState ◄── reorder (beams, finished sentences)
+    memory ──compiled cross keys/values, once──► CompiledState ◄── reorder (beams, finished sentences)
     tgt_in (R, 1), position ──compiled step──► logits (R, V), the cache written at `position`;
                                                the search's normaliser (R,) and chunk maxima of the logits
 """
@@ -137,6 +138,16 @@ def cross_keys_values(model: Transformer, *, memory: Tensor) -> list[tuple[Tenso
         projected = stacked(memory).chunk(len(layers), dim=-1)  # (N, S, 2D) each
         pairs = [layer.cross_attn.split_keys_values(kv) for layer, kv in zip(layers, projected, strict=True)]
     return [(keys.contiguous(), values.contiguous()) for keys, values in pairs]
+
+
+def cross_projection(model: Transformer, *, dtype: torch.dtype) -> Callable[[Tensor], list[Tensor]]:
+    """project(memory (N, S, D)) -> [keys, values] of each decoder layer in turn, (N, H, S, Dh) each in `dtype` (the
+    decoder's): cross_keys_values written for torch.compile (a flat list out; the memory taken to `dtype` inside)."""
+
+    def project(memory: Tensor) -> list[Tensor]:
+        return [x for pair in cross_keys_values(model, memory=memory.to(dtype)) for x in pair]
+
+    return project
 
 
 def chunk_maxima(logits: Tensor, *, chunk: int) -> Tensor:
@@ -285,15 +296,16 @@ def tracing_settings(*, compiled: bool = False) -> Iterator[None]:
 
 
 Kind = tuple[str | bool, ...]
-"""A kind of call with a graph of its own: ("encoder", one sentence) or ("step", one row, one sentence, beams)."""
+"""A kind of call with a graph of its own: ("encoder", one sentence), ("cross", one sentence) or ("step", one row, one
+sentence, beams)."""
 
 T = TypeVar("T")
 
 RECOMPILE_LIMIT = 16
-"""Graphs one CompiledDecoder may compile for each of its two compiled functions: a search makes up to four kinds of
-step (one row; several rows of one sentence, beams; several sentences, one row each; several sentences with beams)
-and two of encoder call (one sentence; several), each compiled once (`CompiledDecoder._first_of_kind`); the rest is
-room for a specialisation not foreseen."""
+"""Graphs one CompiledDecoder may compile for each of its three compiled functions: a search makes up to four kinds
+of step (one row; several rows of one sentence, beams; several sentences, one row each; several sentences with beams)
+and two each of encoder call and cross-attention projection (one sentence; several), each compiled once
+(`CompiledDecoder._first_of_kind`); the rest is room for a specialisation not foreseen."""
 
 
 class CompileError(RuntimeError):
@@ -331,18 +343,20 @@ def _call(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
 
 
 class CompiledDecoder:
-    """A Transformer whose encoder and decoding step run compiled: search.py's EncoderDecoder, for `search.decode`.
+    """A Transformer whose encoder, cross-attention projection and decoding step run compiled: search.py's
+    EncoderDecoder, for `search.decode`.
 
     `encode` runs the compiled encoder; a stateless `decode` (teacher-forced scoring, alignments) is the model's
-    own, eager; a decode with a state (from `new_state`) runs the compiled step once per fed token. The first calls
-    of each kind compile (tens of seconds; inductor keeps the code on disk for the next process), on the
-    thread that first decodes, with its intra-op thread count built into the code (decoder threads meeting a
-    new kind at once wait for the one compiling it, `_kinds`; once it is compiled their steps run at once; a
-    thread of another intra-op count compiles its own graphs, as dynamo guards on the count). On a
-    CPU, `gemm_templates` off compiles faster to a slower step (GEMM_TEMPLATES), and `cpp_wrapper` off compiles
-    faster to a step that holds the GIL while it runs (CPP_WRAPPER): both are for tests. The model's linear
-    layers must be plain nn.Linear, fp32 or bf16, or RowInt8Linear (int8_compiled), and its weights must not change
-    afterwards: they are frozen into the compiled code."""
+    own, eager; a decode with a state (from `new_state`) runs the compiled step once per fed token (its first
+    projects the memory for cross-attention, compiled). The first calls of each kind compile (tens of seconds;
+    inductor keeps the code on disk for the next process), on the thread that first decodes, with its intra-op
+    thread count built into the code (decoder threads meeting a new kind at once wait for the one compiling it,
+    `_kinds`; once it is compiled their steps run at once; a thread of another intra-op count compiles its own
+    graphs, as dynamo guards on the count). On a CPU, `gemm_templates` off compiles faster to a slower step
+    (GEMM_TEMPLATES), and `cpp_wrapper` off compiles faster to a step that holds the GIL while it runs
+    (CPP_WRAPPER): both are for tests. The model's linear layers must be plain nn.Linear, fp32 or bf16, or
+    RowInt8Linear (int8_compiled), and its weights must not change afterwards: they are frozen into the compiled
+    code."""
 
     def __init__(self, model: Transformer, *, chunk: int = 64, gemm_templates: bool = True, cpp_wrapper: bool = True):
         self.model = model.stack_cross_projections()  # (a model int8_compiled converted has them stacked already)
@@ -376,6 +390,13 @@ class CompiledDecoder:
         self._encoder = torch.compile(  # type: ignore[call-overload]
             model._memory, dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
             recompile_limit=RECOMPILE_LIMIT)
+        # And the memory's projection into the cross-attention keys and values, once a batch: eager, the int8
+        # projection's quantising, its dequantising, the cast to the decoder's dtype and the copies into the heads'
+        # layout were passes of their own over the batch's (N, S, layers * 2D) (README, "The cross-attention's keys
+        # and values compiled").
+        self._cross = torch.compile(  # type: ignore[call-overload]
+            cross_projection(model, dtype=self.dtype), dynamic=True, backend=backend, fullgraph=True,
+            isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT)
 
     def encode(self, src: Tensor) -> Tensor:
         """src (B, S) -> memory (B, S, D), as Transformer.encode gives it (by chunks of similar lengths), each chunk
@@ -433,13 +454,12 @@ class CompiledDecoder:
         one_token = src_mask.size(1) == 1  # padded to two, masked: a size of 1 would make graphs apart
         if one_token:
             src_mask = F.pad(src_mask, (0, 1))  # (N, 2), False at the pad
-        if not state.cross_keys:
-            memory = memory.to(self.dtype)  # (once: a float32 encoder's for bf16_around_int8's decoder)
+        if not state.cross_keys:  # (once, in the decoder's dtype: a float32 encoder's memory for bf16_around_int8's)
             if one_token:
                 memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
-            for cross_keys, cross_values in cross_keys_values(self.model, memory=memory):
-                state.cross_keys.append(cross_keys)
-                state.cross_values.append(cross_values)
+            with self._calls(("cross", sentences == 1)) as call:
+                projected = call(self._cross, memory)  # [keys, values] of each layer, (N, H, S, Dh) each
+            state.cross_keys, state.cross_values = projected[0::2], projected[1::2]
         heads = self.config.num_heads
         outputs = []
         with self._calls(("step", rows == 1, sentences == 1, rows > sentences)) as call:
