@@ -498,14 +498,15 @@ class CompiledDecoder:
             yield self._run if compiled else _call
 
     def _run(self, function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
-        """The compiled `function` (the step or the encoder), for a call whose kind has its graph. Threads sharing the
-        decoder now and then find none of its graphs fitting such a call (dynamo's guards fail as one thread checks
-        them while another decodes, and pass when checked again: "runtime guards failed even though they passed during
-        recompilation-reason analysis", torch 2.13; 6-11 calls in 300 searches by three threads), and dynamo would
-        compile the graph again: seconds on a decoder thread, and a place of RECOMPILE_LIMIT, past which every call
-        fails. Such a call raises instead (`error_on_recompile`, tracing_settings), before the step has run or written
-        the cache, and is made again, which finds the graph; one that finds none RETRIES times over is a call the
-        kind's graph does not cover, compiled as a new kind's first call is."""
+        """The compiled `function` (the step, the encoder, the cross projection), for a call whose kind has its graph.
+        Threads sharing the decoder now and then find none of its graphs fitting such a call (dynamo's guards
+        fail as one thread checks them while another decodes, and pass when checked again: "runtime guards
+        failed even though they passed during recompilation-reason analysis", torch 2.13; 6-11 calls in 300
+        searches by three threads), and dynamo would compile the graph again: seconds on a decoder thread, and a
+        place of RECOMPILE_LIMIT, past which every call fails. Such a call raises instead (`error_on_recompile`,
+        tracing_settings), before the step has run or written the cache, and is made again, which finds the
+        graph; one that finds none RETRIES times over is a call the kind's graph does not cover, compiled as a
+        new kind's first call is."""
         from torch._dynamo.exc import RecompileError
 
         for _ in range(RETRIES):
