@@ -278,6 +278,25 @@ def test_one_token_sources_reuse_the_graphs_of_longer_ones():
     assert graphs_compiled() == before
 
 
+def test_calls_check_no_guards_on_the_frozen_model():
+    """The model is frozen into the compiled code, so its calls guard on their inputs and the global state, not on
+    the modules: a module's flag changed after compiling (the model set to training, which every dropout's guard
+    would catch) compiles nothing again and changes no output."""
+    model, compiled = compiled_variant("post-sinusoidal-relu")
+    src = sources()
+    for search in (SearchConfig(beam_size=1), SearchConfig(beam_size=3)):
+        expected = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)  # (compiles what is not yet)
+        before = graphs_compiled()
+        model.train()
+        try:
+            got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
+        finally:
+            model.eval()
+        assert [h[0].tokens for h in got] == [h[0].tokens for h in expected]
+        assert graphs_compiled() == before
+        assert compiled.retried == 0
+
+
 def test_decoder_threads_meeting_a_new_kind_compile_it_once_then_run_it_at_once():
     """Two threads decode at once with a new decoder: each kind of call is compiled once (dynamo alone compiled
     it in both), its call generated in C++ that lets go of the GIL (so the threads' steps run at once: Python's

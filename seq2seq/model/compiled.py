@@ -338,6 +338,21 @@ RETRIES = 3
 """Times a call whose kind has its graph is made again when dynamo finds none fitting it (`CompiledDecoder._run`)."""
 
 
+def compile_frozen(function: Callable[..., T], *, backend: Callable[..., object]) -> Callable[..., T]:
+    """`function` compiled as CompiledDecoder compiles its three: sizes symbolic (`dynamic`), one graph or an error
+    (`fullgraph`), its graphs apart from other compiled functions' (`isolate_recompiles`), at most RECOMPILE_LIMIT.
+
+    Its calls check no guards on the model's modules: the model may not change once compiled (CompiledDecoder), its
+    weights and module attributes are constants of the code, and a change to them is not seen (the code compiled
+    before runs on). Dynamo guards every submodule's type, hooks, flags and parameters (~1,000 guards for a small
+    model), checked at each call, a step's share of greedy search that counts at few rows (README, "Dynamo's guards
+    on the frozen model skipped"). The guards on the inputs (dtypes, devices, sizes) and on the global state (grad
+    mode, autocast), which tell the kinds of call apart and keep a call off a graph that does not fit it, stay."""
+    return cast(Callable[..., T], torch.compile(  # type: ignore[call-overload]  # (torch's overloads lack the last two)
+        function, dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
+        recompile_limit=RECOMPILE_LIMIT, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))
+
+
 def _call(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
     return function(*inputs)
 
@@ -355,8 +370,8 @@ class CompiledDecoder:
     graphs, as dynamo guards on the count). On a CPU, `gemm_templates` off compiles faster to a slower step
     (GEMM_TEMPLATES), and `cpp_wrapper` off compiles faster to a step that holds the GIL while it runs
     (CPP_WRAPPER): both are for tests. The model's linear layers must be plain nn.Linear, fp32 or bf16, or
-    RowInt8Linear (int8_compiled), and its weights must not change afterwards: they are frozen into the compiled
-    code."""
+    RowInt8Linear (int8_compiled), and neither its weights nor its modules may change afterwards: they are frozen
+    into the compiled code, whose calls do not guard on them (`compile_frozen`)."""
 
     def __init__(self, model: Transformer, *, chunk: int = 64, gemm_templates: bool = True, cpp_wrapper: bool = True):
         self.model = model.stack_cross_projections()  # (a model int8_compiled converted has them stacked already)
@@ -381,22 +396,16 @@ class CompiledDecoder:
         # One graph per kind of call (one row or several, one sentence or several, beams or not), each
         # decoder's apart from other decoders' (all share the step's code): a graph break or more graphs
         # than RECOMPILE_LIMIT is an error, not a silent fall back to the eager step.
-        self._step = torch.compile(  # type: ignore[call-overload]  # (torch's overloads lack the last two)
-            decoder_step(model, chunk=chunk), dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
-            recompile_limit=RECOMPILE_LIMIT)
+        self._step = compile_frozen(decoder_step(model, chunk=chunk), backend=backend)
         # The encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate passes over
         # a batch's activations, and fbgemm's int8 matmuls ran slower than the compiled ones (README, "The encoder
         # compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own).
-        self._encoder = torch.compile(  # type: ignore[call-overload]
-            model._memory, dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
-            recompile_limit=RECOMPILE_LIMIT)
+        self._encoder = compile_frozen(model._memory, backend=backend)
         # And the memory's projection into the cross-attention keys and values, once a batch: eager, the int8
         # projection's quantising, its dequantising, the cast to the decoder's dtype and the copies into the heads'
         # layout were passes of their own over the batch's (N, S, layers * 2D) (README, "The cross-attention's keys
         # and values compiled").
-        self._cross = torch.compile(  # type: ignore[call-overload]
-            cross_projection(model, dtype=self.dtype), dynamic=True, backend=backend, fullgraph=True,
-            isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT)
+        self._cross = compile_frozen(cross_projection(model, dtype=self.dtype), backend=backend)
 
     def encode(self, src: Tensor) -> Tensor:
         """src (B, S) -> memory (B, S, D), as Transformer.encode gives it (by chunks of similar lengths), each chunk
