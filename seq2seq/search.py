@@ -344,6 +344,9 @@ def top_k_rows(x: Tensor, k: int, *, chunk: int = TOP_K_CHUNK, bounds: Tensor | 
     elif bounds.shape != (rows, body // chunk):
         raise ValueError(f"bounds {tuple(bounds.shape)} are not the chunk maxima of {rows} rows of {vocab} in "
                          f"chunks of {chunk}")
+    elif k == 1:  # (torch's topk over a row of ~100 bounds took 3x a max and an amax: a step's share in greedy)
+        best = bounds.max(dim=-1, keepdim=True).indices  # (R, 1): the chunk to rank
+        left_out = bounds.scatter(1, best, -math.inf).amax(dim=-1)  # (R,): the largest bound left out (a tie too)
     else:
         ranked = bounds.topk(k + 1, dim=-1)  # (R, k + 1): the k chunks to rank, and the largest bound left out
         best, left_out = ranked.indices[:, :k], ranked.values[:, k]  # (ties at the top are never proven below)
@@ -993,12 +996,16 @@ def _one_per_row(
                    no_repeat_ngram_size=config.no_repeat_ngram_size)  # lowers logits only: the bounds hold
         unfinished = live.num_finished == 0  # (N,)
         if num_live < unfinished.numel():
-            # A finished row's constraints may ban every token, and multinomial cannot draw from none;
-            # only its rows are written (a mask over every row read and wrote all the logits).
+            # A finished row's constraints may ban every token, and multinomial cannot draw from none: its
+            # logits become one token's, the first (only its rows are written: a mask over every row read and
+            # wrote all the logits), and its chunk maxima say so, which top_k_rows then proves at once (all
+            # equal, as its logits were made once, a finished row was a tie ranked again at every step).
             finished = (~unfinished).nonzero()[:, 0]
-            logits.index_fill_(0, finished, 0.0)
-            if chunk_max is not None:  # raised: the rows' chunk maxima are now 0 too
-                chunk_max.index_fill_(0, finished, 0.0)
+            logits.index_fill_(0, finished, -math.inf)
+            logits[finished, 0] = 0.0
+            if chunk_max is not None:
+                chunk_max.index_fill_(0, finished, -math.inf)
+                chunk_max[finished, 0] = 0.0
         next_token, next_log_prob = pick(logits, normalizer, chunk_max)  # (N,), (N,)
         del logits, chunk_max  # freed now, not once the next step has computed its own
         log_prob = live.scores[:, 0] + next_log_prob  # (N,)

@@ -705,6 +705,37 @@ def test_sampling_survives_finished_rows_whose_constraints_ban_every_token():
         assert all(len(set(h[0].tokens[8:])) == len(h[0].tokens[8:]) for h in hyps[:7])
 
 
+def test_greedy_ranks_a_finished_row_riding_along_without_ranking_it_again(monkeypatch):
+    """A finished row rides along until a quarter of the rows are done, its logits one token's and its chunk maxima
+    saying so: top_k_rows proves it on the bounds at once, with no exact ranking of the row at each step (all its
+    logits equal, it was a tie ranked again every step); the tokens and scores are argmax's."""
+    import seq2seq.search as search
+    from seq2seq.model import Transformer, TransformerConfig
+
+    config = TransformerConfig(vocab_size=1000, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
+                               num_decoder_layers=1, dropout=0.0, max_positions=64, tie_embeddings="none")
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    src = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]] * 8)
+    src[7, 2:] = PAD  # its limit two tokens: it finishes first, the others decode on to theirs (12)
+    config_ = SearchConfig(beam_size=1, max_len_a=1.0, max_len_b=0)
+    rows_ranked_again = []
+    top_k_rows = search.top_k_rows
+
+    def counting(x, k, **options):
+        if options.get("bounds") is None:
+            rows_ranked_again.append(x.size(0))
+        return top_k_rows(x, k, **options)
+
+    monkeypatch.setattr(search, "top_k_rows", counting)
+    got = decode(model, src, config_, **IDS)
+    assert len(got[7][0].tokens) <= 2 < 8 <= min(len(h[0].tokens) for h in got[:7])
+    assert rows_ranked_again == [1, 7]  # only where the length limit forced EOS (at 2; at 12), lowering the best
+    monkeypatch.setattr(search, "top_k_rows", lambda x, k, **options: x.max(dim=-1, keepdim=True))
+    want = decode(model, src, config_, **IDS)
+    assert [(h[0].tokens, h[0].log_prob) for h in got] == [(h[0].tokens, h[0].log_prob) for h in want]
+
+
 def test_sampling_near_zero_temperature_is_greedy():
     model = RunningSumModel(seed=4)
     best = greedy(model, RANDOM_SOURCES, SearchConfig(**MEDIUM), **IDS)
