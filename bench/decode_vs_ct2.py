@@ -5,7 +5,9 @@
 
 Translates the Multi30k test set (test_2016_flickr, in the checkpoint's source language) with our
 Translator, in the precision `auto` picks on this machine and in int8, and with CTranslate2
-running the same checkpoint exported by seq2seq.export, fp32 and int8. Equal work for all: the
+running the same checkpoint exported by seq2seq.export, fp32 and int8. Equal work for all: text in
+and text out (CTranslate2 takes pieces: its sources are tokenised and its outputs detokenised with the
+same sentencepiece model inside its timed work, as our Translator does inside its own), the
 same sentences, beam, length limit (a fixed number of tokens, as CTranslate2 has no per-sentence
 a * length + b), ranking by raw log-probability (length penalty 0: CTranslate2's normalisation is
 not GNMT's), PAD and BOS never generated, batches of at most --max-tokens source tokens sorted by
@@ -91,10 +93,8 @@ def main() -> None:
     with gzip.open(Path(args.data) / f"test_2016_flickr.{translator.src_lang}.gz", "rt", encoding="utf-8") as f:
         sources = f.read().split("\n")[: args.sentences]
     sources = [s for s in sources if s.strip()]
-    pieces = translator.tokenizer.pieces()
-    source_pieces = [[pieces[i] for i in ids] for ids in translator.tokenizer.encode_source(sources)]
     with tempfile.TemporaryDirectory(prefix="decode_vs_ct2.") as scratch_dir:
-        run(args, translator, sources, source_pieces, max_len, Path(scratch_dir))
+        run(args, translator, sources, max_len, Path(scratch_dir))
 
 
 def base_checkpoint(cache: Path, data: Path) -> Path:
@@ -142,8 +142,7 @@ def peak_rss_during(work: Callable[[], None]) -> float:
     return (kib("VmHWM:") - before) / 1024
 
 
-def run(args: argparse.Namespace, translator: Translator, sources: list[str], source_pieces: list[list[str]],
-        max_len: int, scratch: Path) -> None:
+def run(args: argparse.Namespace, translator: Translator, sources: list[str], max_len: int, scratch: Path) -> None:
     import ctranslate2
 
     folders = {"fp32": export_ctranslate2(args.checkpoint, scratch / "fp32"),
@@ -169,64 +168,67 @@ def run(args: argparse.Namespace, translator: Translator, sources: list[str], so
                 for w, t in configurations(cores)}
         for compute, folder in folders.items():
             engines[f"ct2 {compute}"] = {(w, t): Theirs(ctranslate2.Translator(str(folder), device="cpu",
-                                                                               intra_threads=t, inter_threads=w))
+                                                                               intra_threads=t, inter_threads=w),
+                                                        translator.tokenizer)
                                          for w, t in configurations(cores)}
         for beam in args.beams:
-            compare(engines, sources, source_pieces, translator.tokenizer, beam=beam, cores=cores, max_len=max_len,
-                    max_tokens=args.max_tokens, repeats=args.repeats, scores=args.scores)
+            compare(engines, sources, beam=beam, cores=cores, max_len=max_len, max_tokens=args.max_tokens,
+                    repeats=args.repeats, scores=args.scores)
 
 
 class Ours:
     def __init__(self, translator: Translator) -> None:
         self.translator = translator
 
-    def translate(self, sources: list[str], pieces: list[list[str]], search: SearchConfig, *,
-                  max_tokens: int) -> list[list[int]]:
+    def translate(self, sources: list[str], search: SearchConfig, *, max_tokens: int) -> list[list[int]]:
+        """Text in, text out (the Translator tokenises and detokenises): each best translation's token ids."""
         return [hyps[0].tokens for hyps in self.translator.translate_nbest(sources, search, max_tokens=max_tokens)]
 
 
 class Theirs:
-    def __init__(self, translator: Any) -> None:
+    def __init__(self, translator: Any, tokenizer: Tokenizer) -> None:
         self.translator = translator
+        self.tokenizer = tokenizer
+        self.pieces = tokenizer.pieces()
+        self.index = {piece: i for i, piece in enumerate(self.pieces)}
 
-    def translate(self, sources: list[str], pieces: list[list[str]], search: SearchConfig, *,
-                  max_tokens: int) -> list[list[int]]:
+    def translate(self, sources: list[str], search: SearchConfig, *, max_tokens: int) -> list[list[int]]:
+        """Text in, text out, as ours: the sources tokenised with the same sentencepiece model (CTranslate2 takes
+        pieces) and the outputs detokenised, inside the timed work; each best translation's token ids."""
+        pieces = [[self.pieces[i] for i in ids] for ids in self.tokenizer.encode_source([s.strip() for s in sources])]
         results = self.translator.translate_batch(
             pieces, beam_size=search.beam_size, length_penalty=0.0, max_decoding_length=int(search.max_len_b) + 1,
             max_batch_size=max_tokens, batch_type="tokens", suppress_sequences=[["<pad>"], ["<s>"]],
             return_scores=search.scores)
         # CTranslate2 does not force EOS at the limit: a hypothesis that reaches it has max_len + 1
         # tokens where ours has max_len and EOS; count and compare the same max_len.
-        return [[self.index[p] for p in r.hypotheses[0] if p != "</s>"][: int(search.max_len_b)] for r in results]
-
-    index: dict[str, int] = {}
+        ids = [[self.index[p] for p in r.hypotheses[0] if p != "</s>"][: int(search.max_len_b)] for r in results]
+        self.tokenizer.decode(ids)  # (the text a user gets, as our Translator makes it)
+        return ids
 
 
 Engine = Ours | Theirs
 
 
-def compare(engines: dict[str, dict[tuple[int, int], Engine]], sources: list[str], source_pieces: list[list[str]],
-            tokenizer: Any, *, beam: int, cores: int, max_len: int, max_tokens: int, repeats: int,
-            scores: bool) -> None:
+def compare(engines: dict[str, dict[tuple[int, int], Engine]], sources: list[str], *, beam: int, cores: int,
+            max_len: int, max_tokens: int, repeats: int, scores: bool) -> None:
     """One row per engine, in its fastest configuration (workers x threads for ours, inter x intra threads
     for CTranslate2, on `cores` cores): every engine and configuration takes turns `repeats` times, the
     fastest run counts."""
     search = SearchConfig(beam_size=beam, length_penalty=0.0, max_len_a=0.0, max_len_b=max_len, scores=scores)
-    Theirs.index = {piece: i for i, piece in enumerate(tokenizer.pieces())}
     outputs: dict[tuple[str, tuple[int, int]], list[list[int]]] = {}
     rss: dict[tuple[str, tuple[int, int]], float] = {}
 
     def step(name: str, config: tuple[int, int]) -> Callable[[object], None]:
         def run(_: object) -> None:
             def work() -> None:
-                outputs[name, config] = engines[name][config].translate(sources, source_pieces, search,
-                                                                        max_tokens=max_tokens)
+                outputs[name, config] = engines[name][config].translate(sources, search, max_tokens=max_tokens)
             rss[name, config] = max(rss.get((name, config), 0.0), peak_rss_during(work))
         return run
 
     for name in engines:  # warm-up: first calls allocate, pick kernels and start threads
         for engine in engines[name].values():
-            engine.translate(sources[:64], source_pieces[:64], search, max_tokens=max_tokens)
+            engine.translate(sources[:64], search, max_tokens=max_tokens)
     steps = {f"{name} {config}": step(name, config) for name in engines for config in engines[name]}
     times = time_alternating(steps, [None] * repeats)
     tokens = {key: sum(len(t) + 1 for t in out) for key, out in outputs.items()}
@@ -240,14 +242,14 @@ def compare(engines: dict[str, dict[tuple[int, int], Engine]], sources: list[str
         config = best[name]
         same = sum(a == b for a, b in zip(outputs[name, config], outputs[reference, best[reference]], strict=True))
         kind = "workers x threads" if name.startswith("ours") else "inter x intra"
-        latency, threads = one_sentence_p50(engines[name], sources, source_pieces, search)
+        latency, threads = one_sentence_p50(engines[name], sources, search)
         print(f"| {cores} | {label} | {name} | {config[0]} x {config[1]} ({kind}) | {speed[name, config]:,.0f} | "
               f"{speed[name, config] / fastest:.2f}x | {rss[name, config]:.0f} MiB | {latency * 1000:.1f} ms "
               f"({threads} thread{'s' if threads > 1 else ''}) | {same}/{len(sources)} |", flush=True)
 
 
-def one_sentence_p50(configs: dict[tuple[int, int], Engine], sources: list[str], source_pieces: list[list[str]],
-                     search: SearchConfig, calls: int = 100) -> tuple[float, int]:
+def one_sentence_p50(configs: dict[tuple[int, int], Engine], sources: list[str], search: SearchConfig,
+                     calls: int = 100) -> tuple[float, int]:
     """The median seconds of `calls` one-sentence calls (the interactive case), and the threads per
     worker that gave it: each distinct thread count is tried (one sentence is one batch, so more
     workers cannot help), the lowest median counts."""
@@ -257,8 +259,7 @@ def one_sentence_p50(configs: dict[tuple[int, int], Engine], sources: list[str],
         seconds = []
         for i in range(calls):
             start = time.perf_counter()
-            engine.translate(sources[i % len(sources) : i % len(sources) + 1],
-                             source_pieces[i % len(sources) : i % len(sources) + 1], search, max_tokens=8192)
+            engine.translate(sources[i % len(sources) : i % len(sources) + 1], search, max_tokens=8192)
             seconds.append(time.perf_counter() - start)
         best = min(best, (sorted(seconds)[len(seconds) // 2], threads))
     return best
