@@ -344,7 +344,7 @@ def top_k_rows(x: Tensor, k: int, *, chunk: int = TOP_K_CHUNK, bounds: Tensor | 
     elif bounds.shape != (rows, body // chunk):
         raise ValueError(f"bounds {tuple(bounds.shape)} are not the chunk maxima of {rows} rows of {vocab} in "
                          f"chunks of {chunk}")
-    elif k == 1:  # (torch's topk over a row of ~100 bounds took 3x a max and an amax: a step's share in greedy)
+    elif k == 1:  # (a max and an amax: faster than torch's topk on a CPU, README "Dynamo's guards on the frozen...")
         best = bounds.max(dim=-1, keepdim=True).indices  # (R, 1): the chunk to rank
         left_out = bounds.scatter(1, best, -math.inf).amax(dim=-1)  # (R,): the largest bound left out (a tie too)
     else:
@@ -998,8 +998,8 @@ def _one_per_row(
         if num_live < unfinished.numel():
             # A finished row's constraints may ban every token, and multinomial cannot draw from none: its
             # logits become one token's, the first (only its rows are written: a mask over every row read and
-            # wrote all the logits), and its chunk maxima say so, which top_k_rows then proves at once (all
-            # equal, as its logits were made once, a finished row was a tie ranked again at every step).
+            # wrote all the logits), and its chunk maxima say so, which top_k_rows then proves at once (with
+            # all its logits 0, as they once were, the row was a tie that it ranked again at every step).
             finished = (~unfinished).nonzero()[:, 0]
             logits.index_fill_(0, finished, -math.inf)
             logits[finished, 0] = 0.0
