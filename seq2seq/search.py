@@ -186,11 +186,12 @@ class EncoderDecoder(Protocol[State]):
 @runtime_checkable
 class StepDecoder(Protocol):
     """An EncoderDecoder whose one-token step gives with its logits what `step_logits` would compute from them
-    (the compiled decoder: model/compiled.py, computed in the step's generated code): the maxima of the logits'
-    chunks of `chunk` columns (a ValueError where it computes them over another width)."""
+    (the compiled decoder: model/compiled.py, computed in the step's generated code): their normaliser or None, the
+    maxima of the logits' chunks of `chunk` columns (a ValueError where it computes them over another width) or
+    None, and each row's argmax (the first of equal maxima) or None."""
 
-    def decode_step(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: Any, *,
-                    chunk: int) -> tuple[Tensor, Tensor | None, Tensor | None]: ...  # (R, V), (R,), (R, V // chunk)
+    def decode_step(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: Any, *, chunk: int,
+                    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]: ...  # (R, V), (R,), (R, V // chunk), (R,)
 
 
 @functools.cache
@@ -206,6 +207,7 @@ class StepLogits(NamedTuple):
     logits: Tensor  # (R, V) in the model's dtype where narrower than float32 (bf16), else float32
     normalizer: Tensor  # (R,) float32: log-probabilities are logits - normalizer (NaN: not computed)
     bounds: Tensor | None  # (R, V // TOP_K_CHUNK) float32, the rows' chunk maxima for top_k_rows (greedy's; a StepDecoder's)
+    argmax: Tensor | None = None  # (R,) long, each row's argmax before any constraint (a StepDecoder's, where it gives it)
 
 
 def step_logits(
@@ -222,17 +224,18 @@ def step_logits(
     float32, instead of writing and reading a full (R, V) float32 copy; float32 and float64 models give
     float32 logits. Only the normaliser reads every row whole, in float32 (`log_normalizer`).
 
-    A StepDecoder's step (the compiled one) gives the chunk maxima, and the normaliser where its rows are beams,
-    from its own code: they are taken from it, bounds whether asked for or not (they cost nothing more there).
+    A StepDecoder's step (the compiled one) gives the chunk maxima, the normaliser where its rows are beams, and the
+    argmax where they are not, from its own code: they are taken from it, bounds whether asked for or not (they
+    cost nothing more there).
     """
     if state is not None and is_step_decoder(type(model)):
-        logits, normalizer, maxima = cast(StepDecoder, model).decode_step(  # (R, V), (R,), (R, V / chunk)
+        logits, normalizer, maxima, argmax = cast(StepDecoder, model).decode_step(  # (R, V), (R,), (R, V / chunk), (R,)
             tgt_in, memory, src_mask, state, chunk=TOP_K_CHUNK)
         if not normalize:
             normalizer = torch.full(logits.shape[:1], math.nan, device=logits.device)
         elif normalizer is None:
             normalizer = log_normalizer(logits)
-        return StepLogits(logits, normalizer, maxima)
+        return StepLogits(logits, normalizer, maxima, argmax)
     logits = model.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
     if logits.element_size() >= 4:
         logits = logits.float()
@@ -769,8 +772,8 @@ def beam_search(
         # Bounds are not asked for (greedy asks): with k > 1, which of several equal logits topk keeps depends on
         # the other candidates it is given, so chunks chosen on bounds the constraints made loose could keep
         # another tied token. A StepDecoder gives them anyway, exact but where constraints lowered a logit.
-        logits, normalizer, bounds = step_logits(model, live.tgt_in, live.memory, live.src_mask,
-                                                 live.state)  # (N*K_cur, V), (N*K_cur,), chunk maxima or None
+        logits, normalizer, bounds, _ = step_logits(model, live.tgt_in, live.memory, live.src_mask,
+                                                    live.state)  # (N*K_cur, V), (N*K_cur,), chunk maxima or None
         constrain_(logits.view(n, k_cur, -1), live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
         if bounds is not None and logits.element_size() <= 4 and k_cur * (logits.size(1) // TOP_K_CHUNK) > 2 * beam_size:
@@ -836,7 +839,7 @@ def constrained_beam_search(
     while True:
         n, k_cur, step = live.tokens.shape
         sentences = live.sentence.tolist()
-        logits, normalizer, _ = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N*K_cur, V)
+        logits, normalizer, _, _ = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state)  # (N*K_cur, V)
         rows = logits.view(n, k_cur, -1)
         constrain_(rows, live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)
@@ -943,14 +946,23 @@ def greedy(
 
     Uses the config's length limits and constraints; beam, n-best and sampling fields do not apply. With
     `config.scores` off the argmax is taken from the logits alone (the same tokens: the normaliser is one
-    number per row) and the scores are NaN.
+    number per row) and the scores are NaN. Where the decoder's step gives each row's argmax (a StepDecoder's),
+    a row whose argmax no constraint lowered keeps it; only the others are ranked here.
     """
-    def pick(logits: Tensor, normalizer: Tensor, bounds: Tensor | None) -> tuple[Tensor, Tensor]:  # (R,), (R,)
-        best, token = top_k_rows(logits, 1, bounds=bounds)
-        return token[:, 0], best[:, 0].float() - normalizer
+    def pick(logits: Tensor, normalizer: Tensor, bounds: Tensor | None,
+             argmax: Tensor | None) -> tuple[Tensor, Tensor]:  # (R,), (R,)
+        if argmax is None:
+            best, token = top_k_rows(logits, 1, bounds=bounds)
+            return token[:, 0], best[:, 0].float() - normalizer
+        again = (argmax < 0).nonzero()[:, 0]  # (R',): rows whose argmax a constraint lowered
+        token = argmax
+        if again.numel():
+            _, exact = top_k_rows(logits[again], 1, bounds=None if bounds is None else bounds[again])
+            token = argmax.index_copy(0, again, exact[:, 0])
+        return token, logits.gather(1, token[:, None])[:, 0].float() - normalizer
 
     return _one_per_row(model, src, config, pick=pick, ids=SpecialIds(bos=bos, eos=eos, pad=pad), prefix=prefix,
-                        bounds=config.scores, normalize=config.scores)
+                        bounds=config.scores, normalize=config.scores, argmax=True)
 
 
 @torch.inference_mode()
@@ -964,7 +976,8 @@ def sample(
     reproduce a draw. `log_prob` is the model's (temperature 1, unfiltered) log-probability.
     """
 
-    def pick(logits: Tensor, normalizer: Tensor, bounds: Tensor | None) -> tuple[Tensor, Tensor]:  # (R,), (R,)
+    def pick(logits: Tensor, normalizer: Tensor, bounds: Tensor | None,
+             argmax: Tensor | None) -> tuple[Tensor, Tensor]:  # (R,), (R,)
         log_probs = logits.float() - normalizer[:, None]  # constrained: banned tokens at -inf
         tempered = F.log_softmax(log_probs / config.temperature, dim=-1)
         filtered = top_p_filter(top_k_filter(tempered, config.top_k), config.top_p)
@@ -977,12 +990,14 @@ def sample(
 
 def _one_per_row(
     model: EncoderDecoder[Any], src: Tensor, config: SearchConfig, *, ids: SpecialIds,
-    prefix: Sequence[Sequence[int]] | None, pick: Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor]],
-    bounds: bool, normalize: bool = True,
+    prefix: Sequence[Sequence[int]] | None,
+    pick: Callable[[Tensor, Tensor, Tensor | None, Tensor | None], tuple[Tensor, Tensor]],
+    bounds: bool, normalize: bool = True, argmax: bool = False,
 ) -> list[Hypothesis]:
     """Greedy and sampling: one hypothesis per sentence; `pick` chooses from the constrained logits, their
-    normaliser (NaN without `normalize`) and (with `bounds`) the chunk maxima `top_k_rows` takes, and gives
-    each row's token and its log-probability."""
+    normaliser (NaN without `normalize`), (with `bounds`) the chunk maxima `top_k_rows` takes and (with `argmax`,
+    where the step gives it) each row's argmax that the constraints left standing, -1 where they lowered it, and
+    gives each row's token and its log-probability."""
     if src.size(0) == 0:
         return []
     live = Live.start(model, src, config, ids=ids, prefix=prefix)
@@ -990,12 +1005,20 @@ def _one_per_row(
     results: dict[int, Hypothesis] = {}
 
     while True:
-        logits, normalizer, chunk_max = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state,
-                                                    bounds=bounds, normalize=normalize)  # (N, V), (N,), maxima
+        logits, normalizer, chunk_max, best = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state,
+                                                          bounds=bounds, normalize=normalize)  # (N, V), (N,), maxima, (N,)
+        best = best if argmax else None
+        before = logits.gather(1, best[:, None]) if best is not None else logits[:, :0]  # (N, 1): its logit, unconstrained
         constrain_(logits[:, None], live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)  # lowers logits only: the bounds hold
         unfinished = live.num_finished == 0  # (N,)
-        if num_live < unfinished.numel():
+        if best is not None:
+            # The constraints only lower logits: where they left the argmax's as it was it is still the argmax (the
+            # first of equal maxima too); elsewhere (a banned or forced token) -1, ranked by pick. A finished row
+            # riding along takes token 0 without a look at its logits.
+            held = logits.gather(1, best[:, None]).eq(before)[:, 0] | ~unfinished  # (N,)
+            best = torch.where(held, best.masked_fill(~unfinished, 0), -1)
+        elif num_live < unfinished.numel():
             # A finished row's constraints may ban every token, and multinomial cannot draw from none: its
             # logits become one token's, the first (only its rows are written: a mask over every row read and
             # wrote all the logits), and its chunk maxima say so, which top_k_rows then proves at once (with
@@ -1006,7 +1029,7 @@ def _one_per_row(
             if chunk_max is not None:
                 chunk_max.index_fill_(0, finished, -math.inf)
                 chunk_max[finished, 0] = 0.0
-        next_token, next_log_prob = pick(logits, normalizer, chunk_max)  # (N,), (N,)
+        next_token, next_log_prob = pick(logits, normalizer, chunk_max, best)  # (N,), (N,)
         del logits, chunk_max  # freed now, not once the next step has computed its own
         log_prob = live.scores[:, 0] + next_log_prob  # (N,)
         done = (next_token == ids.eos) & unfinished  # at max_len EOS is the only choice left

@@ -141,7 +141,7 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
     """With a vocabulary top_k_rows ranks in chunks, even for beam 3's 6 candidates (1,650: 25 whole chunks of 64
     and a part), the step gives the chunk maxima (top_k_rows' bounds) and, where the rows are beams, the
     log-normaliser, as search.py computes them from its logits; one row per sentence leaves the normaliser to the
-    search. The searches that take them give the eager searches' outputs, constraints (which lower logits below
+    search and gives the argmax instead. The searches that take them give the eager searches' outputs, constraints (which lower logits below
     the bounds) included."""
     model = tiny(seed=4, vocab_size=1650, num_decoder_layers=1)
     compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
@@ -149,14 +149,16 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
     memory, src_mask = model.encode(src), src != PAD
     state = compiled.new_state()
     for rows, beams in ((4, False), (12, True)):
-        logits, normalizer, maxima = compiled.decode_step(torch.full((rows, 1), BOS), memory, src_mask, state, chunk=64)
+        logits, normalizer, maxima, argmax = compiled.decode_step(torch.full((rows, 1), BOS), memory, src_mask, state,
+                                                                  chunk=64)
         assert maxima is not None and torch.equal(maxima, search_module.chunk_maxima(logits, chunk=64))
         assert maxima.shape == (rows, 25)
         if beams:
-            assert normalizer is not None
+            assert normalizer is not None and argmax is None
             torch.testing.assert_close(normalizer, search_module.log_normalizer(logits), atol=1e-5, rtol=1e-6)
         else:
-            assert normalizer is None
+            assert normalizer is None and argmax is not None
+            assert torch.equal(argmax, logits.argmax(dim=-1))
             state.reorder(torch.arange(4).repeat_interleave(3))
     with pytest.raises(ValueError, match="one token per row"):
         compiled.decode_step(torch.full((12, 2), BOS), memory, src_mask, state, chunk=64)
@@ -172,6 +174,20 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
     compiled.chunk = 32
     with pytest.raises(ValueError, match="chunk maxima are of 32 columns; 64 were asked for"):
         decode(compiled, src, SearchConfig(beam_size=1), bos=BOS, eos=EOS, pad=PAD)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_s_argmax_by_chunks_is_torch_s_first_of_equal_maxima(dtype):
+    """chunk_argmax, compiled by inductor as the step is, on logits full of ties (a few integers) and with the maximum
+    in the last, partial chunk or tied with it: torch.argmax's column, the first of equal maxima, in every row."""
+    argmax = torch.compile(compiled_module.chunk_argmax, dynamic=True, fullgraph=True)
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (1024, 1000):
+        logits = torch.randint(0, 4, (300, vocab), generator=generator).to(dtype)  # (R, V)
+        logits[:100, 960:] = 4.0  # the maximum in the last chunk (whole at 1,024, partial at 1,000) only
+        logits[100:150, [5, 999]] = 4.0  # tied with one in the first chunk
+        maxima = compiled_module.chunk_maxima(logits, chunk=64)
+        assert torch.equal(argmax(logits, maxima=maxima, chunk=64), logits.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -234,9 +250,10 @@ def test_the_compiled_encoder_gives_the_models_memory(pair):
 
 def test_the_compiled_cross_projection_gives_every_layers_keys_and_values(pair):
     """A state's first step projects the memory into every decoder layer's cross-attention keys and values by a
-    compiled function of its own: they are the eager projection's (cross_keys_values), contiguous, in the decoder's
-    dtype, for several sentences, one, and one-token sources (the memory padded to two positions, masked, as the
-    step's source mask is), in two graphs (one sentence; several), none compiled again."""
+    compiled function of its own, over the real source positions alone: they are the eager projection's
+    (cross_keys_values) there and zeros at the padding (masked), contiguous, in the decoder's dtype, for several
+    sentences, one, and one-token sources (the memory padded to two positions, masked, as the step's source mask
+    is), in two graphs (one sentence; several), none compiled again."""
     model, compiled = pair
     cases = [sources(), sources()[:1], sources()[3:4, :1], sources()[3:4, :1].repeat(3, 1)]
     with torch.inference_mode():
@@ -249,15 +266,42 @@ def test_the_compiled_cross_projection_gives_every_layers_keys_and_values(pair):
             compiled.decode(torch.full((src.size(0), 1), BOS), memory, src != PAD, state=state)
             expected = compiled_module.cross_keys_values(model, memory=memory)
             assert len(state.cross_keys) == len(state.cross_values) == len(expected) == 2
+            real = (src != PAD)[:, None, :, None]  # (N, 1, S, 1)
             for keys, values, (expected_keys, expected_values) in zip(state.cross_keys, state.cross_values, expected,
                                                                        strict=True):
                 assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == compiled.dtype
                 assert keys.shape == values.shape == (src.size(0), 4, max(src.size(1), 2), 8)
                 length = src.size(1)
-                torch.testing.assert_close(keys[:, :, :length], expected_keys, atol=2e-5, rtol=1e-5)
-                torch.testing.assert_close(values[:, :, :length], expected_values, atol=2e-5, rtol=1e-5)
+                for got, want in ((keys, expected_keys), (values, expected_values)):
+                    torch.testing.assert_close(got[:, :, :length], want.masked_fill(~real, 0.0), atol=2e-5, rtol=1e-5)
+                    assert not got[:, :, length:].any()
     assert graphs_compiled() == before
     assert {kind for kind in compiled._kinds if kind[0] == "cross"} == {("cross", True), ("cross", False)}
+
+
+@torch.inference_mode()
+def test_the_cross_projection_of_the_real_positions_is_the_padded_one_s_where_the_source_is_real():
+    """real_positions and cross_keys_values' `places`: the real positions' rows projected alone and laid out over
+    the padded batch are, to the bit, the whole padded memory's projection at those positions (each int8 row is
+    quantised by itself), and zeros elsewhere; one real position in all (one one-token sentence, padded to two)
+    takes the padding in, a size of 1 being a graph apart."""
+    model = int8_compiled(tiny(num_decoder_layers=3))
+    src = sources()
+    memory = model.encode(src)  # (N, S, D)
+    mask = src != PAD
+    real, places = compiled_module.real_positions(mask)
+    assert real.tolist() == mask.reshape(-1).nonzero()[:, 0].tolist()
+    assert places.shape == mask.shape and (places[~mask] == real.numel()).all()
+    assert torch.equal(places[mask], torch.arange(real.numel()))
+    packed = compiled_module.cross_projection(model, dtype=torch.float32)(memory, real, places)
+    padded = [x for pair in compiled_module.cross_keys_values(model, memory=memory) for x in pair]
+    assert len(packed) == len(padded) == 6
+    for got, want in zip(packed, padded, strict=True):
+        assert got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got, want.masked_fill(~mask[:, None, :, None], 0.0))
+    one = torch.tensor([[True, False]])
+    assert [x.tolist() for x in compiled_module.real_positions(one)] == [[0, 1], [[0, 1]]]
+    assert [x.tolist() for x in compiled_module.real_positions(one.repeat(2, 1))] == [[0, 2], [[0, 2], [1, 2]]]
 
 
 def test_one_token_sources_reuse_the_graphs_of_longer_ones():
@@ -610,7 +654,7 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
         compiled._step(*inputs)
     before, retried = graphs_compiled(), compiled.retried
     with tracing_settings(compiled=True):
-        got, _, _ = compiled._run(compiled._step, *inputs)
+        got, *_ = compiled._run(compiled._step, *inputs)
     assert compiled.retried - retried == compiled_module.RETRIES
     assert graphs_compiled() == before + 1
     eager_state = model.new_state()

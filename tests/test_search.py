@@ -440,7 +440,7 @@ def test_beam_search_ranks_candidates_by_the_sentence_on_a_step_decoder_s_bounds
     class BoundsModel(RunningSumModel):  # a StepDecoder: its step gives the chunk maxima
         def decode_step(self, tgt_in, memory, src_mask, state, *, chunk):
             logits = self.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
-            return logits, None, search.chunk_maxima(logits, chunk=chunk)
+            return logits, None, search.chunk_maxima(logits, chunk=chunk), None
 
     calls = []
     by_sentence = search.beam_step_on_bounds
@@ -736,6 +736,48 @@ def test_greedy_ranks_a_finished_row_riding_along_without_ranking_it_again(monke
     assert [(h[0].tokens, h[0].log_prob) for h in got] == [(h[0].tokens, h[0].log_prob) for h in want]
 
 
+@pytest.mark.parametrize("scores", [True, False])
+def test_greedy_keeps_a_step_decoder_s_argmax_where_no_constraint_lowered_it(monkeypatch, scores):
+    """A StepDecoder whose step gives each row's argmax (the compiled one, one hypothesis per sentence): greedy keeps
+    it where the constraints left its logit as it was and ranks only the rows where they lowered it (EOS banned
+    below min_len, a forced prefix token, EOS forced at the limit, a repeated n-gram); the tokens and scores are the
+    plain argmax's, every tie (each column has an equal twin further on) going to the first."""
+    import seq2seq.search as search
+
+    class ArgmaxModel(RunningSumModel):  # a StepDecoder: its step gives the chunk maxima and the argmax
+        def decode_step(self, tgt_in, memory, src_mask, state, *, chunk):
+            logits = self.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
+            return logits, None, search.chunk_maxima(logits, chunk=chunk), logits.argmax(dim=-1)
+
+    def twins(model):
+        model.out[:, 1500:] = model.out[:, :1500]  # (EOS's column alone is raised: its twin stays below)
+        return model
+
+    config = SearchConfig(min_len=2, no_repeat_ngram_size=2, max_len_a=1.0, max_len_b=3, scores=scores)
+    prefix = [[7, 7], [], [], [3]]
+    ranked, steps = [], []
+    top_k_rows, step_logits = search.top_k_rows, search.step_logits
+    monkeypatch.setattr(search, "top_k_rows", lambda x, k, **options: ranked.append(x.size(0)) or top_k_rows(
+        x, k, **options))
+    monkeypatch.setattr(search, "step_logits", lambda *args, **options: steps.append(args[1].size(0)) or step_logits(
+        *args, **options))
+    got = greedy(twins(ArgmaxModel(seed=6, vocab_size=3000)), RANDOM_SOURCES, config, prefix=prefix, **IDS)
+    assert 0 < sum(ranked) < sum(steps)
+    monkeypatch.setattr(search, "top_k_rows", lambda x, k, **options: x.max(dim=-1, keepdim=True))
+    want = greedy(twins(RunningSumModel(seed=6, vocab_size=3000)), RANDOM_SOURCES, config, prefix=prefix, **IDS)
+    assert [h.tokens for h in got] == [h.tokens for h in want]
+    assert got[0].tokens[:2] == [7, 7]
+    assert all(token < 1500 or token == EOS for h in got for token in h.tokens)
+    if scores:
+        assert [h.log_prob for h in got] == [h.log_prob for h in want]
+    else:
+        assert all(math.isnan(h.log_prob) for h in got)
+    ranked.clear()
+    monkeypatch.setattr(search, "top_k_rows", top_k_rows)
+    free = greedy(twins(ArgmaxModel(seed=6, vocab_size=3000)), RANDOM_SOURCES, SearchConfig(max_len_b=40), **IDS)
+    assert ranked == [] and max(len(h.tokens) for h in free) < 40  # (no constraint lowered an argmax: none ranked)
+
+
 def test_sampling_near_zero_temperature_is_greedy():
     model = RunningSumModel(seed=4)
     best = greedy(model, RANDOM_SOURCES, SearchConfig(**MEDIUM), **IDS)
@@ -840,15 +882,15 @@ def test_a_bf16_model_ranks_its_logits_in_bf16_as_in_a_float32_copy(monkeypatch,
     model = Transformer(config).to(torch.bfloat16).eval()
     src = torch.randint(4, 300, (6, 7))
     src[3:, 4:] = PAD
-    logits, normalizer, _ = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
+    logits, normalizer, _, _ = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
                                                model.new_state())
     assert logits.dtype == torch.bfloat16 and normalizer.dtype == torch.float32
     kept = decode(model, src, search_config, prefix=[[], [9], [], [], [], []], **IDS)
     narrow_step = search.step_logits
 
     def float32_step(*args, **kwargs):
-        logits, normalizer, bounds = narrow_step(*args, **kwargs)
-        return search.StepLogits(logits.float(), normalizer, bounds)
+        logits, normalizer, bounds, argmax = narrow_step(*args, **kwargs)
+        return search.StepLogits(logits.float(), normalizer, bounds, argmax)
 
     monkeypatch.setattr(search, "step_logits", float32_step)
     widened = decode(model, src, search_config, prefix=[[], [9], [], [], [], []], **IDS)
@@ -883,7 +925,7 @@ def test_greedy_without_scores_gives_the_same_tokens_and_never_normalizes(monkey
     plain = decode(model, src, replace(base, scores=False), prefix=prefix, **IDS)
     assert [h.tokens for hyps in plain for h in hyps] == [h.tokens for hyps in scored for h in hyps]
     assert all(math.isnan(h.score) and math.isnan(h.log_prob) for hyps in plain for h in hyps)
-    logits, normalizer, bounds = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
+    logits, normalizer, bounds, _ = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
                                                     model.new_state(), bounds=True, normalize=False)
     assert logits.shape == (6, 300) and normalizer.isnan().all() and bounds is None
     with pytest.raises(AssertionError, match="normaliser ran"):  # beam search ranks by log-probabilities

@@ -127,27 +127,49 @@ def bf16_around_int8(model: Transformer) -> Transformer:
     return model
 
 
-def cross_keys_values(model: Transformer, *, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+def cross_keys_values(model: Transformer, *, memory: Tensor, places: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
     """memory (N, S, D) -> each decoder layer's cross-attention keys and values (N, H, S, Dh), contiguous (read at
-    every step): from the model's stacked projection (Transformer.stack_cross_projections), else layer by layer."""
+    every step): from the model's stacked projection (Transformer.stack_cross_projections), else layer by layer.
+
+    With `places` (N, S) long, `memory` is the real source positions' alone, (T, D), and places[n, s] the row of it
+    at sentence n's position s, T at padding, whose keys and values are zeros (masked; finite, as the attention's
+    zero weights times them must be): padding is not projected."""
     layers = cast(list[DecoderLayer], list(model.decoder.layers))
     stacked = model.decoder.cross_kv_proj
-    if stacked is None:
-        pairs = [layer.cross_attn.keys_values(memory) for layer in layers]
-    else:
-        projected = stacked(memory).chunk(len(layers), dim=-1)  # (N, S, 2D) each
-        pairs = [layer.cross_attn.split_keys_values(kv) for layer, kv in zip(layers, projected, strict=True)]
+    projected = [stacked(memory)] if stacked is not None else [layer.cross_attn.kv_proj(memory) for layer in layers]
+    if places is not None:  # (T, C) -> (N, S, C): a zero row appended for the padding to take
+        projected = [F.pad(kv, (0, 0, 0, 1))[places] for kv in projected]
+    if stacked is not None:
+        projected = list(projected[0].chunk(len(layers), dim=-1))  # (N, S, 2D) each
+    pairs = [layer.cross_attn.split_keys_values(kv) for layer, kv in zip(layers, projected, strict=True)]
     return [(keys.contiguous(), values.contiguous()) for keys, values in pairs]
 
 
-def cross_projection(model: Transformer, *, dtype: torch.dtype) -> Callable[[Tensor], list[Tensor]]:
-    """project(memory (N, S, D)) -> [keys, values] of each decoder layer in turn, (N, H, S, Dh) each in `dtype` (the
-    decoder's): cross_keys_values written for torch.compile (a flat list out; the memory taken to `dtype` inside)."""
+def cross_projection(model: Transformer, *, dtype: torch.dtype) -> Callable[[Tensor, Tensor, Tensor], list[Tensor]]:
+    """project(memory (N, S, D), real (T,), places (N, S)) -> [keys, values] of each decoder layer in turn, (N, H, S,
+    Dh) each in `dtype` (the decoder's): cross_keys_values over the memory's real positions alone, the flat indices
+    `real` of memory.view(N * S, D) (the rows of cross_keys_values' `places`), written for torch.compile (a flat list
+    out; the rows gathered and taken to `dtype` inside, in the pass that quantises them where the projection is int8).
+    A batch's sources are padded to its longest, and a batch of sentences of many lengths is largely padding, which
+    the projection's matmul, its epilogue and the copies into the heads' layout would work through (README, "The
+    cross-attention projects real positions only; greedy's argmax in the step")."""
 
-    def project(memory: Tensor) -> list[Tensor]:
-        return [x for pair in cross_keys_values(model, memory=memory.to(dtype)) for x in pair]
+    def project(memory: Tensor, real: Tensor, places: Tensor) -> list[Tensor]:
+        tokens = memory.reshape(-1, memory.size(-1)).index_select(0, real).to(dtype)  # (T, D)
+        return [x for pair in cross_keys_values(model, memory=tokens, places=places) for x in pair]
 
     return project
+
+
+def real_positions(src_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """src_mask (N, S) -> cross_projection's `real` (T,), the flat indices of the real positions, and `places` (N, S),
+    each position's index in `real`, T at padding. Fewer than two real positions (one one-token sentence, its mask
+    padded to two) take the padding in too: a size of 1 would be a graph apart."""
+    flat = src_mask.reshape(-1)
+    real = flat.nonzero()[:, 0] if int(flat.sum()) >= 2 else torch.arange(flat.numel(), device=flat.device)
+    places = torch.full_like(flat, real.numel(), dtype=torch.long).index_copy_(
+        0, real, torch.arange(real.numel(), device=flat.device))
+    return real, places.view(src_mask.shape)
 
 
 def chunk_maxima(logits: Tensor, *, chunk: int) -> Tensor:
@@ -157,6 +179,25 @@ def chunk_maxima(logits: Tensor, *, chunk: int) -> Tensor:
     rows, vocab = logits.shape
     body = vocab // chunk * chunk
     return logits[:, :body].float().reshape(rows, vocab // chunk, chunk).amax(dim=-1)
+
+
+def chunk_argmax(logits: Tensor, *, maxima: Tensor, chunk: int) -> Tensor:
+    """logits (R, V) and the maxima of their chunks (chunk_maxima's) -> each row's argmax (R,) long, the first of
+    equal maxima, as torch.argmax gives it: the first chunk holding the row's maximum ranked alone, and the last,
+    partial chunk, which wins only above it. Greedy search's pick made in the step's generated code, which a search
+    of one hypothesis per sentence takes where its constraints did not lower the logit (search.greedy): eager, on
+    the logits the step returns, ranking them was the search's largest work between two steps."""
+    rows, vocab = logits.shape
+    first = maxima.argmax(dim=-1)  # (R,)
+    columns = first[:, None] * chunk + torch.arange(chunk, device=logits.device)  # (R, chunk)
+    values = logits.gather(1, columns)  # (R, chunk)
+    best = first * chunk + values.argmax(dim=-1)  # (R,)
+    body = maxima.size(1) * chunk
+    if body < vocab:
+        rest = logits[:, body:]  # (R, V - body)
+        above = rest.amax(dim=-1) > values.amax(dim=-1)  # (R,)
+        best = torch.where(above, body + rest.argmax(dim=-1), best)
+    return best
 
 
 def log_normalizer(logits: Tensor, *, maxima: Tensor | None = None, chunk: int = 0) -> Tensor:
@@ -174,16 +215,19 @@ def log_normalizer(logits: Tensor, *, maxima: Tensor | None = None, chunk: int =
     return (x - peak).exp().sum(dim=-1).log() + peak[:, 0]
 
 
-Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor],
-                tuple[Tensor, Tensor | None, Tensor | None]]
+StepOutputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
+"""The compiled step's logits (R, V), their log-normaliser (R,), their chunk maxima (R, V // chunk) and their argmax
+(R,): search.StepDecoder's decode_step's."""
+
+Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], StepOutputs]
 
 
 def decoder_step(model: Transformer, *, chunk: int) -> Step:
     """step(tokens (N, K), position () long, keys, values, cross_keys, cross_values, src_mask (N, S) bool) ->
-    logits (R, V), their log-normaliser (R,) and the maxima of their chunks (R, V // chunk): `model`'s decoder fed
-    one token per row at `position`, writing that position's self-attention keys and values into keys[i] and
-    values[i] (R, H, capacity, Dh) in place; R = N * K rows, a sentence's K hypotheses adjacent (they share its
-    cross keys/values, as MultiHeadAttention folds them).
+    logits (R, V), their log-normaliser (R,), the maxima of their chunks (R, V // chunk) and their argmax (R,):
+    `model`'s decoder fed one token per row at `position`, writing that position's self-attention keys and values
+    into keys[i] and values[i] (R, H, capacity, Dh) in place; R = N * K rows, a sentence's K hypotheses adjacent
+    (they share its cross keys/values, as MultiHeadAttention folds them).
 
     The tokens come as (N, K), not (R,), so that the beams K are a size of their own and the rows their product:
     with K as rows // N, and the head size a symbol of the caches' shapes, every index of the cross-attention's
@@ -191,7 +235,8 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
     loop, a quarter of int8 beam search's time (README, "Beams a size of their own").
 
     The normaliser is computed where the search always takes it, with beams (K > 1), and is None without: greedy
-    search without scores takes none, and the few rows of one hypothesis per sentence are left to the search."""
+    search without scores takes none, and the few rows of one hypothesis per sentence are left to the search. The
+    argmax is computed where greedy search takes it, without beams (K = 1), from the chunk maxima (None without)."""
     check_compilable(model.config)
     decoder = model.decoder
     layers = cast(list[DecoderLayer], list(decoder.layers))
@@ -202,7 +247,7 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
     head_dim = model.config.d_model // model.config.num_heads
 
     def step(tokens: Tensor, position: Tensor, keys: list[Tensor], values: list[Tensor], cross_keys: list[Tensor],
-             cross_values: list[Tensor], src_mask: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+             cross_values: list[Tensor], src_mask: Tensor) -> StepOutputs:
         sentences, beams = tokens.shape
         rows = sentences * beams
         tokens = tokens.reshape(rows)
@@ -235,7 +280,9 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
         logits = model.output_projection(x)[:, 0]  # (R, V)
         maxima = chunk_maxima(logits, chunk=chunk) if logits.size(1) >= 4 * chunk else None  # (top_k_rows ranks
         # fewer columns whole: no chunks); `beams > 1` is a guard on the sizes: the kinds of call are apart already
-        return logits, log_normalizer(logits, maxima=maxima, chunk=chunk) if beams > 1 else None, maxima
+        if beams > 1:
+            return logits, log_normalizer(logits, maxima=maxima, chunk=chunk), maxima, None
+        return logits, None, maxima, None if maxima is None else chunk_argmax(logits, maxima=maxima, chunk=chunk)
 
     return step
 
@@ -440,10 +487,11 @@ class CompiledDecoder:
         return logits[0][:, None] if len(logits) == 1 else torch.stack(logits, dim=1)
 
     def decode_step(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, state: CompiledState, *,
-                    chunk: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                    chunk: int) -> StepOutputs:
         """One token per row, `tgt_in` (R, 1): the next token's logits (R, V), their log-normaliser (R,) float32 where
-        the rows are beams (None where they are one per sentence) and the maxima of their chunks of `chunk` columns
-        (R, V // chunk) float32, all from the compiled step: search.step_logits' work done in the step."""
+        the rows are beams (None where they are one per sentence), the maxima of their chunks of `chunk` columns
+        (R, V // chunk) float32 and, where the rows are one per sentence, their argmax (R,) long (chunk_argmax; None
+        without chunk maxima), all from the compiled step: search.step_logits' work done in the step."""
         if chunk != self.chunk:
             raise ValueError(f"the decoder's chunk maxima are of {self.chunk} columns; {chunk} were asked for "
                              f"(top_k_rows takes search.TOP_K_CHUNK)")
@@ -452,7 +500,7 @@ class CompiledDecoder:
         return self._steps(tgt_in, memory, src_mask, state)[0]
 
     def _steps(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor,
-               state: CompiledState) -> list[tuple[Tensor, Tensor | None, Tensor | None]]:
+               state: CompiledState) -> list[StepOutputs]:
         """The compiled step's outputs for each of tgt_in's (R, T) tokens, fed in turn."""
         rows, length = tgt_in.shape
         sentences = src_mask.size(0)
@@ -467,7 +515,8 @@ class CompiledDecoder:
             if one_token:
                 memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
             with self._calls(("cross", sentences == 1)) as call:
-                projected = call(self._cross, memory)  # [keys, values] of each layer, (N, H, S, Dh) each
+                projected = call(self._cross, memory, *real_positions(src_mask))  # [keys, values] of each layer,
+                # (N, H, S, Dh) each
             state.cross_keys, state.cross_values = projected[0::2], projected[1::2]
         heads = self.config.num_heads
         outputs = []
