@@ -15,6 +15,7 @@ from torch._inductor.graph import GraphLowering
 from seq2seq import search as search_module
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model import compiled as compiled_module
+from seq2seq.model.attention import CACHE_GROWTH
 from seq2seq.model.compiled import (
     CompiledDecoder,
     CompiledState,
@@ -648,7 +649,7 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
     compiled.decode(tokens, memory, src_mask, state=state)  # the cross keys made, the cache reserved
     state.reserve(rows=2, heads=4, head_dim=8, num_layers=2, dtype=memory.dtype, device=memory.device)
     strided_mask = src_mask.t().contiguous().t()  # (N, S), column-major: the graph's guards fail on its strides
-    inputs = (torch.full((2, 1), 7), torch.tensor(state.length), state.keys, state.values, state.cross_keys,
+    inputs = (torch.full((2, 1), 7), torch.tensor(state.length), state.length + 1, state.keys, state.values, state.cross_keys,
               state.cross_values, strided_mask)
     with tracing_settings(compiled=True), pytest.raises(RecompileError):
         compiled._step(*inputs)
@@ -714,3 +715,16 @@ def test_a_step_that_cannot_be_compiled_is_one_line():
 def test_a_new_state_is_empty():
     state = CompiledState()
     assert (state.length, state.capacity, state.keys, state.cross_keys) == (0, 0, [], [])
+
+
+def test_the_cache_keeps_a_spare_position_past_the_one_written():
+    """CompiledState.reserve grows the cache by CACHE_GROWTH positions while leaving a spare past the position the
+    step writes: the step attends over a view of the written positions, never the whole buffer (a contiguous view
+    would be a graph of its own), and a copy is made once every CACHE_GROWTH steps."""
+    state, capacities = CompiledState(), []
+    for length in range(40):
+        state.length = length
+        state.reserve(rows=2, heads=4, head_dim=8, num_layers=2, dtype=torch.float32, device=torch.device("cpu"))
+        assert state.capacity >= length + 2 and state.capacity % CACHE_GROWTH == 0
+        capacities.append(state.capacity)
+    assert sorted(set(capacities)) == [8, 16, 24, 32, 40, 48]  # (grown every CACHE_GROWTH steps, no more often)

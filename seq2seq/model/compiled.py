@@ -69,9 +69,11 @@ class CompiledState:
 
     def reserve(self, *, rows: int, heads: int, head_dim: int, num_layers: int, dtype: torch.dtype,
                 device: torch.device) -> None:
-        """Room for one more position: the buffers made on the first step, CACHE_GROWTH positions larger when
-        full (a copy every CACHE_GROWTH steps; the step attends over the whole capacity, masked)."""
-        if self.length < self.capacity:
+        """Room for one more position and a spare: the buffers made on the first step, CACHE_GROWTH positions larger
+        when only the spare is left (a copy every CACHE_GROWTH steps). The step attends over the positions written,
+        a view shorter than the buffer: one as long would be contiguous, which torch's matmul tells apart (a graph
+        of its own)."""
+        if self.length + 1 < self.capacity:
             return
         capacity = self.capacity + CACHE_GROWTH
         for cache in (self.keys, self.values):
@@ -219,15 +221,18 @@ StepOutputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
 """The compiled step's logits (R, V), their log-normaliser (R,), their chunk maxima (R, V // chunk) and their argmax
 (R,): search.StepDecoder's decode_step's."""
 
-Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], StepOutputs]
+Step = Callable[[Tensor, Tensor, int, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], StepOutputs]
 
 
 def decoder_step(model: Transformer, *, chunk: int) -> Step:
-    """step(tokens (N, K), position () long, keys, values, cross_keys, cross_values, src_mask (N, S) bool) ->
+    """step(tokens (N, K), position () long, attended, keys, values, cross_keys, cross_values, src_mask (N, S) bool) ->
     logits (R, V), their log-normaliser (R,), the maxima of their chunks (R, V // chunk) and their argmax (R,):
     `model`'s decoder fed one token per row at `position`, writing that position's self-attention keys and values
-    into keys[i] and values[i] (R, H, capacity, Dh) in place; R = N * K rows, a sentence's K hypotheses adjacent
-    (they share its cross keys/values, as MultiHeadAttention folds them).
+    into keys[i] and values[i] (R, H, capacity, Dh) in place and attending over their first `attended` positions
+    (position + 1, but at least two: a size of 1 would be a graph apart; those past `position` masked); R = N * K
+    rows, a sentence's K hypotheses adjacent (they share its cross keys/values, as MultiHeadAttention folds them).
+    The cache grows by CACHE_GROWTH positions at a time: attending over its whole capacity read up to 7 positions
+    of zeros a row and layer, half again the positions a short sentence's steps attend over.
 
     The tokens come as (N, K), not (R,), so that the beams K are a size of their own and the rows their product:
     with K as rows // N, and the head size a symbol of the caches' shapes, every index of the cross-attention's
@@ -246,8 +251,8 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
 
     head_dim = model.config.d_model // model.config.num_heads
 
-    def step(tokens: Tensor, position: Tensor, keys: list[Tensor], values: list[Tensor], cross_keys: list[Tensor],
-             cross_values: list[Tensor], src_mask: Tensor) -> StepOutputs:
+    def step(tokens: Tensor, position: Tensor, attended: int, keys: list[Tensor], values: list[Tensor],
+             cross_keys: list[Tensor], cross_values: list[Tensor], src_mask: Tensor) -> StepOutputs:
         sentences, beams = tokens.shape
         rows = sentences * beams
         tokens = tokens.reshape(rows)
@@ -256,7 +261,8 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
         table = positions(model.config.max_positions)  # (P, D)
         x = embed.tokens(tokens[:, None]) * embed.scale + table.index_select(0, position.view(1))  # (R, 1, D)
         x = embed.dropout(x)
-        self_mask = (torch.arange(keys[0].size(2), device=x.device) <= position)[None, None, None, :]  # (1, 1, 1, cap)
+        torch._check(attended < keys[0].size(2))  # (CompiledState.reserve's spare: the views never the whole buffer)
+        self_mask = (torch.arange(attended, device=x.device) <= position)[None, None, None, :]  # (1, 1, 1, attended)
         cross_mask = src_mask[:, None, None, :]  # (N, 1, 1, S)
         for i, layer in enumerate(layers):
             attention = layer.self_attn
@@ -264,7 +270,7 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
             queries, new_keys, new_values = attention.self_projections(h)  # (R, H, 1, Dh) each
             keys[i][:, :, position.view(1)] = new_keys
             values[i][:, :, position.view(1)] = new_values
-            out = attend(queries, keys[i], values[i], mask=self_mask)  # (R, H, 1, Dh)
+            out = attend(queries, keys[i][:, :, :attended], values[i][:, :, :attended], mask=self_mask)  # (R, H, 1, Dh)
             x = layer.self_attn_residual.after(x, attention.out_proj(out.reshape(rows, 1, -1)))
 
             attention = layer.cross_attn
@@ -525,8 +531,10 @@ class CompiledDecoder:
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
                               num_layers=self.config.num_decoder_layers, dtype=self.dtype, device=memory.device)
                 position = torch.tensor(state.length, device=tgt_in.device)
+                attended = max(state.length + 1, 2)  # (a size of 1 would be a graph apart; the second masked)
                 tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
-                inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values, src_mask)
+                inputs = (tokens, position, attended, state.keys, state.values, state.cross_keys, state.cross_values,
+                          src_mask)
                 outputs.append(call(self._step, *inputs))
                 state.length += 1
         return outputs
