@@ -1008,11 +1008,11 @@ def _one_per_row(
         logits, normalizer, chunk_max, best = step_logits(model, live.tgt_in, live.memory, live.src_mask, live.state,
                                                           bounds=bounds, normalize=normalize)  # (N, V), (N,), maxima, (N,)
         best = best if argmax else None
-        before = logits.gather(1, best[:, None]) if best is not None else logits[:, :0]  # (N, 1): its logit, unconstrained
+        before = None if best is None else logits.gather(1, best[:, None])  # (N, 1): the argmax's logit, unconstrained
         constrain_(logits[:, None], live.tokens, live.limits, ids=ids, min_len=config.min_len,
                    no_repeat_ngram_size=config.no_repeat_ngram_size)  # lowers logits only: the bounds hold
         unfinished = live.num_finished == 0  # (N,)
-        if best is not None:
+        if best is not None and before is not None:
             # The constraints only lower logits: where they left the argmax's as it was it is still the argmax (the
             # first of equal maxima too); elsewhere (a banned or forced token) -1, ranked by pick. A finished row
             # riding along takes token 0 without a look at its logits.

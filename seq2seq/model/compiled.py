@@ -189,7 +189,7 @@ def chunk_argmax(logits: Tensor, *, maxima: Tensor, chunk: int) -> Tensor:
     partial chunk, which wins only above it. Greedy search's pick made in the step's generated code, which a search
     of one hypothesis per sentence takes where its constraints did not lower the logit (search.greedy): eager, on
     the logits the step returns, ranking them was the search's largest work between two steps."""
-    rows, vocab = logits.shape
+    vocab = logits.size(1)
     first = maxima.argmax(dim=-1)  # (R,)
     columns = first[:, None] * chunk + torch.arange(chunk, device=logits.device)  # (R, chunk)
     values = logits.gather(1, columns)  # (R, chunk)
