@@ -51,15 +51,18 @@ def tiny(*, seed: int = 0, dtype: torch.dtype = torch.float32, **variant) -> Tra
     return for_inference(model.fuse_self_attention(), "bf16" if dtype == torch.bfloat16 else "fp32")
 
 
-DECODERS: dict[str, tuple[Transformer, CompiledDecoder]] = {}
+DECODERS: dict[tuple[str, bool], tuple[Transformer, CompiledDecoder]] = {}
 
 
-def compiled_variant(name: str) -> tuple[Transformer, CompiledDecoder]:
-    """The variant's model and its compiled decoder, made once for the module's tests (compiling is the cost)."""
-    if name not in DECODERS:
-        model = tiny(**VARIANTS[name])
-        DECODERS[name] = model, CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False)
-    return DECODERS[name]
+def compiled_variant(name: str, *, attention_kernel: bool = True) -> tuple[Transformer, CompiledDecoder]:
+    """The variant's model and its compiled decoder, made once for the module's tests (compiling is the cost); with
+    `attention_kernel` False, the step's attention written out, as on a GPU."""
+    if (name, attention_kernel) not in DECODERS:
+        with torch.inference_mode(False):  # (the model shared by tests that decode outside inference mode too)
+            model = tiny(**VARIANTS[name])
+        DECODERS[name, attention_kernel] = model, CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False,
+                                                                  attention_kernel=attention_kernel)
+    return DECODERS[name, attention_kernel]
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -83,10 +86,15 @@ def sources(*, seed: int = 1) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def test_each_step_gives_the_models_logits_and_keeps_them_through_reorders(pair):
+@pytest.mark.parametrize(("variant", "attention_kernel"), [("post-sinusoidal-relu", True), ("post-sinusoidal-relu", False),
+                                                         ("sandwich-learned-swiglu-rmsnorm-untied", True)],
+                         ids=["post", "post-attention-written-out", "sandwich"])
+def test_each_step_gives_the_models_logits_and_keeps_them_through_reorders(variant: str, attention_kernel: bool):
     """Step by step over 12 positions (the cache grows past CACHE_GROWTH), with beams reordered, duplicated,
-    and a sentence dropped on the way: the compiled logits equal the eager step's given the same history."""
-    model, compiled = pair
+    and a sentence dropped on the way: the compiled logits equal the eager step's given the same history, with the
+    step's attention the CPU's kernel (model/kernels.py) or written out (a GPU's, run here on the CPU)."""
+    model, compiled = compiled_variant(variant, attention_kernel=attention_kernel)
+    assert compiled.attention_kernel == attention_kernel
     src = sources()
     memory, src_mask = model.encode(src), src != PAD
     eager_state, state = model.new_state(), compiled.new_state()
@@ -649,7 +657,7 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
     compiled.decode(tokens, memory, src_mask, state=state)  # the cross keys made, the cache reserved
     state.reserve(rows=2, heads=4, head_dim=8, num_layers=2, dtype=memory.dtype, device=memory.device)
     strided_mask = src_mask.t().contiguous().t()  # (N, S), column-major: the graph's guards fail on its strides
-    inputs = (torch.full((2, 1), 7), torch.tensor(state.length), state.length + 1, state.keys, state.values, state.cross_keys,
+    inputs = (torch.full((2, 1), 7), torch.tensor(state.length), state.keys, state.values, state.cross_keys,
               state.cross_values, strided_mask)
     with tracing_settings(compiled=True), pytest.raises(RecompileError):
         compiled._step(*inputs)
@@ -717,14 +725,47 @@ def test_a_new_state_is_empty():
     assert (state.length, state.capacity, state.keys, state.cross_keys) == (0, 0, [], [])
 
 
-def test_the_cache_keeps_a_spare_position_past_the_one_written():
-    """CompiledState.reserve grows the cache by CACHE_GROWTH positions while leaving a spare past the position the
-    step writes: the step attends over a view of the written positions, never the whole buffer (a contiguous view
-    would be a graph of its own), and a copy is made once every CACHE_GROWTH steps."""
+def test_the_cache_grows_by_cache_growth_positions_when_full_and_keeps_what_was_written():
+    """CompiledState.reserve makes room for the position the step writes: CACHE_GROWTH positions more when the cache
+    is full (a copy once every CACHE_GROWTH steps), the positions written kept and the new ones zero."""
     state, capacities = CompiledState(), []
     for length in range(40):
         state.length = length
         state.reserve(rows=2, heads=4, head_dim=8, num_layers=2, dtype=torch.float32, device=torch.device("cpu"))
-        assert state.capacity >= length + 2 and state.capacity % CACHE_GROWTH == 0
+        assert state.capacity >= length + 1 and state.capacity % CACHE_GROWTH == 0
         capacities.append(state.capacity)
-    assert sorted(set(capacities)) == [8, 16, 24, 32, 40, 48]  # (grown every CACHE_GROWTH steps, no more often)
+        for cache in (*state.keys, *state.values):
+            assert cache.shape == (2, 4, state.capacity, 8) and not cache[:, :, length:].any()
+            cache[:, :, length] = length + 1  # "written"
+    assert sorted(set(capacities)) == [8, 16, 24, 32, 40]  # (grown every CACHE_GROWTH steps, no more often)
+    assert torch.equal(state.keys[1][0, 0, :, 0], torch.arange(1.0, 41.0))
+
+
+@torch.inference_mode()
+def test_the_step_refuses_a_source_mask_that_is_not_a_right_padded_batch_s():
+    """The attention kernel reads each sentence's first sum(mask) positions: a mask with a real position after a
+    padded one (not made by padding a batch on the right) is refused, not read as another sentence."""
+    model, compiled = compiled_variant("post-sinusoidal-relu")
+    src = sources()
+    memory, src_mask = model.encode(src), src != PAD
+    src_mask[1, 5] = True  # (the second sentence is 3 tokens long)
+    with pytest.raises(ValueError, match="right-padded sources"):
+        compiled.decode(torch.full((4, 1), BOS), memory, src_mask, state=compiled.new_state())
+
+
+def test_an_attention_kernel_that_cannot_be_built_is_a_one_line_compile_error(monkeypatch: pytest.MonkeyPatch):
+    """The compiler failing on the attention kernel (at the step's first compile) is a CompileError of one line
+    naming its reason, as inductor's failure is."""
+    from seq2seq.model import kernels
+
+    def failing(**_: object) -> None:
+        raise RuntimeError("Error building extension 'seq2seq_avx512':\n[1/2] c++ ...\nattend.cpp:3: error: expected ';'\n"
+                           "ninja: build stopped: subcommand failed.")
+
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr("torch.utils.cpp_extension.load", failing)
+    compiled = CompiledDecoder(tiny(seed=12, num_decoder_layers=1), gemm_templates=False, cpp_wrapper=False)
+    with pytest.raises(compiled_module.CompileError) as caught:
+        decode(compiled, sources()[:1], SearchConfig(beam_size=1), bos=BOS, eos=EOS, pad=PAD)
+    assert str(caught.value) == ("the decoding step's attention kernel could not be built (attend.cpp:3: error: "
+                                 "expected ';')")

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from seq2seq.model.attention import CACHE_GROWTH, fold_beams, unfold_beams
 from seq2seq.model.config import TransformerConfig
+from seq2seq.model.kernels import KernelBuildError, decode_attention_op
 from seq2seq.model.layers import DecoderLayer
 from seq2seq.model.numerics import RowInt8Linear, replace_linears
 from seq2seq.model.transformer import Transformer, check_length
@@ -52,8 +53,8 @@ def check_compilable(config: TransformerConfig) -> None:
 
 class CompiledState:
     """What the compiled step keeps between steps (search.py's DecoderState protocol): per decoder layer the
-    self-attention keys and values, (R, H, capacity, Dh) each, positions from `length` on zero (the step
-    masks them), and the cross-attention keys and values, (N, H, S, Dh), one row per sentence."""
+    self-attention keys and values, (R, H, capacity, Dh) each, positions from `length` on zero (not attended), and the
+    cross-attention keys and values, (N, H, S, Dh), one row per sentence."""
 
     def __init__(self) -> None:
         self.length = 0
@@ -69,11 +70,9 @@ class CompiledState:
 
     def reserve(self, *, rows: int, heads: int, head_dim: int, num_layers: int, dtype: torch.dtype,
                 device: torch.device) -> None:
-        """Room for one more position and a spare: the buffers made on the first step, CACHE_GROWTH positions larger
-        when only the spare is left (a copy every CACHE_GROWTH steps). The step attends over the positions written,
-        a view shorter than the buffer: one as long would be contiguous, which torch's matmul tells apart (a graph
-        of its own)."""
-        if self.length + 1 < self.capacity:
+        """Room for one more position: the buffers made on the first step, CACHE_GROWTH positions larger when full
+        (a copy every CACHE_GROWTH steps)."""
+        if self.length < self.capacity:
             return
         capacity = self.capacity + CACHE_GROWTH
         for cache in (self.keys, self.values):
@@ -93,9 +92,9 @@ class CompiledState:
 
 
 def attend(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(Dh)) v, masked, written out for inductor to fuse (SDPA would be an opaque CPU
-    kernel, slow in bf16 for many small matrices): (B, H, Tq, Dh) from queries (B, H, Tq, Dh), keys and
-    values (B, H, Tk, Dh), a boolean mask broadcastable to (B, H, Tq, Tk); every query sees a key."""
+    """softmax(q k^T / sqrt(Dh)) v, masked, written out for inductor to fuse, where the step's attention kernel is not
+    (a GPU; SDPA would be an opaque kernel): (B, H, Tq, Dh) from queries (B, H, Tq, Dh), keys and values (B, H, Tk,
+    Dh), a boolean mask broadcastable to (B, H, Tq, Tk); every query sees a key."""
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * queries.size(-1) ** -0.5  # (B, H, Tq, Tk)
     return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), values)
 
@@ -221,18 +220,22 @@ StepOutputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
 """The compiled step's logits (R, V), their log-normaliser (R,), their chunk maxima (R, V // chunk) and their argmax
 (R,): search.StepDecoder's decode_step's."""
 
-Step = Callable[[Tensor, Tensor, int, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], StepOutputs]
+Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], StepOutputs]
+
+Attention = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""model/kernels.py's decode_attention: (queries (B, Q, H * Dh), keys and values (B, H, S, Dh), lengths (B,)) -> (B, Q,
+H * Dh), each row over its first lengths[b] positions."""
 
 
-def decoder_step(model: Transformer, *, chunk: int) -> Step:
-    """step(tokens (N, K), position () long, attended, keys, values, cross_keys, cross_values, src_mask (N, S) bool) ->
-    logits (R, V), their log-normaliser (R,), the maxima of their chunks (R, V // chunk) and their argmax (R,):
-    `model`'s decoder fed one token per row at `position`, writing that position's self-attention keys and values
-    into keys[i] and values[i] (R, H, capacity, Dh) in place and attending over their first `attended` positions
-    (position + 1, but at least two: a size of 1 would be a graph apart; those past `position` masked); R = N * K
-    rows, a sentence's K hypotheses adjacent (they share its cross keys/values, as MultiHeadAttention folds them).
-    The cache grows by CACHE_GROWTH positions at a time: attending over its whole capacity read up to 7 positions
-    of zeros a row and layer, half again the positions a short sentence's steps attend over.
+def decoder_step(model: Transformer, *, chunk: int, attention: Attention | None = None) -> Step:
+    """step(tokens (N, K), position () long, keys, values, cross_keys, cross_values, src_mask (N, S) bool) -> logits
+    (R, V), their log-normaliser (R,), the maxima of their chunks (R, V // chunk) and their argmax (R,): `model`'s
+    decoder fed one token per row at `position`, writing that position's self-attention keys and values into keys[i]
+    and values[i] (R, H, capacity, Dh) in place and attending over positions up to `position`;
+    R = N * K rows, a sentence's K hypotheses adjacent (they share its cross keys/values, as MultiHeadAttention folds
+    them). Both attentions are `attention` (the CPU's kernel: each row over its own positions, the cross-attention's
+    over its source's length, src_mask being a right-padded batch's), else written out (`attend`, masked: a
+    sentence's padding and the cache's unwritten positions read).
 
     The tokens come as (N, K), not (R,), so that the beams K are a size of their own and the rows their product:
     with K as rows // N, and the head size a symbol of the caches' shapes, every index of the cross-attention's
@@ -249,36 +252,60 @@ def decoder_step(model: Transformer, *, chunk: int) -> Step:
     positions = embed.positions
     assert positions is not None  # absolute positions (check_compilable)
 
-    head_dim = model.config.d_model // model.config.num_heads
+    heads = model.config.num_heads
+    head_dim = model.config.d_model // heads
 
-    def step(tokens: Tensor, position: Tensor, attended: int, keys: list[Tensor], values: list[Tensor],
-             cross_keys: list[Tensor], cross_values: list[Tensor], src_mask: Tensor) -> StepOutputs:
+    def step(tokens: Tensor, position: Tensor, keys: list[Tensor], values: list[Tensor], cross_keys: list[Tensor],
+             cross_values: list[Tensor], src_mask: Tensor) -> StepOutputs:
         sentences, beams = tokens.shape
         rows = sentences * beams
         tokens = tokens.reshape(rows)
-        for cache in (*keys, *values, *cross_keys, *cross_values):
-            torch._check(cache.size(3) == head_dim)  # (the head size a constant, as the projections' views make it)
+        for cache in (*keys, *values, *cross_keys, *cross_values):  # (heads and head size constants, as the
+            # projections' views make them)
+            torch._check(cache.size(1) == heads)
+            torch._check(cache.size(3) == head_dim)
+        for cache in (*keys, *values):  # (every layer's cache of one shape, the cross keys' and values' of another:
+            # sizes told equal are one symbol, and the attention kernel, an operator inductor hands each whole tensor,
+            # would otherwise have every cache's sizes passed to the graph apart, ~5 us each a step)
+            torch._check(cache.size(0) == rows)
+            torch._check(cache.size(2) == keys[0].size(2))
+        for cache in (*cross_keys, *cross_values):
+            torch._check(cache.size(0) == sentences)
+            torch._check(cache.size(2) == src_mask.size(1))
         table = positions(model.config.max_positions)  # (P, D)
         x = embed.tokens(tokens[:, None]) * embed.scale + table.index_select(0, position.view(1))  # (R, 1, D)
         x = embed.dropout(x)
-        torch._check(attended < keys[0].size(2))  # (CompiledState.reserve's spare: the views never the whole buffer)
-        self_mask = (torch.arange(attended, device=x.device) <= position)[None, None, None, :]  # (1, 1, 1, attended)
-        cross_mask = src_mask[:, None, None, :]  # (N, 1, 1, S)
+        if attention is not None:
+            self_lengths = (position + 1).view(1).expand(rows)  # (R,)
+            cross_lengths = src_mask.sum(dim=-1)  # (N,)
+        else:
+            self_mask = (torch.arange(keys[0].size(2), device=x.device) <= position)[None, None, None, :]  # (1, 1, 1,
+            # capacity)
+            cross_mask = src_mask[:, None, None, :]  # (N, 1, 1, S)
         for i, layer in enumerate(layers):
-            attention = layer.self_attn
             h = layer.self_attn_residual.before(x)
-            queries, new_keys, new_values = attention.self_projections(h)  # (R, H, 1, Dh) each
+            queries, new_keys, new_values = layer.self_attn.self_projections(h)  # (R, H, 1, Dh) each
             keys[i][:, :, position.view(1)] = new_keys
             values[i][:, :, position.view(1)] = new_values
-            out = attend(queries, keys[i][:, :, :attended], values[i][:, :, :attended], mask=self_mask)  # (R, H, 1, Dh)
-            x = layer.self_attn_residual.after(x, attention.out_proj(out.reshape(rows, 1, -1)))
+            if attention is not None:  # (queries and out with the heads after the query, as the projections make
+                # them and the output projection takes them: no copies around the kernel)
+                out = attention(queries.transpose(1, 2).reshape(rows, 1, -1), keys[i], values[i], self_lengths)  # (R,
+                # 1, D)
+            else:
+                out = attend(queries, keys[i], values[i], mask=self_mask).transpose(1, 2)
+            x = layer.self_attn_residual.after(x, layer.self_attn.out_proj(out.reshape(rows, 1, -1)))
 
-            attention = layer.cross_attn
             h = layer.cross_attn_residual.before(x)
-            queries = fold_beams(attention.split_heads(attention.q_proj(h)), sentences=sentences)  # (N, H, K, Dh)
-            out = attend(queries, cross_keys[i], cross_values[i], mask=cross_mask)  # (N, H, K, Dh)
-            out = unfold_beams(out, beams=beams)  # (R, H, 1, Dh)
-            x = layer.cross_attn_residual.after(x, attention.out_proj(out.reshape(rows, 1, -1)))
+            queries = layer.cross_attn.q_proj(h)  # (R, 1, D)
+            if attention is not None:
+                out = attention(queries.view(sentences, beams, -1), cross_keys[i], cross_values[i], cross_lengths)  # (N,
+                # K, D)
+            else:
+                folded = fold_beams(layer.cross_attn.split_heads(queries), sentences=sentences)  # (N, H, K, Dh)
+                out = unfold_beams(attend(folded, cross_keys[i], cross_values[i], mask=cross_mask), beams=beams)  # (R,
+                # H, 1, Dh)
+                out = out.transpose(1, 2)
+            x = layer.cross_attn_residual.after(x, layer.cross_attn.out_proj(out.reshape(rows, 1, -1)))
 
             x = layer.ffn_residual.after(x, layer.ffn(layer.ffn_residual.before(x)))
         if decoder.final_norm is not None:
@@ -367,7 +394,8 @@ class CompileError(RuntimeError):
 
 @contextmanager
 def compiling() -> Iterator[None]:
-    """Around a call that may compile: inductor's failure (pages of traceback) becomes a CompileError of one line."""
+    """Around a call that may compile: inductor's failure (pages of traceback) becomes a CompileError of one line, as
+    does the attention kernel's (its build, at the step's first compile)."""
     from torch._dynamo.exc import BackendCompilerFailed
 
     try:
@@ -375,6 +403,8 @@ def compiling() -> Iterator[None]:
     except BackendCompilerFailed as error:
         reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise CompileError(f"the decoding step could not be compiled ({reason})") from None
+    except KernelBuildError as error:
+        raise CompileError(str(error)) from None
 
 
 KINDS = ((1, 1), (1, 4), (BULK_SENTENCES := 64, 1), (BULK_SENTENCES, 4))
@@ -426,7 +456,9 @@ class CompiledDecoder:
     RowInt8Linear (int8_compiled), and neither its weights nor its modules may change afterwards: they are frozen
     into the compiled code, whose calls do not guard on them (`compile_frozen`)."""
 
-    def __init__(self, model: Transformer, *, chunk: int = 64, gemm_templates: bool = True, cpp_wrapper: bool = True):
+    def __init__(self, model: Transformer, *, chunk: int = 64, gemm_templates: bool = True, cpp_wrapper: bool = True,
+                 attention_kernel: bool = True):
+        check_compilable(model.config)
         self.model = model.stack_cross_projections()  # (a model int8_compiled converted has them stacked already)
         self.chunk = chunk
         """Columns per chunk of the step's chunk maxima (`decode_step`): search.TOP_K_CHUNK, which top_k_rows takes."""
@@ -449,7 +481,11 @@ class CompiledDecoder:
         # One graph per kind of call (one row or several, one sentence or several, beams or not), each
         # decoder's apart from other decoders' (all share the step's code): a graph break or more graphs
         # than RECOMPILE_LIMIT is an error, not a silent fall back to the eager step.
-        self._step = compile_frozen(decoder_step(model, chunk=chunk), backend=backend)
+        self.attention_kernel = attention_kernel and on_cpu
+        """Whether the step attends with model/kernels.py's kernel (on a CPU), not the attention written out."""
+        self._backend = backend
+        self._step: Callable[..., StepOutputs] | None = None  # (_step_function: made at the first step's compile,
+        # after the attention kernel is built, which may fail as compiling does)
         # The encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate passes over
         # a batch's activations, and fbgemm's int8 matmuls ran slower than the compiled ones (README, "The encoder
         # compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own).
@@ -518,6 +554,10 @@ class CompiledDecoder:
         if one_token:
             src_mask = F.pad(src_mask, (0, 1))  # (N, 2), False at the pad
         if not state.cross_keys:  # (once, in the decoder's dtype: a float32 encoder's memory for bf16_around_int8's)
+            if bool((src_mask[:, 1:] > src_mask[:, :-1]).any()):  # (the attention kernel reads each row's first
+                # sum(src_mask[n]) positions)
+                raise ValueError("the compiled step takes right-padded sources: a source mask has a real position "
+                                 "after a padded one")
             if one_token:
                 memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
             with self._calls(("cross", sentences == 1)) as call:
@@ -531,13 +571,21 @@ class CompiledDecoder:
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
                               num_layers=self.config.num_decoder_layers, dtype=self.dtype, device=memory.device)
                 position = torch.tensor(state.length, device=tgt_in.device)
-                attended = max(state.length + 1, 2)  # (a size of 1 would be a graph apart; the second masked)
                 tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
-                inputs = (tokens, position, attended, state.keys, state.values, state.cross_keys, state.cross_values,
+                inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values,
                           src_mask)
-                outputs.append(call(self._step, *inputs))
+                outputs.append(call(self._step_function(), *inputs))
                 state.length += 1
         return outputs
+
+    def _step_function(self) -> Callable[..., StepOutputs]:
+        """The compiled step, made on first use (in a call of a kind not yet compiled: one thread at a time, and a
+        kernel that cannot be built a CompileError, `_calls`)."""
+        if self._step is None:
+            attention = decode_attention_op() if self.attention_kernel else None
+            step = decoder_step(self.model, chunk=self.chunk, attention=attention)
+            self._step = compile_frozen(step, backend=self._backend)
+        return self._step
 
     @torch.inference_mode()
     def compile_kinds(self) -> int:

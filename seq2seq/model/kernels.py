@@ -1,0 +1,87 @@
+"""The compiled decoding step's attention on a CPU, a kernel of our own (decode_attention.cpp), and its reference.
+
+A decoding step attends with one query per row (a few with beams) over the cross-attention's keys and values and the
+self-attention cache. Written out for inductor (compiled.attend) the scores' reduction over the head size summed
+each position's vector across its lanes, ~3x the cycles of the multiply-adds, and the padding of a batch's shorter
+sources was read and masked: the two attentions were ~16% of a bulk greedy run on one core, more than its
+feed-forward matmuls. torch's own CPU attention (SDPA) and FlexAttention were slower still at one query a row (README,
+"The step's attention, a kernel of our own"). The kernel sums the products of a vector of positions at once (see the
+source), and takes each row's length, so that it reads its real positions only.
+
+It is built on first use with torch.utils.cpp_extension (the C++ compiler inductor needs already, and ninja), once
+per process and kept on disk for the next (TORCH_EXTENSIONS_DIR), for the instruction set torch's own CPU kernels
+use on this machine (or one named: the tests run each). The compiled step calls it as an operator, which inductor's
+C++ wrapper calls through the dispatcher without the GIL (compiled.CPP_WRAPPER).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+
+INSTRUCTION_SETS: dict[str, tuple[list[str], list[str]]] = {
+    "AVX512": (["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
+               ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
+    "AVX2": (["-mavx2", "-mfma", "-mf16c"], ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
+    "DEFAULT": ([], ["-DCPU_CAPABILITY=DEFAULT"]),
+}
+"""Compiler flags and ATen's vector-type macros of each build (inductor's own flags for AVX-512 and AVX2): ATen's
+Vectorized<float> is 16 floats, 8, or a plain loop over 8 (any CPU, ARM included)."""
+
+
+def machine_instruction_set() -> str:
+    """The build this machine takes: the set torch dispatches its own CPU kernels to ("AVX512", "AVX2"), else DEFAULT."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in INSTRUCTION_SETS else "DEFAULT"
+
+
+_loaded: dict[str, object] = {}
+_loading = threading.Lock()
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel could not be built (no C++ compiler, no ninja): one line naming the compiler's reason."""
+
+
+def decode_attention_op(instruction_set: str | None = None) -> torch._ops.OpOverloadPacket:
+    """torch.ops.seq2seq_<set>.decode_attention, built for `instruction_set` (the machine's by default) on first use."""
+    name = instruction_set or machine_instruction_set()
+    if name not in INSTRUCTION_SETS:
+        raise ValueError(f"no decode_attention build for {name!r}; one of {', '.join(INSTRUCTION_SETS)}")
+    library = f"seq2seq_{name.lower()}"
+    with _loading:
+        if library not in _loaded:
+            from torch.utils.cpp_extension import load
+
+            arch, macros = INSTRUCTION_SETS[name]
+            try:
+                load(name=library, sources=[str(SOURCE)],
+                     extra_cflags=["-O3", *arch, *macros, f"-DSEQ2SEQ_OPS={library}"], is_python_module=False)
+            except (RuntimeError, OSError) as error:  # (cpp_extension's failures: the compiler's pages of output)
+                lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+                reason = next((line for line in lines if ": error" in line), lines[0] if lines else repr(error))
+                raise KernelBuildError(f"the decoding step's attention kernel could not be built ({reason})") from None
+            torch.library.register_fake(f"{library}::decode_attention")(_decode_attention_shape)
+            _loaded[library] = getattr(torch.ops, library).decode_attention
+    return _loaded[library]  # type: ignore[return-value]
+
+
+def _decode_attention_shape(queries: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+    return queries.new_empty(queries.shape)  # (what torch.compile traces: the output's shape, contiguous)
+
+
+def decode_attention_reference(queries: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+    """What the kernel computes, written out: queries (B, Q, H * D), keys and values (B, H, S, D), lengths (B,) -> (B,
+    Q, H * D), each row b attending over its first lengths[b] positions (zeros where it has none)."""
+    batch, count, _ = queries.shape
+    heads, head_dim = keys.size(1), keys.size(3)
+    queries = queries.view(batch, count, heads, head_dim).transpose(1, 2)  # (B, H, Q, D)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * head_dim**-0.5  # (B, H, Q, S)
+    seen = torch.arange(keys.size(2), device=lengths.device) < lengths[:, None]  # (B, S)
+    weights = scores.masked_fill(~seen[:, None, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return torch.matmul(weights, values).transpose(1, 2).reshape(batch, count, heads * head_dim)
