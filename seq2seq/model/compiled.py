@@ -28,6 +28,7 @@ import copy
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from seq2seq.model.attention import CACHE_GROWTH, fold_beams, unfold_beams
 from seq2seq.model.config import TransformerConfig
 from seq2seq.model.kernels import KernelBuildError, decode_attention_op
-from seq2seq.model.layers import DecoderLayer
+from seq2seq.model.layers import DecoderLayer, EncoderLayer
 from seq2seq.model.numerics import RowInt8Linear, replace_linears
 from seq2seq.model.transformer import Transformer, check_length
 
@@ -225,6 +226,36 @@ Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[
 Attention = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """model/kernels.py's decode_attention: (queries (B, Q, H * Dh), keys and values (B, H, S, Dh), lengths (B,)) -> (B, Q,
 H * Dh), each row over its first lengths[b] positions."""
+
+
+def encoder_memory(model: Transformer, *, attention: Attention | None = None) -> Callable[[Tensor], Tensor]:
+    """memory(src (B, S)) -> (B, S, D), zero at padding: the model's encoder (Transformer._memory) with its
+    self-attention `attention` (the CPU's kernel, each sentence over its own length, the queries of all its positions
+    at once) where given. torch's SDPA on a CPU, at a decoding batch's dozens of positions a sentence, was a quarter of
+    the compiled encoder's time, a tenth of a bulk greedy run on one core (README, "The step's attention, a kernel of
+    our own")."""
+    if attention is None:
+        return model._memory
+    encoder = model.encoder
+    layers = cast(list[EncoderLayer], list(encoder.layers))
+    pad_id = model.config.pad_id
+
+    def memory(src: Tensor) -> Tensor:
+        batch, length = src.shape
+        padding = src == pad_id  # (B, S)
+        lengths = length - padding.sum(dim=-1)  # (B,): right-padded sources
+        x = encoder.embed(src)  # (B, S, D)
+        for layer in layers:
+            h = layer.self_attn_residual.before(x)
+            queries, keys, values = layer.self_attn.self_projections(h)  # (B, H, S, Dh) each
+            out = attention(queries.transpose(1, 2).reshape(batch, length, -1), keys, values, lengths)  # (B, S, D)
+            x = layer.self_attn_residual.after(x, layer.self_attn.out_proj(out))
+            x = layer.ffn_residual.after(x, layer.ffn(layer.ffn_residual.before(x)))
+        if encoder.final_norm is not None:
+            x = encoder.final_norm(x)
+        return x.masked_fill(padding[:, :, None], 0.0)
+
+    return memory
 
 
 def decoder_step(model: Transformer, *, chunk: int, attention: Attention | None = None) -> Step:
@@ -440,6 +471,14 @@ def _call(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
     return function(*inputs)
 
 
+@dataclass(frozen=True)
+class Compiled:
+    """CompiledDecoder's compiled encoder and step (its cross-attention projection is made with it)."""
+
+    encoder: Callable[[Tensor], Tensor]
+    step: Callable[..., StepOutputs]
+
+
 class CompiledDecoder:
     """A Transformer whose encoder, cross-attention projection and decoding step run compiled: search.py's
     EncoderDecoder, for `search.decode`.
@@ -484,12 +523,12 @@ class CompiledDecoder:
         self.attention_kernel = attention_kernel and on_cpu
         """Whether the step attends with model/kernels.py's kernel (on a CPU), not the attention written out."""
         self._backend = backend
-        self._step: Callable[..., StepOutputs] | None = None  # (_step_function: made at the first step's compile,
-        # after the attention kernel is built, which may fail as compiling does)
+        self._step: Callable[..., StepOutputs] | None = None  # (_compiled(): made at the first compile, after the
+        # attention kernel is built, which may fail as compiling does)
         # The encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate passes over
         # a batch's activations, and fbgemm's int8 matmuls ran slower than the compiled ones (README, "The encoder
         # compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own).
-        self._encoder = compile_frozen(model._memory, backend=backend)
+        self._encoder: Callable[[Tensor], Tensor] | None = None
         # And the memory's projection into the cross-attention keys and values, once a batch: eager, the int8
         # projection's quantising, its dequantising, the cast to the decoder's dtype and the copies into the heads'
         # layout were passes of their own over the batch's (N, S, layers * 2D) (README, "The cross-attention's keys
@@ -508,7 +547,7 @@ class CompiledDecoder:
         one_token = src.size(1) == 1  # padded to two, masked (a size of 1 would make graphs apart)
         src = F.pad(src, (0, 1), value=self.config.pad_id) if one_token else src.clone()  # (B, S)
         with self._calls(("encoder", src.size(0) == 1)) as call:
-            memory = call(self._encoder, src)  # (B, S, D)
+            memory = call(self._compiled().encoder, src)  # (B, S, D)
         return memory[:, :1] if one_token else memory
 
     @staticmethod
@@ -574,18 +613,21 @@ class CompiledDecoder:
                 tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
                 inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values,
                           src_mask)
-                outputs.append(call(self._step_function(), *inputs))
+                outputs.append(call(self._compiled().step, *inputs))
                 state.length += 1
         return outputs
 
-    def _step_function(self) -> Callable[..., StepOutputs]:
-        """The compiled step, made on first use (in a call of a kind not yet compiled: one thread at a time, and a
-        kernel that cannot be built a CompileError, `_calls`)."""
-        if self._step is None:
+    def _compiled(self) -> Compiled:
+        """The compiled encoder and step, made on first use (in a call of a kind not yet compiled: one thread at a
+        time, and a kernel that cannot be built a CompileError, `_calls`)."""
+        if self._step is None or self._encoder is None:
             attention = decode_attention_op() if self.attention_kernel else None
-            step = decoder_step(self.model, chunk=self.chunk, attention=attention)
-            self._step = compile_frozen(step, backend=self._backend)
-        return self._step
+            if self._encoder is None:
+                self._encoder = compile_frozen(encoder_memory(self.model, attention=attention), backend=self._backend)
+            if self._step is None:
+                self._step = compile_frozen(decoder_step(self.model, chunk=self.chunk, attention=attention),
+                                            backend=self._backend)
+        return Compiled(encoder=self._encoder, step=self._step)
 
     @torch.inference_mode()
     def compile_kinds(self) -> int:

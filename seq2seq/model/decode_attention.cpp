@@ -68,27 +68,24 @@ void scores_of(const float* q, const T* keys, int64_t row_stride, int64_t D, int
   for (int64_t s0 = 0; s0 < L; s0 += W) {
     const int64_t n = std::min<int64_t>(W, L - s0);
     const T* rows = keys + s0 * row_stride;
+    const T* row[W];  // (a last block's rows past L read row n - 1 again, their sums unused: no test in the loops,
+    // which would keep acc in memory, not in registers)
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < W; ++j) row[j] = rows + std::min<int64_t>(j, n - 1) * row_stride;
     Vec acc[W];
 #pragma GCC unroll 16
     for (int64_t j = 0; j < W; ++j) acc[j] = Vec(0.f);
-    if (D == 4 * W) {  // (the usual head size, 64 on AVX-512: the query in registers, each key's row read whole)
-      const Vec q0 = Vec::loadu(q), q1 = Vec::loadu(q + W), q2 = Vec::loadu(q + 2 * W), q3 = Vec::loadu(q + 3 * W);
+    if (D % W == 0) {
+      for (int64_t d = 0; d < D; d += W) {
+        const Vec qd = Vec::loadu(q + d);
 #pragma GCC unroll 16
-      for (int64_t j = 0; j < W; ++j) {
-        if (j < n) {
-          const T* row = rows + j * row_stride;
-          acc[j] = at::vec::fmadd(q0, load_float(row, W), acc[j]);
-          acc[j] = at::vec::fmadd(q1, load_float(row + W, W), acc[j]);
-          acc[j] = at::vec::fmadd(q2, load_float(row + 2 * W, W), acc[j]);
-          acc[j] = at::vec::fmadd(q3, load_float(row + 3 * W, W), acc[j]);
-        }
+        for (int64_t j = 0; j < W; ++j) acc[j] = at::vec::fmadd(qd, load_float(row[j] + d, W), acc[j]);
       }
     } else {
-      for (int64_t j = 0; j < n; ++j) {  // (positions in the order they lie in memory)
-        const T* row = rows + j * row_stride;
-        Vec sum(0.f);
-        for (int64_t d = 0; d < D; d += W) sum = at::vec::fmadd(Vec::loadu(q + d), load_float(row + d, D - d), sum);
-        acc[j] = sum;
+      for (int64_t d = 0; d < D; d += W) {
+        const Vec qd = Vec::loadu(q + d);
+#pragma GCC unroll 16
+        for (int64_t j = 0; j < W; ++j) acc[j] = at::vec::fmadd(qd, load_float(row[j] + d, D - d), acc[j]);
       }
     }
     lane_sums(acc).store(scores + s0);  // (the buffer has W floats of room past S)
