@@ -231,9 +231,8 @@ H * Dh), each row over its first lengths[b] positions."""
 def encoder_memory(model: Transformer, *, attention: Attention | None = None) -> Callable[[Tensor], Tensor]:
     """memory(src (B, S)) -> (B, S, D), zero at padding: the model's encoder (Transformer._memory) with its
     self-attention `attention` (the CPU's kernel, each sentence over its own length, the queries of all its positions
-    at once) where given. torch's SDPA on a CPU, at a decoding batch's dozens of positions a sentence, was a quarter of
-    the compiled encoder's time, a tenth of a bulk greedy run on one core (README, "The step's attention, a kernel of
-    our own")."""
+    at once) where given: torch's SDPA on a CPU, at a decoding batch's dozens of positions a sentence, was a quarter of
+    the compiled encoder's time, the kernel ~30% less (README, "The step's attention, a kernel of our own")."""
     if attention is None:
         return model._memory
     encoder = model.encoder
@@ -473,7 +472,7 @@ def _call(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
 
 @dataclass(frozen=True)
 class Compiled:
-    """CompiledDecoder's compiled encoder and step (its cross-attention projection is made with it)."""
+    """CompiledDecoder's compiled encoder and step, made at the first compile (CompiledDecoder._compiled)."""
 
     encoder: Callable[[Tensor], Tensor]
     step: Callable[..., StepOutputs]

@@ -1,5 +1,6 @@
-// The compiled decoding step's attention on a CPU: a few queries per row over a cache of keys and values,
-// each row over its own first `lengths[b]` positions (model/kernels.py builds it and says why it exists).
+// The compiled decoding step's attention on a CPU (and the compiled encoder's): a few queries per row over a
+// cache of keys and values (every position's, in the encoder), each row over its own first `lengths[b]`
+// positions (model/kernels.py builds it and says why it exists).
 //
 //   queries (B, Q, H * D), keys (B, H, S, D), values (B, H, S, D), lengths (B,) int64
 //   -> out (B, Q, H * D): head h's D columns of out[b, j] = softmax(queries[b, j, head h] keys[b, h, :L]^T / sqrt(D))
@@ -10,9 +11,9 @@
 //
 // The written-out attention (compiled.attend, inductor's code) summed each position's products across a vector's
 // lanes on its own, a chain of shuffles per position; here W positions' sums are made at once (lane_sums). A
-// row reads its first L positions only, so the
-// padding of a batch's shorter sources and the cache's unwritten positions are never read. Arithmetic in
-// float32 whatever the inputs' dtype (float32 or bfloat16), as the written-out attention's.
+// row reads its first L positions only, so the padding of a batch's shorter sources and the cache's unwritten
+// positions are never read. Arithmetic in float32 whatever the inputs' dtype (float32 or bfloat16), as the
+// written-out attention's.
 //
 // SEQ2SEQ_OPS names the operator library (seq2seq_avx512, seq2seq_avx2, seq2seq_default: one build per
 // instruction set, CPU_CAPABILITY_* selecting ATen's vector types, so that a test can run a set the machine
