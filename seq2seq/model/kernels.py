@@ -5,8 +5,9 @@ A decoding step attends with one query per row (a few with beams) over the cross
 self-attention cache. Written out for inductor (compiled.attend) the scores' reduction over the head size summed
 each position's vector across its lanes on its own (11 ns a row, head and position on a Zen 5 core, 2.5x the time
 reading the keys and values from its caches takes), and the padding of a batch's shorter sources was read and
-masked: the two attentions were ~16% of a bulk greedy run on one core, more than its feed-forward matmuls. torch's own CPU attention (SDPA) and FlexAttention were slower still at one query a row (README,
-"The step's attention, a kernel of our own"). The kernel sums the products of a vector of positions at once (see the
+masked: the two attentions were ~16% of a bulk greedy run on one core, more than its feed-forward matmuls. torch's
+own CPU attention (SDPA) and FlexAttention were slower still at one query a row (README, "The step's attention, a
+kernel of our own"). The kernel sums the products of a vector of positions at once (see the
 source), and takes each row's length, so that it reads its real positions only.
 
 It is built on first use with torch.utils.cpp_extension (the C++ compiler inductor needs already, and ninja), once
@@ -41,7 +42,7 @@ def machine_instruction_set() -> str:
     return capability if capability in INSTRUCTION_SETS else "DEFAULT"
 
 
-_loaded: dict[str, object] = {}
+_loaded: dict[str, torch._ops.OpOverloadPacket] = {}
 _loading = threading.Lock()
 
 
@@ -69,7 +70,7 @@ def decode_attention_op(instruction_set: str | None = None) -> torch._ops.OpOver
                 raise KernelBuildError(f"the decoding step's attention kernel could not be built ({reason})") from None
             torch.library.register_fake(f"{library}::decode_attention")(_decode_attention_shape)
             _loaded[library] = getattr(torch.ops, library).decode_attention
-    return _loaded[library]  # type: ignore[return-value]
+    return _loaded[library]
 
 
 def _decode_attention_shape(queries: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
