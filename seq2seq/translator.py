@@ -14,6 +14,9 @@ little wasted compute), and the results are put back in input order. An empty li
 an empty line; a line longer than the model's `max_positions` is truncated, with a warning that
 names its line. `translate_stream` does the same over a window of lines at a time, so a long
 file's translations can be written as they are made.
+
+The process-wide memory settings the CLI and the server make first (precision.tune_process_memory) are
+the program's to make, not the library's: a program translating much through a Translator calls it too.
 """
 
 import dataclasses
