@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -437,6 +438,15 @@ def compiling() -> Iterator[None]:
         raise CompileError(str(error)) from None
 
 
+def quiet_compile_warnings() -> None:
+    """Before a compile: inductor's own use of torch's deprecated TypedStorage (its GEMM templates' timing, torch 2.13)
+    warns, and the CLIs would show it as a `warning:` line nobody can act on. Put first among the filters each time,
+    ahead of any the program set since (the CLIs show every UserWarning, cli.one_line_warnings); only that warning,
+    only from inductor's code."""
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
+                            module=r"torch\._inductor\.")
+
+
 KINDS = ((1, 1), (1, 4), (BULK_SENTENCES := 64, 1), (BULK_SENTENCES, 4))
 """(sentences, beams) of `compile_kinds`' one step of each kind: one row; one sentence's beams; several sentences;
 several with beams. inductor times its GEMM templates at the sizes of a graph's first call and keeps what it chose
@@ -670,6 +680,7 @@ class CompiledDecoder:
             except RecompileError:
                 self.retried += 1
         with self._compiling, tracing_settings(compiled=False):
+            quiet_compile_warnings()
             return function(*inputs)
 
     @contextmanager
@@ -678,5 +689,6 @@ class CompiledDecoder:
         decoder threads meeting the kind at once compile it once (each would compile its own: dynamo looks
         for a graph before it takes its compile lock), the others waiting and then finding it."""
         with self._compiling:
+            quiet_compile_warnings()
             yield
             self._kinds.add(kind)
