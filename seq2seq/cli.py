@@ -1,12 +1,14 @@
 """What the faces share (python -m seq2seq.translate, serve/translate.py, serve/server.py): one flag per
 SearchConfig field, `open_translator` (the checkpoint's Translator and the search to run, or one line
-saying what is wrong), and how a translation is written as text. Faces import this, never each other.
+saying what is wrong), how a translation is written as text, and how a face reports warnings and a stop
+(Ctrl-C or SIGTERM). Faces import this, never each other.
 """
 
 import argparse
 import dataclasses
 import os
 import re
+import signal
 import sys
 import time
 import typing
@@ -144,7 +146,8 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
     """--compile in a tool that answers as sentences come (the server, serve/translate.py): every kind of decoding
     step compiled before the first sentence (Translator.compile_decoding, for decoder threads of `threads`), with a
     line before (a kind compiles for a minute or more, silently) and after. A step that cannot be compiled is one
-    line and an exit, as is Ctrl-C (130) while it compiles; `face` names what is not started ("the server")."""
+    line and an exit, as is Ctrl-C (130) or SIGTERM (143) while it compiles; `face` names what is not started ("the
+    server")."""
     if not translator.compiled:
         return
     pair = f"{translator.src_lang}→{translator.tgt_lang}"
@@ -155,12 +158,12 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
         kinds = translator.compile_decoding(threads=threads)
     except CompileError as error:
         raise SystemExit(f"error: {error}; {face} was not started: run it without --compile") from None
-    except KeyboardInterrupt:
-        print(f"\ninterrupted while compiling the decoding steps; {face} was not started", file=sys.stderr,
-              flush=True)
+    except KeyboardInterrupt as error:
+        stop, status = interruption(error)
+        print(f"\n{stop} while compiling the decoding steps; {face} was not started", file=sys.stderr, flush=True)
         # The compiling thread is a daemon, maybe inside inductor's C++, which the interpreter's exit aborts under
         # it ("terminate called without an active exception", exit 134): nothing is written yet, leave at once.
-        os._exit(130)
+        os._exit(status)
     print(compiled_line(translator, kinds=kinds, seconds=time.perf_counter() - started), file=sys.stderr, flush=True)
 
 
@@ -219,3 +222,28 @@ def one_line_warnings() -> None:
     """Warnings (a truncated line) as one `warning:` line on stderr, each one shown, not the first only."""
     warnings.formatwarning = lambda message, *_args, **_kwargs: f"warning: {message}\n"
     warnings.simplefilter("always", UserWarning)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's time limit, `kill`, a supervisor's stop), raised in the main thread where Ctrl-C's
+    KeyboardInterrupt is (`stop_on_sigterm`), so that a face keeps and reports its work as it does for Ctrl-C: its
+    output cut to whole lines, one line saying how far it got, and exit status 143 (128 + SIGTERM), not 130."""
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM raises Terminated in the main thread. Python's default ends the process at once: exit 143
+    with no line, a file of translations cut wherever it was, and nothing saying how far it got."""
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(_number: int, _frame: object) -> None:
+    # A second SIGTERM while the first is handled is ignored: the process is ending already, and an exception
+    # raised again inside the cut to whole lines would leave a part of one.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
+
+
+def interruption(error: KeyboardInterrupt) -> tuple[str, int]:
+    """How a face names a stop and the exit status it ends with: Ctrl-C ("interrupted", 130); SIGTERM ("stopped by
+    SIGTERM", 143)."""
+    return ("stopped by SIGTERM", 143) if isinstance(error, Terminated) else ("interrupted", 130)

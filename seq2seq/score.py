@@ -22,7 +22,7 @@ from itertools import islice
 import torch
 
 from seq2seq.checkpoint import CheckpointError
-from seq2seq.cli import one_line_warnings
+from seq2seq.cli import interruption, one_line_warnings, stop_on_sigterm
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, PRECISIONS, tune_process_memory
 from seq2seq.scoring import Forced
 from seq2seq.textio import Output, check_input_path, check_output_path, read_lines, where
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         check_input_path(inputs[option], option=option)
     check_output_path(args.output, inputs=inputs)
     one_line_warnings()
+    stop_on_sigterm()
     sources, targets = read_lines(args.src, option="--src"), read_lines(args.tgt, option="--tgt")
     if len(sources) != len(targets):
         raise SystemExit(f"error: --src {args.src} has {len(sources)} lines but --tgt {args.tgt} has "
@@ -80,11 +81,11 @@ def main(argv: list[str] | None = None) -> None:
             for forced in scored:
                 output.write(format_scores(forced) + "\n")
         output.close()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
         output.cut_to_whole_lines()
-        print(f"\ninterrupted: {where(args.output)} holds the scores of the first {output.lines} pairs",
-              file=sys.stderr)
-        raise SystemExit(130) from None
+        stop, status = interruption(error)
+        print(f"\n{stop}: {where(args.output)} holds the scores of the first {output.lines} pairs", file=sys.stderr)
+        raise SystemExit(status) from None
     except OSError as error:  # a full disk, /dev/full
         output.cut_to_whole_lines()
         raise SystemExit(f"error: cannot write {where(args.output)} ({error.strerror}); it holds the scores of the "

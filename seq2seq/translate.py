@@ -33,9 +33,11 @@ from seq2seq.cli import (
     check_flags,
     describe,
     format_nbest,
+    interruption,
     one_line,
     one_line_warnings,
     open_translator,
+    stop_on_sigterm,
     with_extras,
 )
 from seq2seq.model.compiled import CompileError
@@ -113,12 +115,13 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{option} - and --input - would both read stdin; give one of them as a file")
     check_output_path(args.output, inputs=inputs)
     one_line_warnings()
+    stop_on_sigterm()
     try:
         run(parser, args)
-    except KeyboardInterrupt:  # before the first line was written (run reports an interruption after that)
-        print(f"\ninterrupted before any line was translated; {where(args.output)} was not written",
-              file=sys.stderr)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as error:  # before the first line was written (run reports an interruption after that)
+        stop, status = interruption(error)
+        print(f"\n{stop} before any line was translated; {where(args.output)} was not written", file=sys.stderr)
+        raise SystemExit(status) from None
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -161,11 +164,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         output.close()
         if lines.error is not None:  # found only now in a stream that could not be checked first (stdin)
             raise lines.error
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
         output.cut_to_whole_lines()
-        print(f"\ninterrupted: {where(args.output)} holds the translations of the first {output.lines} lines",
+        stop, status = interruption(error)
+        print(f"\n{stop}: {where(args.output)} holds the translations of the first {output.lines} lines",
               file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(status) from None
     except BrokenPipeError:  # `... | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         raise SystemExit(141) from None

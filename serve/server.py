@@ -88,9 +88,11 @@ from seq2seq.cli import (
     compile_before_answering,
     compiled_line,
     describe,
+    interruption,
     one_line_warnings,
     open_translator,
     parallelism,
+    stop_on_sigterm,
 )
 from seq2seq.model import ConfigError
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
@@ -617,13 +619,15 @@ def main(argv: list[str] | None = None) -> None:
               f"open {files} files (ulimit -n); raise it to allow more", file=sys.stderr)
         args.max_connections = files - FD_RESERVE
     one_line_warnings()
+    stop_on_sigterm()  # until uvicorn runs (below): loading and compiling stopped with a line, as Ctrl-C is
     workers, threads = parallelism(args)
     try:
         loaded = [open_translator(parser, argparse.Namespace(**{**vars(args), "checkpoint": path}), parallel=False)
                   for path in args.checkpoint]
-    except KeyboardInterrupt:  # Ctrl-C while the model loads: one line, as after it starts
-        print("\ninterrupted while loading the model; the server was not started", file=sys.stderr)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as error:  # Ctrl-C or SIGTERM while the model loads: one line, as after it starts
+        stop, status = interruption(error)
+        print(f"\n{stop} while loading the model; the server was not started", file=sys.stderr)
+        raise SystemExit(status) from None
     try:
         app = create_app([t for t, _ in loaded], [search for _, search in loaded], max_tokens=args.max_tokens,
                          max_wait=args.max_wait_ms / 1000,

@@ -19,9 +19,11 @@ from seq2seq.cli import (
     compile_before_answering,
     describe,
     format_nbest,
+    interruption,
     one_line,
     one_line_warnings,
     open_translator,
+    stop_on_sigterm,
     with_extras,
 )
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     check_flags(parser, args)
     one_line_warnings()
+    stop_on_sigterm()
     translator, search = open_translator(parser, args)
     # before the first line, which would otherwise wait while each kind of step compiles
     compile_before_answering(translator, face="serve/translate.py")
@@ -80,6 +83,6 @@ if __name__ == "__main__":
     tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # large blocks reused, kernels kept
     try:
         main()
-    except KeyboardInterrupt:  # Ctrl-C at the prompt: leave quietly, as Ctrl-D does
+    except KeyboardInterrupt as error:  # Ctrl-C at the prompt, or SIGTERM: leave quietly, as Ctrl-D does
         print(file=sys.stderr)
-        sys.exit(130)
+        sys.exit(interruption(error)[1])

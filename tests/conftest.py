@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import signal
 from pathlib import Path
 
 # Tests never reach the Hub; set before `datasets` / `huggingface_hub` are imported anywhere.
@@ -36,6 +37,15 @@ def an_avx2_machine_by_default(tmp_path_factory: pytest.TempPathFactory):
         patch.setattr("seq2seq.translator.one_query_sdpa", lambda device, precision: Verdict(False, "pinned by the tests"))
         patch.setattr("seq2seq.translator.few_rows_on_torch", lambda device, precision, **shape: 0)
         yield
+
+
+@pytest.fixture(autouse=True)
+def sigterm_handler_kept():
+    """A face's main() makes SIGTERM raise in the main thread (cli.stop_on_sigterm), and its handler ignores a second:
+    each test leaves this process's SIGTERM as it found it."""
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
 
 
 def pinned_onednn_linears(device, precision: str) -> Verdict:

@@ -3,6 +3,9 @@ the training loss computed on the same pairs and against CTranslate2's score_bat
 and the translate CLI's alignment and token-score columns."""
 
 import gzip
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +151,38 @@ def test_scores_and_alignments_in_bf16_and_int8(trained: Path, precision: str, b
         tokens += len(t.token_scores)
         assert all(0 <= i < len(source.split(" ")) and 0 <= j < len(t.text.split(" ")) for i, j in t.alignment)
     assert moved / tokens < bound, f"{precision}: {moved / tokens:.4f} a token"
+
+
+
+@pytest.mark.parametrize(("stop", "status"), [("interrupted", 130), ("stopped by SIGTERM", 143)])
+def test_ctrl_c_or_sigterm_keeps_the_scores_written_and_says_how_many(stop: str, status: int, trained: Path,
+                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]):
+    """Stopped in its second window, by Ctrl-C (130) or by a real SIGTERM to this process (143, cli.stop_on_sigterm):
+    the first window's scores kept whole, and one line saying how many pairs they are."""
+    sources, targets = demo_pairs(7)
+    (tmp_path / "src").write_text("\n".join(sources) + "\n", encoding="utf-8")
+    (tmp_path / "tgt").write_text("\n".join(targets) + "\n", encoding="utf-8")
+    monkeypatch.setattr("seq2seq.score.WINDOW", 4)
+    real = Translator.score
+    calls: list[int] = []
+
+    def stopped_in_the_second_window(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            if status == 130:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # (the handler raises in this thread at once)
+            raise AssertionError("SIGTERM was not handled")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Translator, "score", stopped_in_the_second_window)
+    output = tmp_path / "out"
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(trained), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"),
+              "--output", str(output), "--precision", "fp32"])
+    assert caught.value.code == status
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"{stop}: --output {output} holds the scores of the "
+                                                                "first 4 pairs")
+    assert len(output.read_text(encoding="utf-8").split("\n")) == 5  # four whole lines

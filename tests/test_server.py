@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import math
+import os
 import re
 import resource
 import select
@@ -405,6 +406,32 @@ def test_compile_failing_or_interrupted_before_the_server_starts_is_one_line(
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "interrupted while compiling the decoding steps; the server was not started"
     assert "Traceback" not in err
+
+
+def test_sigterm_while_the_server_loads_or_compiles_is_one_line_and_exit_143(
+        trained: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """SIGTERM (a supervisor's stop) before uvicorn runs ended the process at once, exit 143 and no line. It is now
+    handled as Ctrl-C is there (cli.stop_on_sigterm): one line naming it, exit 143. A real signal to this process."""
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the handler raises in this thread at once)
+        raise AssertionError("SIGTERM was not handled")
+
+    monkeypatch.setattr(Translator, "compile_decoding", terminated)
+    monkeypatch.setattr("os._exit", lambda code: sys.exit(code))  # (the interpreter's exit could abort the compiling)
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(trained), "--compile", "--precision", "fp32"])
+    assert caught.value.code == 143
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == ("stopped by SIGTERM while compiling the decoding steps; the server was not "
+                                            "started")
+    assert "Traceback" not in err
+    monkeypatch.setattr(Translator, "from_checkpoint", terminated)
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(trained)])
+    assert caught.value.code == 143
+    assert capsys.readouterr().err.strip() == "stopped by SIGTERM while loading the model; the server was not started"
 
 
 @pytest.mark.parametrize("device,message", [
