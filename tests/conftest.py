@@ -3,6 +3,7 @@
 import gzip
 import os
 import signal
+import time
 from pathlib import Path
 
 # Tests never reach the Hub; set before `datasets` / `huggingface_hub` are imported anywhere.
@@ -46,6 +47,14 @@ def sigterm_handler_kept():
     handler = signal.getsignal(signal.SIGTERM)
     yield
     signal.signal(signal.SIGTERM, handler)
+
+
+def sigterm_to_this_process(*_args, **_kwargs) -> None:
+    """A real SIGTERM to this process, which a face's main() handles as Ctrl-C (cli.stop_on_sigterm), raising in the
+    main thread at once; Python's default had ended the process, exit 143 and no line."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    raise AssertionError("SIGTERM was not handled")
 
 
 def pinned_onednn_linears(device, precision: str) -> Verdict:

@@ -3,14 +3,11 @@ the training loss computed on the same pairs and against CTranslate2's score_bat
 and the translate CLI's alignment and token-score columns."""
 
 import gzip
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_DATA
+from conftest import DEMO_DATA, sigterm_to_this_process
 
 from seq2seq.loss import label_smoothed_nll
 from seq2seq.score import main
@@ -172,9 +169,7 @@ def test_ctrl_c_or_sigterm_keeps_the_scores_written_and_says_how_many(stop: str,
         if len(calls) == 2:
             if status == 130:
                 raise KeyboardInterrupt
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)  # (the handler raises in this thread at once)
-            raise AssertionError("SIGTERM was not handled")
+            sigterm_to_this_process()
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Translator, "score", stopped_in_the_second_window)

@@ -7,7 +7,6 @@ import gc
 import json
 import logging
 import math
-import os
 import re
 import resource
 import select
@@ -26,6 +25,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
+from conftest import sigterm_to_this_process
 from libretranslatepy import LibreTranslateAPI
 
 from seq2seq.model.compiled import CompileError
@@ -370,18 +370,20 @@ def test_bad_flags_and_ctrl_c_while_loading_are_one_line(trained: Path, monkeypa
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C while the model loads: a traceback of the loading code before
 
-    monkeypatch.setattr(Translator, "from_checkpoint", interrupted)
-    with pytest.raises(SystemExit) as caught:
-        main(["--checkpoint", str(trained)])
-    assert caught.value.code == 130
-    assert capsys.readouterr().err.strip() == "interrupted while loading the model; the server was not started"
+    for stopping, stop, status in ((interrupted, "interrupted", 130), (sigterm_to_this_process, "stopped by SIGTERM", 143)):
+        monkeypatch.setattr(Translator, "from_checkpoint", stopping)
+        with pytest.raises(SystemExit) as caught:
+            main(["--checkpoint", str(trained)])
+        assert caught.value.code == status
+        assert capsys.readouterr().err.strip() == f"{stop} while loading the model; the server was not started"
 
 
 def test_compile_failing_or_interrupted_before_the_server_starts_is_one_line(
         trained: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
     """--compile compiles every kind of step in main(), for the decoder threads' --threads, before uvicorn starts: a
-    step that cannot be compiled (no C++ compiler) and Ctrl-C meanwhile are one line and an exit (a traceback of
-    uvicorn's lifespan before, and Ctrl-C waited for the compiling to end)."""
+    step that cannot be compiled (no C++ compiler) and Ctrl-C or SIGTERM meanwhile are one line and an exit (a
+    traceback of uvicorn's lifespan before, Ctrl-C waited for the compiling to end, and SIGTERM ended the process with
+    no line)."""
     calls: list[int | None] = []
 
     def failing(self: Translator, *, threads: int | None = None) -> int:
@@ -398,40 +400,16 @@ def test_compile_failing_or_interrupted_before_the_server_starts_is_one_line(
     assert caught.value.code == ("error: the decoding step could not be compiled (InvalidCxxCompiler: No working C++ "
                                  "compiler); the server was not started: run it without --compile")
     assert "en→de: compiling the encoder and the decoding steps (--compile" in capsys.readouterr().err
-    monkeypatch.setattr(Translator, "compile_decoding", interrupted)
     monkeypatch.setattr("os._exit", lambda code: sys.exit(code))  # (the interpreter's exit could abort the compiling)
-    with pytest.raises(SystemExit) as caught:
-        main(["--checkpoint", str(trained), "--compile", "--precision", "fp32"])
-    assert caught.value.code == 130
-    err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == "interrupted while compiling the decoding steps; the server was not started"
-    assert "Traceback" not in err
+    for stopping, stop, status in ((interrupted, "interrupted", 130), (sigterm_to_this_process, "stopped by SIGTERM", 143)):
+        monkeypatch.setattr(Translator, "compile_decoding", stopping)
+        with pytest.raises(SystemExit) as caught:
+            main(["--checkpoint", str(trained), "--compile", "--precision", "fp32"])
+        assert caught.value.code == status
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1] == f"{stop} while compiling the decoding steps; the server was not started"
+        assert "Traceback" not in err
 
-
-def test_sigterm_while_the_server_loads_or_compiles_is_one_line_and_exit_143(
-        trained: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """SIGTERM (a supervisor's stop) before uvicorn runs ended the process at once, exit 143 and no line. It is now
-    handled as Ctrl-C is there (cli.stop_on_sigterm): one line naming it, exit 143. A real signal to this process."""
-
-    def terminated(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)  # (the handler raises in this thread at once)
-        raise AssertionError("SIGTERM was not handled")
-
-    monkeypatch.setattr(Translator, "compile_decoding", terminated)
-    monkeypatch.setattr("os._exit", lambda code: sys.exit(code))  # (the interpreter's exit could abort the compiling)
-    with pytest.raises(SystemExit) as caught:
-        main(["--checkpoint", str(trained), "--compile", "--precision", "fp32"])
-    assert caught.value.code == 143
-    err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == ("stopped by SIGTERM while compiling the decoding steps; the server was not "
-                                            "started")
-    assert "Traceback" not in err
-    monkeypatch.setattr(Translator, "from_checkpoint", terminated)
-    with pytest.raises(SystemExit) as caught:
-        main(["--checkpoint", str(trained)])
-    assert caught.value.code == 143
-    assert capsys.readouterr().err.strip() == "stopped by SIGTERM while loading the model; the server was not started"
 
 
 @pytest.mark.parametrize("device,message", [

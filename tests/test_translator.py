@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 import pytest
 import sacrebleu
 import torch
-from conftest import DEMO_DATA, write_not_ours
+from conftest import DEMO_DATA, sigterm_to_this_process, write_not_ours
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -712,57 +711,37 @@ def test_cli_write_errors_are_one_line_and_a_closed_pipe_is_quiet(checkpoint: Pa
         monkeypatch.undo()
 
 
-def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(checkpoint: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize(("stop", "status"), [("interrupted", 130), ("stopped by SIGTERM", 143)])
+def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(stop: str, status: int, checkpoint: Path,
+                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]):
+    """Ctrl-C, or SIGTERM (a scheduler's time limit, `kill`), at the third window: the two windows done kept, one line
+    saying how many, exit 130 or 143. SIGTERM ended the run at once before (143 and no line, nothing saying how far it
+    got); it is handled as Ctrl-C is now (cli.stop_on_sigterm), a real signal to this process here, and a second one
+    meanwhile is ignored."""
     sources = [SENTENCES[i % len(SENTENCES)] for i in range(7)]
     (tmp_path / "in.de").write_text("\n".join(sources) + "\n", encoding="utf-8")
     monkeypatch.setattr("seq2seq.translate.WINDOW", 3)
     real = Translator._translate_batches
     calls = []
 
-    def interrupted_on_the_third_window(self, lines, *args, **kwargs):
+    def stopped_at_the_third_window(self, lines, *args, **kwargs):
         calls.append(len(lines))
         if len(calls) == 3:
-            raise KeyboardInterrupt
+            if status == 130:
+                raise KeyboardInterrupt
+            sigterm_to_this_process()
         return real(self, lines, *args, **kwargs)
 
-    monkeypatch.setattr(Translator, "_translate_batches", interrupted_on_the_third_window)
+    monkeypatch.setattr(Translator, "_translate_batches", stopped_at_the_third_window)
     output = tmp_path / "out.en"
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output)])
-    assert caught.value.code == 130
-    monkeypatch.setattr(Translator, "_translate_batches", real)
-    expected = Translator.from_checkpoint(checkpoint).translate(sources[:6])
-    assert output.read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)  # two whole windows
-
-
-def test_sigterm_stops_the_cli_as_ctrl_c_does_keeping_its_whole_lines_and_exits_143(
-        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """SIGTERM (a scheduler's time limit, `kill`) ended the run at once: exit 143 with no line, nothing saying how
-    far it got. Now it is handled as Ctrl-C is (cli.stop_on_sigterm): the lines done kept, one line saying how many,
-    exit 143. A real signal, sent to this process at the third window; a second one meanwhile is ignored."""
-    sources = [SENTENCES[i % len(SENTENCES)] for i in range(7)]
-    (tmp_path / "in.de").write_text("\n".join(sources) + "\n", encoding="utf-8")
-    monkeypatch.setattr("seq2seq.translate.WINDOW", 3)
-    real = Translator._translate_batches
-    calls = []
-
-    def terminated_on_the_third_window(self, lines, *args, **kwargs):
-        calls.append(len(lines))
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)  # (the handler raises in this thread at once)
-            raise AssertionError("SIGTERM was not handled")
-        return real(self, lines, *args, **kwargs)
-
-    monkeypatch.setattr(Translator, "_translate_batches", terminated_on_the_third_window)
-    output = tmp_path / "out.en"
-    with pytest.raises(SystemExit) as caught:
-        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output)])
-    assert caught.value.code == 143
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"stopped by SIGTERM: --output {output} holds the "
-                                                                "translations of the first 6 lines")
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second SIGTERM cannot cut the cleaning up short
+    assert caught.value.code == status
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"{stop}: --output {output} holds the translations "
+                                                                "of the first 6 lines")
+    if status == 143:
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second cannot cut the cleaning up short
     monkeypatch.setattr(Translator, "_translate_batches", real)
     expected = Translator.from_checkpoint(checkpoint).translate(sources[:6])
     assert output.read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)  # two whole windows
