@@ -63,6 +63,15 @@ def main(argv: list[str] | None = None) -> None:
     check_output_path(args.output, inputs=inputs)
     one_line_warnings()
     stop_on_sigterm()
+    try:
+        run(args)
+    except KeyboardInterrupt as error:  # before the first window (run reports a stop after that)
+        stop, status = interruption(error)
+        print(f"\n{stop} before any pair was scored; {where(args.output)} was not written", file=sys.stderr)
+        raise SystemExit(status) from None
+
+
+def run(args: argparse.Namespace) -> None:
     sources, targets = read_lines(args.src, option="--src"), read_lines(args.tgt, option="--tgt")
     if len(sources) != len(targets):
         raise SystemExit(f"error: --src {args.src} has {len(sources)} lines but --tgt {args.tgt} has "

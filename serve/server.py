@@ -663,4 +663,8 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # large blocks reused, kernels kept
-    main()
+    try:
+        main()
+    except KeyboardInterrupt as error:  # in the moment between the start-up's compile and uvicorn's own handlers
+        print(f"\n{interruption(error)[0]}; the server was not started", file=sys.stderr)
+        sys.exit(interruption(error)[1])

@@ -156,7 +156,8 @@ def test_ctrl_c_or_sigterm_keeps_the_scores_written_and_says_how_many(stop: str,
                                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                       capsys: pytest.CaptureFixture[str]):
     """Stopped in its second window, by Ctrl-C (130) or by a real SIGTERM to this process (143, cli.stop_on_sigterm):
-    the first window's scores kept whole, and one line saying how many pairs they are."""
+    the first window's scores kept whole, and one line saying how many pairs they are; stopped while the model loads,
+    one line saying nothing was written (Ctrl-C there was a traceback of the loading code)."""
     sources, targets = demo_pairs(7)
     (tmp_path / "src").write_text("\n".join(sources) + "\n", encoding="utf-8")
     (tmp_path / "tgt").write_text("\n".join(targets) + "\n", encoding="utf-8")
@@ -164,12 +165,15 @@ def test_ctrl_c_or_sigterm_keeps_the_scores_written_and_says_how_many(stop: str,
     real = Translator.score
     calls: list[int] = []
 
+    def stopping(*args, **kwargs):
+        if status == 130:
+            raise KeyboardInterrupt
+        sigterm_to_this_process()
+
     def stopped_in_the_second_window(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            if status == 130:
-                raise KeyboardInterrupt
-            sigterm_to_this_process()
+            stopping()
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Translator, "score", stopped_in_the_second_window)
@@ -181,3 +185,9 @@ def test_ctrl_c_or_sigterm_keeps_the_scores_written_and_says_how_many(stop: str,
     assert capsys.readouterr().err.strip().splitlines()[-1] == (f"{stop}: --output {output} holds the scores of the "
                                                                 "first 4 pairs")
     assert len(output.read_text(encoding="utf-8").split("\n")) == 5  # four whole lines
+    monkeypatch.setattr(Translator, "from_checkpoint", stopping)  # while the model loads
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(trained), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"),
+              "--output", str(output), "--precision", "fp32"])
+    assert caught.value.code == status
+    assert capsys.readouterr().err.strip() == f"{stop} before any pair was scored; --output {output} was not written"
