@@ -237,13 +237,16 @@ def stop_on_sigterm() -> None:
 
 
 def _terminated(_number: int, _frame: object) -> None:
-    # A second SIGTERM while the first is handled is ignored: the process is ending already, and an exception
-    # raised again inside the cut to whole lines would leave a part of one.
+    # A second SIGTERM until the face has cut its output to whole lines (`interruption`) is ignored: raised again
+    # inside the cut, it would leave a part of a line.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
 
 
 def interruption(error: KeyboardInterrupt) -> tuple[str, int]:
     """How a face names a stop and the exit status it ends with: Ctrl-C ("interrupted", 130); SIGTERM ("stopped by
-    SIGTERM", 143)."""
+    SIGTERM", 143). Called once the face's output is cut to whole lines, it also gives SIGTERM back to Python's
+    default: the exit may still wait for a decoder thread's batch, or its compile (a minute), and a second SIGTERM
+    then ends the process at once, as a second Ctrl-C does."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return ("stopped by SIGTERM", 143) if isinstance(error, Terminated) else ("interrupted", 130)

@@ -194,9 +194,14 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {source_name} had {len(best)} lines but {args.ref} has {len(references)}: no "
                              f"scores (the references must be line-aligned with the input); {where(args.output)} holds "
                              "every translation")
-        bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
-        print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
-        print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
+        try:  # seconds on a large file, after every line was written
+            bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+            print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
+            print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)
+        except KeyboardInterrupt as error:
+            stop, status = interruption(error)
+            print(f"\n{stop} while scoring: {where(args.output)} holds every translation", file=sys.stderr)
+            raise SystemExit(status) from None
 
 
 def workers_of(translator: Translator, search: SearchConfig) -> str:
@@ -239,6 +244,9 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
     try:
         output.write(translated)
         output.close()
+    except KeyboardInterrupt:  # the document is one write: what got out of it is cut away, main says none was written
+        output.cut_to_whole_lines()
+        raise
     except OSError as error:
         output.cut_to_whole_lines()
         raise SystemExit(f"error: cannot write {where(args.output)} ({error.strerror})") from None

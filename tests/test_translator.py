@@ -42,6 +42,7 @@ from seq2seq.model.compiled import CompiledDecoder, CompileError
 from seq2seq.model.numerics import Int8Linear, PackedLinear, RowInt8Linear
 from seq2seq.precision import Verdict
 from seq2seq.search import SearchConfig, beam_search, greedy
+from seq2seq.textio import Output
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.translate import format_nbest, main, one_line, read_lines, workers_of, write_translations
 from seq2seq.translator import Translation, Translator, length_sorted_batches, pad_batch, shared_out
@@ -717,8 +718,8 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(stop: str,
                                                                       capsys: pytest.CaptureFixture[str]):
     """Ctrl-C, or SIGTERM (a scheduler's time limit, `kill`), at the third window: the two windows done kept, one line
     saying how many, exit 130 or 143. SIGTERM ended the run at once before (143 and no line, nothing saying how far it
-    got); it is handled as Ctrl-C is now (cli.stop_on_sigterm), a real signal to this process here, and a second one
-    meanwhile is ignored."""
+    got); it is handled as Ctrl-C is now (cli.stop_on_sigterm), a real signal to this process here. A second one is
+    ignored until the output is cut to whole lines, then ends the process at once (the exit may wait for a batch)."""
     sources = [SENTENCES[i % len(SENTENCES)] for i in range(7)]
     (tmp_path / "in.de").write_text("\n".join(sources) + "\n", encoding="utf-8")
     monkeypatch.setattr("seq2seq.translate.WINDOW", 3)
@@ -733,7 +734,14 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(stop: str,
             sigterm_to_this_process()
         return real(self, lines, *args, **kwargs)
 
+    real_cut, sigterm_while_cut = Output.cut_to_whole_lines, []
+
+    def cut(self: Output) -> None:
+        sigterm_while_cut.append(signal.getsignal(signal.SIGTERM))
+        real_cut(self)
+
     monkeypatch.setattr(Translator, "_translate_batches", stopped_at_the_third_window)
+    monkeypatch.setattr(Output, "cut_to_whole_lines", cut)
     output = tmp_path / "out.en"
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output)])
@@ -741,10 +749,27 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(stop: str,
     assert capsys.readouterr().err.strip().splitlines()[-1] == (f"{stop}: --output {output} holds the translations "
                                                                 "of the first 6 lines")
     if status == 143:
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second cannot cut the cleaning up short
+        assert sigterm_while_cut == [signal.SIG_IGN] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     monkeypatch.setattr(Translator, "_translate_batches", real)
     expected = Translator.from_checkpoint(checkpoint).translate(sources[:6])
     assert output.read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)  # two whole windows
+
+
+def test_sigterm_while_the_references_are_scored_says_every_translation_was_written(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """--ref's BLEU and chrF come after the last line is written (seconds on a large file): a stop then said "before any
+    line was translated; ... was not written" of a complete output."""
+    (tmp_path / "in.de").write_text("\n".join(SENTENCES[:3]) + "\n", encoding="utf-8")
+    (tmp_path / "ref.en").write_text("a dog runs .\ntwo men .\na woman .\n", encoding="utf-8")
+    monkeypatch.setattr(sacrebleu.metrics.BLEU, "corpus_score", sigterm_to_this_process)
+    output = tmp_path / "out.en"
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output), "--ref",
+              str(tmp_path / "ref.en")])
+    assert caught.value.code == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"stopped by SIGTERM while scoring: --output {output} "
+                                                                "holds every translation")
+    assert len(output.read_text(encoding="utf-8").splitlines()) == 3
 
 
 def test_ctrl_c_in_the_middle_of_a_line_leaves_whole_lines_and_says_how_many(
