@@ -666,5 +666,6 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt as error:  # in the moment between the start-up's compile and uvicorn's own handlers
-        print(f"\n{interruption(error)[0]}; the server was not started", file=sys.stderr)
-        sys.exit(interruption(error)[1])
+        stop, status = interruption(error)
+        print(f"\n{stop}; the server was not started", file=sys.stderr)
+        sys.exit(status)
