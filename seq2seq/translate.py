@@ -146,6 +146,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {error}") from None
     glossary = read_glossary(args.glossary) if args.glossary else None
     translator, search = open_translator(parser, args)
+    say_compiling(translator)
     start = time.perf_counter()
     best: list[str] | None = [] if references is not None else None  # kept only for the scores
     output = Output(args.output)
@@ -187,8 +188,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     finally:
         with contextlib.suppress(OSError):  # an error is already being reported
             output.close()
-    print(f"translated {output.lines} lines in {time.perf_counter() - start:.1f}s ({translator.precision}, "
-          f"{workers_of(translator, search)}, {describe(search)})", file=sys.stderr)
+    print(f"translated {output.lines} lines in {time.perf_counter() - start:.1f}s{compiling_of(translator)} "
+          f"({translator.precision}, {workers_of(translator, search)}, {describe(search)})", file=sys.stderr)
     if references is not None and best is not None:
         if len(references) != len(best):
             raise SystemExit(f"error: {source_name} had {len(best)} lines but {args.ref} has {len(references)}: no "
@@ -202,6 +203,18 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             stop, status = interruption(error)
             print(f"\n{stop} while scoring: {where(args.output)} holds every translation", file=sys.stderr)
             raise SystemExit(status) from None
+
+
+def say_compiling(translator: Translator) -> None:
+    """--compile: a line before the first batch, which otherwise waits silently while its kinds compile."""
+    if translator.compiled:
+        print(f"{translator.src_lang}→{translator.tgt_lang}: --compile: each kind of decoding step compiles at its "
+              "first batch (seconds to a minute each, in every run)", file=sys.stderr, flush=True)
+
+
+def compiling_of(translator: Translator) -> str:
+    """The end line's share of compiling (--compile), which a short run is mostly: ', 88.1s of it compiling'."""
+    return f", {translator.compiling_seconds:.1f}s of it compiling" if translator.compiling_seconds else ""
 
 
 def workers_of(translator: Translator, search: SearchConfig) -> str:
@@ -228,6 +241,7 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
     except InputError as error:
         raise SystemExit(f"error: {error}") from None
     translator, search = open_translator(parser, args)
+    say_compiling(translator)
     start = time.perf_counter()
     split = translator.sentence_spans
     try:
@@ -250,8 +264,9 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
     except OSError as error:
         output.cut_to_whole_lines()
         raise SystemExit(f"error: cannot write {where(args.output)} ({error.strerror})") from None
-    print(f"translated {len(document.sentences)} sentences of {args.format} in {time.perf_counter() - start:.1f}s "
-          f"({translator.precision}, {workers_of(translator, search)}, {describe(search)})", file=sys.stderr)
+    print(f"translated {len(document.sentences)} sentences of {args.format} in {time.perf_counter() - start:.1f}s"
+          f"{compiling_of(translator)} ({translator.precision}, {workers_of(translator, search)}, {describe(search)})",
+          file=sys.stderr)
 
 
 def paragraphs(translator: Translator, lines: Iterable[str], search: SearchConfig, *, max_tokens: int,

@@ -378,6 +378,11 @@ class Translator:
                 self.decoded[min(self.workers, len(parts)), self.threads] += len(parts)
                 yield from self._in_parallel(translate_batch, parts)
 
+    @property
+    def compiling_seconds(self) -> float:
+        """Seconds its decoding has spent compiling so far (`compiled`; 0 without): what a run's end line reports."""
+        return self.decoding.compiling_seconds if isinstance(self.decoding, CompiledDecoder) else 0.0
+
     def decoding_threads(self, search: SearchConfig) -> tuple[int, int]:
         """(workers, intra-op threads each) that `search` decodes with: seeded sampling decodes its batches
         one at a time on the calling thread, with its thread count (a draw must not depend on the workers);

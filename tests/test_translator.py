@@ -486,6 +486,8 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     assert base.compile_decoding() == 0
     graphs = counters["stats"]["unique_graphs"]
     assert compiled.compile_decoding() == 8  # every kind, now (what the server does before its first request)
+    compiling = compiled.compiling_seconds
+    assert compiling > 0 and base.compiling_seconds == 0
     assert counters["stats"]["unique_graphs"] == graphs + 8  # the step's 4, encoder's 2, cross projection's 2
     search = SearchConfig(beam_size=1)  # beam search's reorders: tests/test_compiled.py
     want, got = base.translate_nbest(sources, search), compiled.translate_nbest(sources, search)
@@ -495,6 +497,7 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
         compiled.translate_nbest(sources[:1], search)
     compiled.translate_nbest(sources[:3], SearchConfig(beam_size=3))
     assert counters["stats"]["unique_graphs"] == graphs + 8 and compiled.compile_decoding() == 0
+    assert compiled.compiling_seconds == compiling  # (only calls that compiled count)
     rotary = Transformer(TransformerConfig(vocab_size=compiled.tokenizer.vocab_size, d_model=32, num_heads=2,
                                            d_ff=64, positions="rotary"))
     with pytest.raises(ValueError, match="decode without compile"):
@@ -579,6 +582,22 @@ def test_cli_files_with_references(checkpoint: Path, translator: Translator, tmp
                      result.stderr, re.MULTILINE), result.stderr
     assert re.search(r"^chrF2 = [\d.]+ .*nrefs:1\|case:mixed\|eff:yes\|nc:6\|nw:0\|space:no\|version:[\d.]+$",
                      result.stderr, re.MULTILINE), result.stderr
+
+
+def test_the_end_line_gives_the_compiling_s_share_where_there_was_some(checkpoint: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]):
+    """--compile: every process compiles its graphs again (a minute or more), so a short run is mostly compiling, and
+    its tokens/s say nothing without the share (the seconds pretended here: test_compiled_decoding_translates_as_the_
+    eager_step has the tally's)."""
+    (tmp_path / "in.de").write_text(SENTENCES[0] + "\n", encoding="utf-8")
+    command = ["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(tmp_path / "out")]
+    main(command)
+    assert "of it compiling" not in capsys.readouterr().err
+    monkeypatch.setattr(Translator, "compiling_seconds", property(lambda self: 12.34))
+    main(command)
+    assert re.search(r"^translated 1 lines in [\d.]+s, 12\.3s of it compiling \((fp32|bf16), ", capsys.readouterr().err,
+                     re.MULTILINE)
 
 
 def test_cli_stdin_nbest(checkpoint: Path, translator: Translator):
@@ -817,6 +836,8 @@ def test_cli_with_compile_whose_step_cannot_be_compiled_says_so_in_one_line(
     assert caught.value.code == ("error: the decoding step could not be compiled (InvalidCxxCompiler: No working C++ "
                                  f"compiler): translate without --compile; --output {output} holds the translations "
                                  "of the 0 lines before it")
+    assert capsys.readouterr().err.splitlines()[0] == ("de→en: --compile: each kind of decoding step compiles at its "
+                                                       "first batch (seconds to a minute each, in every run)")
     (tmp_path / "in.html").write_text("<p>" + SENTENCES[0] + "</p>", encoding="utf-8")
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.html"), "--output", str(output),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -526,6 +527,10 @@ class CompiledDecoder:
         self._compiling = threading.Lock()
         self.retried = 0
         """Calls made again because dynamo found no graph fitting them (`_run`): a tally for reading, not a lock."""
+        self.compiling_seconds = 0.0
+        """Seconds in calls that compiled (each kind's first, and a call compiled after its retries): a tally for
+        reading. A process compiles every graph again, whatever inductor's disk cache holds (README, "A compiled
+        decoding step"), so a short run is mostly this."""
         # One graph per kind of call (one row or several, one sentence or several, beams or not), each
         # decoder's apart from other decoders' (all share the step's code): a graph break or more graphs
         # than RECOMPILE_LIMIT is an error, not a silent fall back to the eager step.
@@ -681,7 +686,11 @@ class CompiledDecoder:
                 self.retried += 1
         with self._compiling, tracing_settings(compiled=False):
             quiet_compile_warnings()
-            return function(*inputs)
+            started = time.perf_counter()
+            try:
+                return function(*inputs)
+            finally:
+                self.compiling_seconds += time.perf_counter() - started
 
     @contextmanager
     def _first_of_kind(self, kind: Kind) -> Iterator[None]:
@@ -690,5 +699,9 @@ class CompiledDecoder:
         for a graph before it takes its compile lock), the others waiting and then finding it."""
         with self._compiling:
             quiet_compile_warnings()
-            yield
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.compiling_seconds += time.perf_counter() - started
             self._kinds.add(kind)
