@@ -151,7 +151,7 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
     if not translator.compiled:
         return
     pair = f"{translator.src_lang}→{translator.tgt_lang}"
-    print(f"{pair}: compiling the encoder and the decoding steps (--compile; about a minute a kind the first time)",
+    print(f"{pair}: compiling the encoder and the decoding steps (--compile; seconds to a minute a kind, in every run)",
           file=sys.stderr, flush=True)
     started = time.perf_counter()
     try:
