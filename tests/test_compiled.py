@@ -3,6 +3,7 @@
 Each compile takes seconds even for these tiny models (inductor, with its GEMM templates timed), so the tests
 share a few compiled decoders: one per model variant, each checked step by step and through the searches."""
 
+import dataclasses
 import threading
 import warnings
 from unittest import mock
@@ -447,7 +448,7 @@ def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.Mon
         return torch.zeros(*src.shape, 32)
 
     monkeypatch.setattr(compiled, "decode", decode)
-    monkeypatch.setattr(compiled, "_encoder", encoder)
+    monkeypatch.setattr(compiled, "_made", compiled_module.Compiled(encoder=encoder, step=decode))  # (the step unused)
     assert compiled.compile_kinds() == 6  # the encoder's two among them; `decode` mocked: no cross
     assert seen == [(1, 1, 16, True), (4, 1, 16, True), (64, 64, 16, True), (256, 64, 16, True)]
     assert encoded == [(1, 16, True), (1, 16, True), (64, 16, True), (64, 16, True)]
@@ -627,15 +628,15 @@ def test_a_call_of_a_compiled_kind_finding_no_graph_is_made_again_not_compiled_a
     search = SearchConfig(beam_size=1)
     src = sources(seed=8)[:2]
     decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)  # the kind compiled
-    step, failures = compiled._step, [RecompileError("runtime guards failed")]
+    made, failures = compiled._compiled(), [RecompileError("runtime guards failed")]
 
     def failing_once(*inputs):
         if failures:
             raise failures.pop()
-        return step(*inputs)
+        return made.step(*inputs)
 
     before, retried = graphs_compiled(), compiled.retried
-    with mock.patch.object(compiled, "_step", failing_once):
+    with mock.patch.object(compiled, "_made", dataclasses.replace(made, step=failing_once)):
         got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
     expected = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
     assert [h[0].tokens for h in got] == [h[0].tokens for h in expected]
@@ -660,11 +661,12 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
     strided_mask = src_mask.t().contiguous().t()  # (N, S), column-major: the graph's guards fail on its strides
     inputs = (torch.full((2, 1), 7), torch.tensor(state.length), state.keys, state.values, state.cross_keys,
               state.cross_values, strided_mask)
+    step = compiled._compiled().step
     with tracing_settings(compiled=True), pytest.raises(RecompileError):
-        compiled._step(*inputs)
+        step(*inputs)
     before, retried = graphs_compiled(), compiled.retried
     with tracing_settings(compiled=True):
-        got, *_ = compiled._run(compiled._step, *inputs)
+        got, *_ = compiled._run(step, *inputs)
     assert compiled.retried - retried == compiled_module.RETRIES
     assert graphs_compiled() == before + 1
     eager_state = model.new_state()

@@ -537,12 +537,11 @@ class CompiledDecoder:
         self.attention_kernel = attention_kernel and on_cpu
         """Whether the step attends with model/kernels.py's kernel (on a CPU), not the attention written out."""
         self._backend = backend
-        self._step: Callable[..., StepOutputs] | None = None  # (_compiled(): made at the first compile, after the
-        # attention kernel is built, which may fail as compiling does)
-        # The encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate passes over
-        # a batch's activations, and fbgemm's int8 matmuls ran slower than the compiled ones (README, "The encoder
-        # compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own).
-        self._encoder: Callable[[Tensor], Tensor] | None = None
+        # The step, and the encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate
+        # passes over a batch's activations, and fbgemm's int8 matmuls ran slower than the compiled ones (README, "The
+        # encoder compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own). Both
+        # made at the first compile (_compiled), after the attention kernel is built, which may fail as compiling does.
+        self._made: Compiled | None = None
         # And the memory's projection into the cross-attention keys and values, once a batch: eager, the int8
         # projection's quantising, its dequantising, the cast to the decoder's dtype and the copies into the heads'
         # layout were passes of their own over the batch's (N, S, layers * 2D) (README, "The cross-attention's keys
@@ -634,14 +633,13 @@ class CompiledDecoder:
     def _compiled(self) -> Compiled:
         """The compiled encoder and step, made on first use (in a call of a kind not yet compiled: one thread at a
         time, and a kernel that cannot be built a CompileError, `_calls`)."""
-        if self._step is None or self._encoder is None:
+        if self._made is None:
             attention = decode_attention_op() if self.attention_kernel else None
-            if self._encoder is None:
-                self._encoder = compile_frozen(encoder_memory(self.model, attention=attention), backend=self._backend)
-            if self._step is None:
-                self._step = compile_frozen(decoder_step(self.model, chunk=self.chunk, attention=attention),
-                                            backend=self._backend)
-        return Compiled(encoder=self._encoder, step=self._step)
+            self._made = Compiled(
+                encoder=compile_frozen(encoder_memory(self.model, attention=attention), backend=self._backend),
+                step=compile_frozen(decoder_step(self.model, chunk=self.chunk, attention=attention),
+                                    backend=self._backend))
+        return self._made
 
     @torch.inference_mode()
     def compile_kinds(self) -> int:
@@ -684,19 +682,22 @@ class CompiledDecoder:
                 return function(*inputs)
             except RecompileError:
                 self.retried += 1
-        with self._compiling, tracing_settings(compiled=False):
-            quiet_compile_warnings()
-            started = time.perf_counter()
-            try:
-                return function(*inputs)
-            finally:
-                self.compiling_seconds += time.perf_counter() - started
+        with self._compiling_alone(), tracing_settings(compiled=False):
+            return function(*inputs)
 
     @contextmanager
     def _first_of_kind(self, kind: Kind) -> Iterator[None]:
         """Around the first call of a kind (the graph dynamo compiles for it): one thread at a time, so that
         decoder threads meeting the kind at once compile it once (each would compile its own: dynamo looks
         for a graph before it takes its compile lock), the others waiting and then finding it."""
+        with self._compiling_alone():
+            yield
+            self._kinds.add(kind)
+
+    @contextmanager
+    def _compiling_alone(self) -> Iterator[None]:
+        """Around a call that compiles (a kind's first; one compiled after its retries, `_run`): one thread at a
+        time, inductor's TypedStorage warning hidden, its seconds counted in `compiling_seconds`."""
         with self._compiling:
             quiet_compile_warnings()
             started = time.perf_counter()
@@ -704,4 +705,3 @@ class CompiledDecoder:
                 yield
             finally:
                 self.compiling_seconds += time.perf_counter() - started
-            self._kinds.add(kind)
