@@ -40,7 +40,7 @@ translate-demo: setup ## translate the demo test set with checkpoints/demo/best.
 	gzip -dc $(DATA)/test.en.gz > $(DEMO)/test.en
 	gzip -dc $(DATA)/test.de.gz > $(DEMO)/test.de
 	$(BIN)/python -m seq2seq.translate --checkpoint $(DEMO)/best.ckpt --beam 5 \
-	    --input $(DEMO)/test.en --ref $(DEMO)/test.de --output $(DEMO)/test.hyp
+	    --input $(DEMO)/test.en --ref $(DEMO)/test.de --output $(DEMO)/test.hyp --force  # a run again replaces it
 	@paste $(DEMO)/test.en $(DEMO)/test.hyp | head -n 5 | awk -F '\t' '{print "\n  en: " $$1 "\n  de: " $$2}'
 
 test: lint typecheck pytest ## all the checks CI runs (make -k test: all three even if one fails)

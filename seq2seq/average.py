@@ -1,4 +1,4 @@
-"""python -m seq2seq.average --checkpoints A.ckpt B.ckpt ... --output averaged.ckpt [--weights trained]
+"""python -m seq2seq.average --checkpoints A.ckpt B.ckpt ... --output averaged.ckpt [--weights trained] [--force]
 
 Checkpoint averaging (Vaswani et al. 2017 average the last 5 or 20): the element-wise mean of the
 weights of several checkpoints of one run, written as a checkpoint Translator and the translate CLI
@@ -10,6 +10,10 @@ optimiser trained instead (Lightning keeps them under "current_model_state"). Ev
 checked as Translator checks one, and all must share the model config, tokenizer and language pair.
 Search defaults a checkpoint stores (a tuned length penalty) are not carried over: they were tuned
 for other weights.
+
+--output is checked before any checkpoint is read (seq2seq/cli.py's check_output): a new file, or with
+--force an existing one, in a folder that exists; never a device, FIFO or link (the write renames a new file
+over the path), a folder, or one of the checkpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from seq2seq.checkpoint import (
     read_inference,
     save_atomic,
 )
+from seq2seq.cli import OutputRefused, check_output
 from seq2seq.search import SearchConfig
 
 
@@ -72,23 +77,32 @@ def write(checkpoint: InferenceCheckpoint, path: str | Path) -> None:
     state_dict = {f"model.{name}": tensor for name, tensor in checkpoint.weights.items()}
     entry = inference_entry(state_dict=state_dict, config=checkpoint.config, tokenizer=checkpoint.tokenizer,
                             src_lang=checkpoint.src_lang, tgt_lang=checkpoint.tgt_lang)
-    save_atomic({"state_dict": state_dict, CHECKPOINT_KEY: entry}, path)
+    save_atomic({"state_dict": state_dict, CHECKPOINT_KEY: entry}, path, create_folder=False)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m seq2seq.average", description=__doc__.split("\n\n")[1])
     parser.add_argument("--checkpoints", nargs="+", required=True, help="checkpoints of one run (.ckpt)")
-    parser.add_argument("--output", required=True, help="where the averaged checkpoint goes")
+    parser.add_argument("--output", required=True, help="the checkpoint to write (.ckpt), in a folder that exists")
+    parser.add_argument("--force", action="store_true", help="replace --output if it is a file that holds anything")
     parser.add_argument("--weights", choices=["inference", "trained"], default="inference",
                         help="inference: the weights each checkpoint translates with (EMA ones in an EMA run); "
                              "trained: the optimiser's weights of an EMA run")
     args = parser.parse_args(argv)
-    if str(Path(args.output).resolve()) in {str(Path(p).resolve()) for p in args.checkpoints}:
-        parser.error(f"--output {args.output} is one of the --checkpoints; write the average elsewhere")
+    try:  # before the checkpoints are read
+        check_output(args.output, force=args.force, replaces=True, example="averaged.ckpt",
+                     inputs=[("--checkpoints", path) for path in args.checkpoints])
+    except OutputRefused as error:
+        raise SystemExit(f"error: {error}") from None
     try:
-        write(average(args.checkpoints, weights=args.weights), args.output)
+        averaged = average(args.checkpoints, weights=args.weights)
     except (CheckpointError, OSError) as error:
         raise SystemExit(f"error: {error}") from None
+    try:
+        write(averaged, args.output)
+    except OSError as error:  # a full disk, the folder gone meanwhile: the rename never happened
+        raise SystemExit(f"error: --output {args.output}: cannot write it ({error.strerror or error}); what was "
+                         "there is as it was") from None
     print(f"averaged {len(args.checkpoints)} checkpoints ({args.weights} weights) into {args.output}")
 
 

@@ -150,14 +150,18 @@ def store_search_defaults(path: str | Path, search: dict[str, Any]) -> None:
     save_atomic(checkpoint, path)
 
 
-def save_atomic(checkpoint: dict[str, Any], path: str | Path) -> None:
+def save_atomic(checkpoint: dict[str, Any], path: str | Path, *, create_folder: bool = True) -> None:
     """torch.save to a temporary file beside `path`, fsync, rename over it: a crash leaves the old file or the new.
 
     Beside, not in TMPDIR: a rename is atomic only within one filesystem (a copy from /tmp is not,
-    and a kill during it leaves a truncated file). Errors are raised, never swallowed.
+    and a kill during it leaves a truncated file). Errors are raised, never swallowed. `create_folder`: make
+    `path`'s missing folders first, as training's checkpoint writes need (Lightning names folders it has not
+    made, as `lightning_logs/version_N/checkpoints`); the faces pass False (their output was checked by
+    cli.check_output, which creates no folder), and a folder gone meanwhile is an error.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if create_folder:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
         with os.fdopen(fd, "wb") as f:

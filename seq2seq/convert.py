@@ -28,6 +28,7 @@ What is read, and how it maps (the inverse of seq2seq/export.py's Marian export)
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import re
 from pathlib import Path
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, CheckpointError, inference_entry, save_atomic
+from seq2seq.cli import OutputRefused, check_output
 from seq2seq.marian import channel_order, layer_modules
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
@@ -396,16 +398,28 @@ def _check_positions(hf: dict[str, Tensor], config: TransformerConfig, stack: st
 # ---- the whole ---------------------------------------------------------------------------------------
 
 
+def source_files(source: str) -> list[Path]:
+    """The files of a local SRC folder that a conversion reads (none for a Hub id: its snapshot is in the cache)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return []
+    patterns = [*METADATA_FILES, *TOKENIZER_FILES, *(pattern for group in WEIGHT_PATTERNS for pattern in group)]
+    try:
+        return sorted(path for path in folder.iterdir() if any(fnmatch.fnmatchcase(path.name, p) for p in patterns))
+    except OSError:  # unreadable: resolve_source and the readers say so
+        return []
+
+
 def convert_huggingface(source: str, output: str | Path, *, src_lang: str | None = None,
                         tgt_lang: str | None = None, force: bool = False) -> Path:
-    """Write checkpoint `output` from the Marian model SRC (a folder or a Hub id); ConvertError if it cannot."""
+    """Write checkpoint `output` from the Marian model SRC (a folder or a Hub id); ConvertError if it cannot.
+    `output` is checked first (seq2seq/cli.py's check_output): a new file, or with `force` an existing one, in a
+    folder that exists; never a device, FIFO or link, a folder, or one of SRC's files."""
+    try:
+        check_output(output, force=force, replaces=True, inputs=[("SRC", path) for path in source_files(source)])
+    except OutputRefused as error:
+        raise ConvertError(str(error)) from None
     output = Path(output)
-    if output.is_dir():
-        raise ConvertError(f"--output {output} is a folder; name the checkpoint file to write (e.g. {output}/model.ckpt)")
-    if output.exists() and not output.is_file():  # a device (/dev/full), a pipe: the atomic write would replace it
-        raise ConvertError(f"--output {output} is not a regular file; name the checkpoint file to write")
-    if output.exists() and not force:
-        raise ConvertError(f"--output {output} exists: name a new file, or pass --force to replace it")
     folder = resolve_source(source)
     hf_config = read_json(folder, "config.json", required=True)
     tokenizer = read_tokenizer(folder)
@@ -428,7 +442,7 @@ def convert_huggingface(source: str, output: str | Path, *, src_lang: str | None
     entry = inference_entry(state_dict=state_dict, config=config, tokenizer=tokenizer.to_bytes(), src_lang=src,
                             tgt_lang=tgt)
     try:
-        save_atomic({CHECKPOINT_KEY: entry, "state_dict": state_dict}, output)
+        save_atomic({CHECKPOINT_KEY: entry, "state_dict": state_dict}, output, create_folder=False)
     except OSError as error:
         raise ConvertError(f"--output {output}: cannot write it ({error.strerror or error})") from None
     return output
@@ -439,10 +453,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from", dest="source_format", required=True, choices=["huggingface"],
                         help="the toolkit the model comes from")
     parser.add_argument("source", metavar="SRC", help="a model folder, or a Hub id (Helsinki-NLP/opus-mt-de-en)")
-    parser.add_argument("--output", required=True, help="the checkpoint to write (.ckpt)")
+    parser.add_argument("--output", required=True, help="the checkpoint to write (.ckpt), in a folder that exists")
     parser.add_argument("--src-lang", default=None, help="source language code (default: the model's record)")
     parser.add_argument("--tgt-lang", default=None, help="target language code (default: the model's record)")
-    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
+    parser.add_argument("--force", action="store_true", help="replace --output if it is a file that holds anything")
     args = parser.parse_args(argv)
     try:
         convert_huggingface(args.source, args.output, src_lang=args.src_lang, tgt_lang=args.tgt_lang, force=args.force)

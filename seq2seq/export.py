@@ -9,9 +9,11 @@ sentencepiece model too (`source.spm`, `target.spm`: the same joint model), so t
 `ctranslate2.Translator` + `sentencepiece` translate with it alone (README).
 
 The output folder: an export is written into a new folder beside `--output` and renamed into place
-only once it is whole, so a failure leaves `--output` as it was. `--force` replaces only a folder
-that holds nothing but an earlier export's files (EXPORT_FILES): never the checkpoint, other files
-or sub-folders, since the user named the folder for an export, not for everything in it.
+only once it is whole, so a failure leaves `--output` as it was. It is checked first by the policy
+every face shares (seq2seq/cli.py's check_output: not a file, device, FIFO or link, not the checkpoint,
+in a folder that exists, none created); `--force` then replaces only a folder that holds nothing but an
+earlier export's files (EXPORT_FILES): never the checkpoint, other files or sub-folders, since the user
+named the folder for an export, not for everything in it.
 
 How our model maps onto the spec, and why each choice:
 - Positions: our sinusoid table interleaves sin and cos (even and odd channels); CTranslate2's
@@ -49,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from seq2seq import cli
 from seq2seq.checkpoint import CheckpointError, InferenceCheckpoint, load_checkpoint, read_inference
 from seq2seq.marian import channel_order, layer_modules
 from seq2seq.model import TransformerConfig
@@ -83,19 +86,21 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_output(output: Path, *, checkpoint: Path, force: bool) -> None:
-    """Raise ExportError (naming --output and what to do) unless an export may write `output`: a new
-    folder, or with `force` one holding only an earlier export's files; never one holding the checkpoint.
-    The folder checked is the one written: `output` made absolute and normalised as _export_folder does
-    (`typo/..` is the working folder there, though the kernel finds no such path)."""
-    shown, output = output, Path(os.path.abspath(output))
-    if shown.is_symlink() or output.is_symlink():
-        raise ExportError(f"--output {shown} is a symbolic link: name the folder itself, or a new one")
+def check_output(output: str | Path, *, checkpoint: Path, force: bool) -> None:
+    """Raise ExportError (naming --output and what to do) unless an export may write `output`: the policy every
+    face shares (cli.check_output: a folder in a folder that exists, not a file, device, FIFO or link, not the
+    checkpoint), then export's own: a new folder, or with `force` one holding only an earlier export's files;
+    never one holding the checkpoint. The folder checked is the one written: `output` made absolute and
+    normalised as _export_folder does (`typo/..` is the working folder there, though the kernel finds no such
+    path)."""
+    shown = Path(output) if str(output) else ""  # named as Path spells it (`./ct2/.` is ct2); "" stays empty
+    try:
+        cli.check_output(shown, force=force, replaces=True, folder=True, inputs=[("--checkpoint", checkpoint)])
+    except cli.OutputRefused as error:
+        raise ExportError(str(error)) from None
+    output = Path(os.path.abspath(output))
     if not output.exists():
         return
-    if not output.is_dir():
-        what = "the checkpoint being exported" if _same_file(output, checkpoint) else "a file, not a folder"
-        raise ExportError(f"--output {shown} is {what}: name a new folder for the export")
     try:
         entries = sorted(output.iterdir())
     except OSError as error:
@@ -162,23 +167,6 @@ def _clean_up_after_a_killed_export(target: Path) -> None:
                 os.rename(aside, target)
 
 
-def _missing_folders(folder: Path) -> list[Path]:
-    """`folder` and its ancestors that do not exist yet, deepest first (to create in reverse, remove in order)."""
-    missing = []
-    while not os.path.lexists(folder):
-        missing.append(folder)
-        folder = folder.parent
-    return missing
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    for folder in folders:  # deepest first; one never created, or holding another process's files, stays
-        try:
-            folder.rmdir()
-        except OSError:
-            pass
-
-
 def _swap_in(new: Path, target: Path) -> None:
     """Rename `new` to `target`, setting an earlier export there aside first and removing it after; if
     moving the new one in fails, the earlier one goes back, so `target` holds one whole export or the other."""
@@ -199,18 +187,15 @@ def _swap_in(new: Path, target: Path) -> None:
 def _export_folder(output: Path, *, checkpoint: Path, force: bool) -> Iterator[Path]:
     """A new, empty folder beside `output` to write an export into; when the body returns, it takes
     `output`'s place (check_output's rules, checked again, as the folder may have changed meanwhile).
-    On any failure it is removed, with any parent folder made for it, and `output` is left as it was."""
+    On any failure it is removed, and `output` is left as it was. No folder is created for it: `output`'s
+    own must exist (check_output)."""
     target = Path(os.path.abspath(output))  # `.` and `ct2/` have a name and a parent to write beside
     _clean_up_after_a_killed_export(target)
     check_output(output, checkpoint=checkpoint, force=force)
-    created = _missing_folders(target.parent)  # made for the export: removed if it fails
     try:
-        for folder in reversed(created):
-            folder.mkdir()
         staging = _new_name(target.parent, f".{target.name}.partial-")
         staging.mkdir()
     except OSError as error:
-        _remove_empty(created)
         raise ExportError(f"--output {output}: cannot create a folder in {target.parent} ({error.strerror or error}): "
                           "name a folder you can write to") from None
     try:
@@ -219,7 +204,6 @@ def _export_folder(output: Path, *, checkpoint: Path, force: bool) -> Iterator[P
         _swap_in(staging, target)
     except OSError as error:
         shutil.rmtree(staging, ignore_errors=True)
-        _remove_empty(created)
         advice = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
                   errno.EBUSY: f"{output} is in use (a mount point?): name a folder inside it, or a new one",
                   errno.EXDEV: f"{output} is a mount point: name a folder inside it, or a new one"}
@@ -227,7 +211,6 @@ def _export_folder(output: Path, *, checkpoint: Path, force: bool) -> Iterator[P
                           f"changed: {advice.get(error.errno or 0, 'name a folder you can write to')}") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        _remove_empty(created)
         raise
 
 
@@ -490,7 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m seq2seq.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
     parser.add_argument("--to", required=True, choices=["ctranslate2", "huggingface"], help="the engine to export to")
-    parser.add_argument("--output", required=True, help="the folder to write (must not exist, unless --force)")
+    parser.add_argument("--output", required=True,
+                        help="the folder to write, in a folder that exists (must not exist itself, unless --force)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="CTranslate2 weight type (default: float32 as trained)")
     parser.add_argument("--force", action="store_true",
@@ -498,13 +482,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.to == "huggingface" and args.quantization:
         parser.error("--quantization is for --to ctranslate2")
-    if not args.output:
-        raise SystemExit("error: --output is empty: name a new folder for the export")
-    output = Path(args.output)
     try:  # before the engine's import and the checkpoint's reading, which take seconds
-        check_output(output, checkpoint=Path(args.checkpoint), force=args.force)
+        check_output(args.output, checkpoint=Path(args.checkpoint), force=args.force)
     except ExportError as error:
         raise SystemExit(f"error: {error}") from None
+    output = Path(args.output)
     package = {"ctranslate2": "ctranslate2", "huggingface": "transformers"}[args.to]
     try:
         __import__(package)

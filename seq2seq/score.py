@@ -22,10 +22,10 @@ from itertools import islice
 import torch
 
 from seq2seq.checkpoint import CheckpointError
-from seq2seq.cli import interruption, one_line_warnings, stop_on_sigterm
+from seq2seq.cli import OutputRefused, check_output, interruption, one_line_warnings, stop_on_sigterm
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, PRECISIONS, tune_process_memory
 from seq2seq.scoring import Forced
-from seq2seq.textio import Output, check_input_path, check_output_path, read_lines, where
+from seq2seq.textio import Output, check_input_path, read_lines, where
 from seq2seq.translator import Translator, resolve_device
 
 WINDOW = 1000  # pairs scored (sorted by length) and written at a time
@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", required=True, help="a .ckpt (python -m seq2seq.fit or seq2seq.convert)")
     parser.add_argument("--src", required=True, help="the sources, one per line; - for stdin")
     parser.add_argument("--tgt", required=True, help="their translations, line-aligned with --src")
-    parser.add_argument("--output", default="-", help="where the scores go; - for stdout")
+    parser.add_argument("--output", default="-", help="where the scores go; - for stdout (a FIFO or a device is "
+                                                       "written into)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --output if it is a file that holds anything (an empty one is written without)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="padded positions per batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -60,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     inputs = {"--src": args.src, "--tgt": args.tgt, "--checkpoint": args.checkpoint}
     for option in ("--src", "--tgt"):
         check_input_path(inputs[option], option=option)
-    check_output_path(args.output, inputs=inputs)
+    try:
+        check_output(args.output, force=args.force, replaces=False, inputs=inputs.items(), example="scores.txt")
+    except OutputRefused as error:
+        raise SystemExit(f"error: {error}") from None
     one_line_warnings()
     stop_on_sigterm()
     try:

@@ -1,13 +1,13 @@
 """Line-oriented text for the faces: UTF-8 lines read with one-line errors that name the file and the
-line, outputs checked before any work and written a whole line at a time (so that an interrupted run or
-a full disk leaves whole lines, and says how many). python -m seq2seq.translate and python -m
-seq2seq.score read and write through it; it imports nothing of ours.
+line, and outputs written a whole line at a time (so that an interrupted run or a full disk leaves whole
+lines, and says how many); what an output may be is checked before any work by seq2seq/cli.py's
+check_output, the policy every face shares. python -m seq2seq.translate and python -m seq2seq.score read
+and write through it; it imports nothing of ours.
 """
 
 import contextlib
 import io
 import os
-import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,63 +132,6 @@ def check_input_path(path: str, *, option: str) -> None:
         raise SystemExit(f"error: {option}: cannot read {path}: {error.strerror}") from None
 
 
-def same_file(path: Path, fd: int) -> bool:
-    """Whether `path` is the file open as `fd` (stdin): `--output F < F` would empty the input."""
-    try:
-        a, b = path.stat(), os.fstat(fd)
-    except (OSError, ValueError):
-        return False
-    return stat.S_ISREG(a.st_mode) and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def check_output_path(path: str, *, inputs: dict[str, str]) -> None:
-    """Refuse an output that cannot be written now, not after the whole input has been translated, and
-    one that would overwrite a file the user did not name as output: an input (`inputs`: option →
-    path, the checkpoint among them) or any file that is not text (a checkpoint under another name)."""
-    if path == "-":
-        return
-    target = Path(path)
-    folder = target.parent
-    if not path:
-        raise SystemExit("error: --output is empty; give a file path, or - for stdout")
-    if target.is_dir():
-        raise SystemExit(f"error: --output {path} is a folder; give a file path")
-    if folder.exists() and not folder.is_dir():
-        raise SystemExit(f"error: --output {path}: {folder} is a file, not a folder")
-    if not folder.is_dir():
-        raise SystemExit(f"error: --output {path}: the folder {folder} does not exist; create it first")
-    for option, other in inputs.items():
-        what = "the input file" if option == "--input" else f"the {option} file"
-        if other != "-" and target.exists() and Path(other).exists() and target.samefile(other):
-            raise SystemExit(f"error: --output {path} is {what} {other}: it would be overwritten")
-        if other == "-" and same_file(target, 0):
-            raise SystemExit(f"error: --output {path} is {what}, read from stdin: it would be overwritten; "
-                             "write to another file")
-    if target.exists() and not target.is_file():  # a FIFO, /dev/null, a terminal: written as they are, never emptied
-        return
-    if target.is_file() and not looks_like_text(target):
-        raise SystemExit(f"error: --output {path} exists and is not a text file (a checkpoint, an archive?): it "
-                         "would be overwritten; give another path, or delete it first if it is yours to lose")
-    existed = target.exists()
-    try:
-        with open(target, "a", encoding="utf-8"):  # "a": an existing file is not emptied by the check
-            pass
-    except OSError as error:
-        raise SystemExit(f"error: --output {path} cannot be written ({error.strerror})") from None
-    if not existed:
-        target.unlink()
-
-
-def looks_like_text(path: Path) -> bool:
-    """No NUL byte in the first 8 KiB and no zip archive (a torch checkpoint is one): translations are text."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8192)
-    except OSError:
-        return True  # unreadable: the write check that follows says what is wrong
-    return b"\0" not in head and not head.startswith(b"PK\x03\x04")
-
-
 class UpToABadLine:
     """The lines before the first one that cannot be read, then the end: those are translated and
     written before the error (kept in `error`) is reported."""
@@ -219,7 +162,7 @@ class Output:
             regular = not os.path.exists(path) or os.path.isfile(path)  # a FIFO or a device is not truncated
             try:
                 self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if regular else 0), 0o666)
-            except OSError as error:  # the folder changed since check_output_path
+            except OSError as error:  # the folder changed since cli.check_output
                 raise SystemExit(f"error: --output {path} cannot be written ({error.strerror})") from None
         self.whole = 0  # bytes of whole lines in the file
 

@@ -8,8 +8,9 @@ mark at the start of a file is dropped).
 
 Every option, the output path, the checkpoint and (for a file) every input line are checked before
 any sentence is translated; the output may not be the input, the references, the checkpoint or any
-file that is not text. The input is streamed (a pipe or an endless one costs no more memory than a
-window of 1,000 lines, batched by length). Each translation is written as soon as it and every
+file that is not text; an existing file that holds anything is replaced only with --force (a FIFO or
+a device is written into, never emptied). The input is streamed (a pipe or an endless one costs no
+more memory than a window of 1,000 lines, batched by length). Each translation is written as soon as it and every
 line before it are done, a whole line at a time, so an interrupted run or a full disk leaves a file
 of whole lines, and the message says how many. On a terminal, stderr shows a progress bar (not
 when stderr is piped or redirected).
@@ -29,8 +30,10 @@ import sacrebleu
 from tqdm import tqdm
 
 from seq2seq.cli import (
+    OutputRefused,
     add_search_arguments,
     check_flags,
+    check_output,
     describe,
     format_nbest,
     interruption,
@@ -48,7 +51,6 @@ from seq2seq.textio import (
     Output,
     UpToABadLine,
     check_input_path,
-    check_output_path,
     count_lines,
     iter_lines,
     read_lines,
@@ -65,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m seq2seq.translate", description=__doc__.split("\n\n")[1])
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
     parser.add_argument("--input", default="-", help="one sentence per line; - for stdin")
-    parser.add_argument("--output", default="-", help="where translations go; - for stdout")
+    parser.add_argument("--output", default="-", help="where translations go; - for stdout (a FIFO or a device is "
+                                                       "written into)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --output if it is a file that holds anything (an empty one is written without)")
     parser.add_argument("--ref", default=None, help="reference translations, line-aligned: print BLEU and chrF")
     parser.add_argument("--target-prefix", default=None, metavar="FILE",
                         help="line-aligned with the input: the start each translation must have (an empty line: none)")
@@ -113,7 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     for option in ("--target-prefix", "--constraints", "--glossary"):
         if inputs.get(option) == "-" and args.input == "-":
             parser.error(f"{option} - and --input - would both read stdin; give one of them as a file")
-    check_output_path(args.output, inputs=inputs)
+    try:
+        check_output(args.output, force=args.force, replaces=False, inputs=inputs.items(), example="translations.txt")
+    except OutputRefused as error:
+        raise SystemExit(f"error: {error}") from None
     one_line_warnings()
     stop_on_sigterm()
     try:

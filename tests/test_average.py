@@ -1,5 +1,8 @@
 """python -m seq2seq.average: the mean of several checkpoints' weights, as a checkpoint Translator reads."""
 
+import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +18,7 @@ from seq2seq.training.fit import main as fit
 from seq2seq.translator import Translator
 
 REPO = Path(__file__).resolve().parents[1]
+SMALL = REPO / "tests" / "data" / "format3.ckpt"  # a small checkpoint of ours (tests/data/README.md)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,7 @@ def test_the_cli_answers_bad_input_in_one_line(ema_run: Path, tmp_path: Path):
     assert missing.returncode == 1 and missing.stderr.startswith("error: checkpoint") and "does not exist" in missing.stderr
     assert missing.stderr.count("\n") == 1
     same = run("--checkpoints", steps(ema_run)[0], "--output", steps(ema_run)[0])
-    assert same.returncode == 2 and "is one of the --checkpoints" in same.stderr
+    assert same.returncode == 1 and "is the --checkpoints file" in same.stderr and same.stderr.count("\n") == 1
     done = run("--checkpoints", *steps(ema_run)[:2], "--output", str(tmp_path / "b.ckpt"))
     assert done.returncode == 0 and "averaged 2 checkpoints" in done.stdout
 
@@ -95,3 +99,92 @@ def test_a_flipped_bit_in_the_trained_weights_is_refused(ema_run: Path, tmp_path
     with pytest.raises(CheckpointError, match=r"damaged\.ckpt is damaged: its training state \(the trained weights"):
         average([steps(ema_run)[0], str(damaged)], weights="trained")
     average([steps(ema_run)[0], str(damaged)], weights="inference")  # the EMA weights are another matter
+
+
+# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before any checkpoint is read ----
+
+
+def refused(*args: str) -> str:
+    """The one `error:` line main() exits with (no traceback, no errno)."""
+    with pytest.raises(SystemExit) as caught:
+        main(list(args))
+    message = str(caught.value.code)
+    assert message.startswith("error: ") and "\n" not in message and "Errno" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_dev_null_is_refused_and_stays_a_device(force: list[str], tmp_path: Path):
+    """`--output /dev/null` (as root) renamed a 6 MB checkpoint over /dev/null, exit 0. The checkpoint named here
+    does not exist: the refusal comes before any reading (and so before any write, even on code that would write)."""
+    message = refused("--checkpoints", str(tmp_path / "none.ckpt"), "--output", "/dev/null", *force)
+    assert message == "error: --output /dev/null is a character device, not a file: name a new file"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_a_fifo_is_refused_and_stays_a_fifo(force: list[str], tmp_path: Path):
+    fifo = tmp_path / "avg.ckpt"
+    os.mkfifo(fifo)
+    message = refused("--checkpoints", str(SMALL), "--output", str(fifo), *force)
+    assert message == f"error: --output {fifo} is a FIFO (named pipe), not a file: name a new file"
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_an_existing_file_is_replaced_only_with_force(tmp_path: Path):
+    taken = tmp_path / "avg.ckpt"
+    taken.write_bytes(b"mine")
+    message = refused("--checkpoints", str(SMALL), "--output", str(taken))
+    assert message == f"error: --output {taken} exists: name a new file, or pass --force to replace it"
+    assert taken.read_bytes() == b"mine"
+    main(["--checkpoints", str(SMALL), "--output", str(taken), "--force"])
+    assert Translator.from_checkpoint(taken).model.config == Translator.from_checkpoint(SMALL).model.config
+    empty = tmp_path / "tmp.XXXX"  # an empty file (mktemp's) holds nothing to lose: written without --force
+    empty.write_bytes(b"")
+    main(["--checkpoints", str(SMALL), "--output", str(empty)])
+    assert read_inference(empty, load_checkpoint(empty)).config == read_inference(taken, load_checkpoint(taken)).config
+
+
+def test_a_missing_folder_is_refused_and_not_created(tmp_path: Path):
+    output = tmp_path / "new" / "deep" / "avg.ckpt"
+    message = refused("--checkpoints", str(tmp_path / "none.ckpt"), "--output", str(output))
+    assert message == f"error: --output {output}: the folder {output.parent} does not exist; create it first"
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_folder_is_refused_in_one_line(tmp_path: Path):
+    """It was `error: [Errno 21] Is a directory: '….partial' -> '…'`, after the averaging."""
+    message = refused("--checkpoints", str(SMALL), "--output", str(tmp_path), "--force")
+    assert message == f"error: --output {tmp_path} is a folder; name the file to write, e.g. {tmp_path / 'averaged.ckpt'}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_input_or_a_link_as_output_is_refused_even_with_force(tmp_path: Path):
+    copy = tmp_path / "a.ckpt"
+    shutil.copy(SMALL, copy)
+    link = tmp_path / "link.ckpt"
+    link.symlink_to(copy)
+    for output in (copy, link):  # a link to a checkpoint is that checkpoint
+        message = refused("--checkpoints", str(SMALL), str(copy), "--output", str(output), "--force")
+        assert message == f"error: --output {output} is the --checkpoints file {copy}: it would be overwritten"
+    other = tmp_path / "other.ckpt"
+    link.unlink()
+    link.symlink_to(other)  # dangling: the rename would replace the link, not write where it leads
+    message = refused("--checkpoints", str(SMALL), "--output", str(link), "--force")
+    assert message == f"error: --output {link} is a symbolic link: name the file itself, or a new one"
+    assert copy.read_bytes() == SMALL.read_bytes() and link.is_symlink() and not other.exists()
+
+
+def test_a_write_that_fails_midway_leaves_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    taken = tmp_path / "avg.ckpt"
+    taken.write_bytes(b"mine")
+
+    def disk_full(obj, f) -> None:
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("seq2seq.checkpoint.torch.save", disk_full)
+    message = refused("--checkpoints", str(SMALL), "--output", str(taken), "--force")
+    assert message == (f"error: --output {taken}: cannot write it (No space left on device); what was there is as it "
+                       "was")
+    assert taken.read_bytes() == b"mine" and [p.name for p in tmp_path.iterdir()] == ["avg.ckpt"]  # no partial file

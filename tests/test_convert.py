@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -338,7 +339,7 @@ def test_a_bad_shard_index_is_one_line(weight_map, message: str, marian: Path, t
 
 def test_an_output_that_is_not_a_regular_file_is_refused(marian: Path, tmp_path: Path):
     os.mkfifo(tmp_path / "pipe")
-    with pytest.raises(ConvertError, match="--output .*pipe is not a regular file"):
+    with pytest.raises(ConvertError, match=r"--output .*pipe is a FIFO \(named pipe\), not a file: name a new file$"):
         convert_huggingface(str(marian), tmp_path / "pipe", force=True)
     assert (tmp_path / "pipe").is_fifo()
 
@@ -365,3 +366,65 @@ def test_unknown_weights_a_taken_output_and_a_bad_source_are_refused(marian: Pat
     with pytest.raises(ConvertError, match="the language pair is not recorded.*give --src-lang and --tgt-lang"):
         convert_huggingface(str(no_pair), tmp_path / "z.ckpt")
     assert os.path.exists(convert_huggingface(str(no_pair), tmp_path / "z.ckpt", src_lang="de", tgt_lang="en"))
+
+
+# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before SRC is read ----
+
+
+@pytest.fixture
+def unread(tmp_path: Path) -> Path:
+    """A SRC folder that is no model: a conversion that got as far as reading it would fail otherwise."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}", encoding="utf-8")
+    return folder
+
+
+def refused(*args: str) -> str:
+    """The one `error:` line main() exits with (no traceback, no errno)."""
+    with pytest.raises(SystemExit) as caught:
+        main(["--from", "huggingface", *args])
+    message = str(caught.value.code)
+    assert message.startswith("error: ") and "\n" not in message and "Errno" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_dev_null_and_a_fifo_are_refused_and_stay_what_they_are(force: list[str], unread: Path, tmp_path: Path):
+    message = refused(str(unread), "--output", "/dev/null", *force)
+    assert message == "error: --output /dev/null is a character device, not a file: name a new file"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    fifo = tmp_path / "out.ckpt"
+    os.mkfifo(fifo)
+    message = refused(str(unread), "--output", str(fifo), *force)
+    assert message == f"error: --output {fifo} is a FIFO (named pipe), not a file: name a new file"
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_an_existing_file_is_replaced_only_with_force(marian: Path, tmp_path: Path):
+    taken = tmp_path / "de-en.ckpt"
+    taken.write_bytes(b"mine")
+    message = refused(str(marian), "--output", str(taken))
+    assert message == f"error: --output {taken} exists: name a new file, or pass --force to replace it"
+    assert taken.read_bytes() == b"mine"
+    main(["--from", "huggingface", str(marian), "--output", str(taken), "--force"])
+    assert read_inference(taken, load_checkpoint(taken)).src_lang == "de"
+
+
+def test_a_missing_folder_is_refused_and_not_created(unread: Path, tmp_path: Path):
+    output = tmp_path / "new" / "de-en.ckpt"
+    message = refused(str(unread), "--output", str(output))
+    assert message == f"error: --output {output}: the folder {output.parent} does not exist; create it first"
+    assert not output.parent.exists()
+
+
+def test_a_folder_is_refused_in_one_line(unread: Path, tmp_path: Path):
+    message = refused(str(unread), "--output", str(tmp_path), "--force")
+    assert message == f"error: --output {tmp_path} is a folder; name the file to write, e.g. {tmp_path / 'model.ckpt'}"
+
+
+def test_a_file_of_src_as_output_is_refused_even_with_force(unread: Path):
+    config = unread / "config.json"
+    message = refused(str(unread), "--output", str(config), "--force")
+    assert message == f"error: --output {config} is the SRC file {config}: it would be overwritten"
+    assert config.read_text(encoding="utf-8") == "{}"

@@ -17,6 +17,7 @@ import errno
 import gzip
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -319,14 +320,16 @@ def test_force_never_replaces_a_folder_holding_what_no_export_writes(holds: str,
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("output", ["notes.txt", "m.ckpt"])
-def test_a_file_as_output_is_refused_even_with_force(output: str, engine: str, checkpoint: Path, tmp_path: Path):
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_a_file_as_output_is_refused_even_with_force(force: list[str], output: str, engine: str, checkpoint: Path,
+                                                     tmp_path: Path):
     """It was a NotADirectoryError traceback (CTranslate2), or 'wrote notes.txt' and nothing written (Hugging Face)."""
     (tmp_path / "notes.txt").write_text("mine")
-    what = "the checkpoint being exported" if output == "m.ckpt" else "a file, not a folder"
+    what = (f"the --checkpoint file {checkpoint}: it would be overwritten" if output == "m.ckpt" else
+            "a file, not a folder: name a new folder")
     before = tree(tmp_path)
-    with pytest.raises(SystemExit, match=f"^error: --output {re.escape(str(tmp_path / output))} is {what}: "
-                                         "name a new folder for the export$"):
-        export(checkpoint, tmp_path / output, engine, "--force")
+    with pytest.raises(SystemExit, match=f"^error: --output {re.escape(str(tmp_path / output))} is {re.escape(what)}$"):
+        export(checkpoint, tmp_path / output, engine, *force)
     assert tree(tmp_path) == before
 
 
@@ -411,7 +414,7 @@ def test_the_command_line_says_one_line_and_exits_1(checkpoint: Path, tmp_path: 
                             capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr.splitlines() == [f"error: --output {tmp_path / 'notes.txt'} is a file, not a folder: "
-                                          "name a new folder for the export"]
+                                          "name a new folder"]
 
 
 @pytest.mark.parametrize(("earlier", "engine"), [("ctranslate2", "huggingface"), ("huggingface", "ctranslate2"),
@@ -435,13 +438,11 @@ def interrupted(*args, **kwargs):
 
 
 @pytest.mark.parametrize(("engine", "failure"), [("ctranslate2", "disk full"), ("huggingface", "disk full"),
-                                                 ("ctranslate2", "Ctrl-C"), ("ctranslate2", "moving it in"),
-                                                 ("huggingface", "disk full, in new folders")])
+                                                 ("ctranslate2", "Ctrl-C"), ("ctranslate2", "moving it in")])
 def test_a_failed_export_leaves_the_earlier_one_and_nothing_else(engine: str, failure: str, tokenizer: Tokenizer,
                                                                  checkpoint: Path, tmp_path: Path, monkeypatch):
-    """The converter removed the earlier export before writing the new one: a full disk lost both. Folders
-    made for --output (new/deep/) go too."""
-    output = tmp_path / "new" / "deep" / "out" if failure.endswith("new folders") else tmp_path / "out"
+    """The converter removed the earlier export before writing the new one: a full disk lost both."""
+    output = tmp_path / "out"
     export(checkpoint, tmp_path / "out", engine)
     other = write_checkpoint(tmp_path / "other.ckpt", random_model(tokenizer, activation="gelu"), tokenizer)
     before = tree(tmp_path)
@@ -516,3 +517,39 @@ def test_the_python_api_refuses_and_replaces_as_the_command_line_does(checkpoint
     (tmp_path / "ct2" / "notes.txt").write_text("mine")
     with pytest.raises(ExportError, match="holds notes.txt, which no export writes"):
         export_huggingface(checkpoint, tmp_path / "ct2", force=True)
+
+
+# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before the checkpoint is read ----
+
+
+def refused(*args: str) -> str:
+    """The one `error:` line main() exits with (no traceback, no errno)."""
+    with pytest.raises(SystemExit) as caught:
+        main(list(args))
+    message = str(caught.value.code)
+    assert message.startswith("error: ") and "\n" not in message and "Errno" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_dev_null_and_a_fifo_are_refused_and_stay_what_they_are(force: list[str], tmp_path: Path):
+    """It said "is a file, not a folder" of both. The checkpoint named does not exist: the refusal comes first."""
+    unread = str(tmp_path / "none.ckpt")
+    message = refused("--checkpoint", unread, "--to", "ctranslate2", "--output", "/dev/null", *force)
+    assert message == "error: --output /dev/null is a character device, not a folder: name a new folder"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    fifo = tmp_path / "ct2"
+    os.mkfifo(fifo)
+    message = refused("--checkpoint", unread, "--to", "huggingface", "--output", str(fifo), *force)
+    assert message == f"error: --output {fifo} is a FIFO (named pipe), not a folder: name a new folder"
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_missing_folder_is_refused_and_not_created(engine: str, checkpoint: Path, tmp_path: Path):
+    """The export made every missing folder on the way to --output (new/deep/), silently."""
+    output = tmp_path / "new" / "deep" / "out"
+    before = tree(tmp_path)
+    message = refused("--checkpoint", str(checkpoint), "--to", engine, "--output", str(output), "--force")
+    assert message == f"error: --output {output}: the folder {output.parent} does not exist; create it first"
+    assert tree(tmp_path) == before

@@ -2,7 +2,10 @@
 the training loss computed on the same pairs and against CTranslate2's score_batch on the exported model;
 and the translate CLI's alignment and token-score columns."""
 
+import contextlib
 import gzip
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -188,6 +191,85 @@ def test_ctrl_c_or_sigterm_keeps_the_scores_written_and_says_how_many(stop: str,
     monkeypatch.setattr(Translator, "from_checkpoint", stopping)  # while the model loads
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(trained), "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"),
-              "--output", str(output), "--precision", "fp32"])
+              "--output", str(output), "--precision", "fp32", "--force"])
     assert caught.value.code == status
     assert capsys.readouterr().err.strip() == f"{stop} before any pair was scored; --output {output} was not written"
+
+
+# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before the model loads ----
+
+
+@pytest.fixture
+def pairs(tmp_path: Path) -> list[str]:
+    """--src and --tgt files of 5 pairs, as arguments."""
+    sources, targets = demo_pairs(5)
+    (tmp_path / "src").write_text("\n".join(sources) + "\n", encoding="utf-8")
+    (tmp_path / "tgt").write_text("\n".join(targets) + "\n", encoding="utf-8")
+    return ["--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"), "--precision", "fp32"]
+
+
+def refused(*args: str) -> str:
+    """The one `error:` line main() exits with (no traceback, no errno); no checkpoint is needed to get there."""
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", "unused.ckpt", *args])
+    message = str(caught.value.code)
+    assert message.startswith("error: ") and "\n" not in message and "Errno" not in message, message
+    return message
+
+
+def test_an_existing_file_is_replaced_only_with_force(trained: Path, pairs: list[str], tmp_path: Path):
+    """An existing file was emptied and written over, whatever it held."""
+    taken = tmp_path / "scores.txt"
+    taken.write_text("earlier scores\n", encoding="utf-8")
+    message = refused(*pairs, "--output", str(taken))
+    assert message == f"error: --output {taken} exists: name a new file, or pass --force to replace it"
+    assert taken.read_text(encoding="utf-8") == "earlier scores\n"
+    main(["--checkpoint", str(trained), *pairs, "--output", str(taken), "--force"])
+    written = taken.read_text(encoding="utf-8")
+    assert len(written.splitlines()) == 5 and "earlier" not in written
+    empty = tmp_path / "tmp.XXXX"  # an empty file (mktemp's) holds nothing to lose: written without --force
+    empty.write_bytes(b"")
+    main(["--checkpoint", str(trained), *pairs, "--output", str(empty)])
+    assert empty.read_text(encoding="utf-8") == written
+
+
+def test_a_fifo_is_written_into_without_force(trained: Path, pairs: list[str], tmp_path: Path):
+    """Streaming into a FIFO (a pipe to another program) is no replacing: it needs no --force, and is never emptied."""
+    fifo = tmp_path / "scores.fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+
+    def read() -> None:
+        with open(fifo, encoding="utf-8") as reader:  # waits for the writer, then reads to its close
+            got.append(reader.read())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        main(["--checkpoint", str(trained), *pairs, "--output", str(fifo)])
+        reader.join(timeout=60)
+    finally:
+        if reader.is_alive():  # the writer never opened it: let the reader go
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    main(["--checkpoint", str(trained), *pairs, "--output", str(tmp_path / "scores.txt")])
+    assert got == [(tmp_path / "scores.txt").read_text(encoding="utf-8")] and got[0].count("\n") == 5
+    assert fifo.is_fifo()
+
+
+def test_a_missing_folder_or_a_folder_is_refused_in_one_line(pairs: list[str], tmp_path: Path):
+    output = tmp_path / "new" / "scores.txt"
+    message = refused(*pairs, "--output", str(output), "--force")
+    assert message == f"error: --output {output}: the folder {output.parent} does not exist; create it first"
+    assert not output.parent.exists()
+    message = refused(*pairs, "--output", str(tmp_path), "--force")
+    assert message == f"error: --output {tmp_path} is a folder; name the file to write, e.g. {tmp_path / 'scores.txt'}"
+
+
+@pytest.mark.parametrize("side", ["--src", "--tgt"])
+def test_an_input_as_output_is_refused_even_with_force(side: str, pairs: list[str], tmp_path: Path):
+    path = tmp_path / side[2:]
+    before = path.read_bytes()
+    message = refused(*pairs, "--output", str(path), "--force")
+    assert message == f"error: --output {path} is the {side} file {path}: it would be overwritten"
+    assert path.read_bytes() == before

@@ -591,7 +591,8 @@ def test_the_end_line_gives_the_compiling_s_share_where_there_was_some(checkpoin
     its tokens/s say nothing without the share (the seconds pretended here: test_compiled_decoding_translates_as_the_
     eager_step has the tally's)."""
     (tmp_path / "in.de").write_text(SENTENCES[0] + "\n", encoding="utf-8")
-    command = ["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(tmp_path / "out")]
+    command = ["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(tmp_path / "out"),
+               "--force"]  # run twice into one file
     main(command)
     assert "of it compiling" not in capsys.readouterr().err
     monkeypatch.setattr(Translator, "compiling_seconds", property(lambda self: 12.34))
@@ -696,7 +697,7 @@ def test_cli_checks_the_output_path_before_translating(where: str, tmp_path: Pat
     (tmp_path / "a_file").write_text("x", encoding="utf-8")
     output = {"missing_folder": tmp_path / "nope" / "out.en", "folder": tmp_path,
               "under_a_file": tmp_path / "a_file" / "out.en"}[where]
-    expected = {"folder": "is a folder; give a file path", "missing_folder": "does not exist; create it first",
+    expected = {"folder": "is a folder; name the file to write", "missing_folder": "does not exist; create it first",
                 "under_a_file": "a_file is a file, not a folder"}[where]
     # No checkpoint either: the output is checked first, before the model loads and the input is translated.
     with pytest.raises(SystemExit, match=rf"^error: --output {re.escape(str(output))}.*{expected}"):
@@ -859,9 +860,12 @@ def test_cli_never_overwrites_the_checkpoint_or_a_file_that_is_not_text(checkpoi
     with pytest.raises(SystemExit, match=r"^error: --output .*other\.ckpt exists and is not a text file"):
         main(["--checkpoint", str(copy), "--input", str(tmp_path / "in.de"), "--output", str(other)])
     assert copy.read_bytes() == before and other.read_bytes() == before
-    old = tmp_path / "old.en"  # earlier translations are the user's output to replace
+    old = tmp_path / "old.en"  # earlier translations are the user's output to replace, with --force
     old.write_text("stale\n", encoding="utf-8")
-    main(["--checkpoint", str(copy), "--input", str(tmp_path / "in.de"), "--output", str(old)])
+    with pytest.raises(SystemExit, match=r"^error: --output .*old\.en exists: name a new file, or pass --force"):
+        main(["--checkpoint", str(copy), "--input", str(tmp_path / "in.de"), "--output", str(old)])
+    assert old.read_text(encoding="utf-8") == "stale\n"
+    main(["--checkpoint", str(copy), "--input", str(tmp_path / "in.de"), "--output", str(old), "--force"])
     assert old.read_text(encoding="utf-8").count("\n") == 1 and "stale" not in old.read_text(encoding="utf-8")
 
 
@@ -979,7 +983,8 @@ def test_cli_failures_around_model_load_are_one_line(checkpoint: Path, tmp_path:
     monkeypatch.setattr(Translator, "from_checkpoint", interrupted)
     (tmp_path / "kept.en").write_text("kept\n", encoding="utf-8")
     with pytest.raises(SystemExit) as caught:
-        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(tmp_path / "kept.en")])
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(tmp_path / "kept.en"),
+              "--force"])
     assert caught.value.code == 130
     assert capsys.readouterr().err.strip() == f"interrupted before any line was translated; --output {tmp_path / 'kept.en'} was not written"
     assert (tmp_path / "kept.en").read_text(encoding="utf-8") == "kept\n"
@@ -1371,3 +1376,81 @@ def test_workers_and_threads_fill_the_cores(workers, threads, cores, device, exp
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
     assert parallelism(Namespace(workers=workers, threads=threads, device=device)) == expected
+
+
+# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before the model loads ----
+
+
+def refused(*args: str) -> str:
+    """The one `error:` line main() exits with (no traceback, no errno); no checkpoint is needed to get there."""
+    with pytest.raises(SystemExit) as caught:
+        main(["--checkpoint", "unused.ckpt", *args])
+    message = str(caught.value.code)
+    assert message.startswith("error: ") and "\n" not in message and "Errno" not in message, message
+    return message
+
+
+def test_cli_replaces_an_existing_file_only_with_force(checkpoint: Path, translator: Translator, tmp_path: Path):
+    """An existing text file was emptied and written over without a word."""
+    (tmp_path / "in.de").write_text(f"{SENTENCES[0]}\n", encoding="utf-8")
+    taken = tmp_path / "out.en"
+    taken.write_text("earlier translations\n", encoding="utf-8")
+    message = refused("--input", str(tmp_path / "in.de"), "--output", str(taken))
+    assert message == f"error: --output {taken} exists: name a new file, or pass --force to replace it"
+    assert taken.read_text(encoding="utf-8") == "earlier translations\n"
+    main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(taken), "--force"])
+    assert taken.read_text(encoding="utf-8").splitlines() == translator.translate(SENTENCES[:1])
+    empty = tmp_path / "tmp.XXXX"  # an empty file (mktemp's) holds nothing to lose: written without --force
+    empty.write_bytes(b"")
+    main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(empty)])
+    assert empty.read_text(encoding="utf-8") == taken.read_text(encoding="utf-8")
+
+
+def test_cli_writes_into_a_fifo_in_this_process_without_force(checkpoint: Path, translator: Translator,
+                                                                tmp_path: Path):
+    """Streaming into a FIFO (a pipe to another program) is no replacing: it needs no --force, and is never emptied."""
+    (tmp_path / "in.de").write_text(f"{SENTENCES[0]}\n{SENTENCES[1]}\n", encoding="utf-8")
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+
+    def read() -> None:
+        with open(fifo, encoding="utf-8") as reader:  # waits for the writer, then reads to its close
+            got.append(reader.read())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(fifo)])
+        reader.join(timeout=60)
+    finally:
+        if reader.is_alive():  # the writer never opened it: let the reader go
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert len(got) == 1 and got[0].splitlines() == translator.translate(SENTENCES[:2])
+    assert fifo.is_fifo()
+
+
+def test_cli_refuses_a_missing_folder_and_a_folder_in_one_line(tmp_path: Path):
+    (tmp_path / "in.de").write_text("Ein Hund.\n", encoding="utf-8")
+    output = tmp_path / "new" / "out.en"
+    message = refused("--input", str(tmp_path / "in.de"), "--output", str(output), "--force")
+    assert message == f"error: --output {output}: the folder {output.parent} does not exist; create it first"
+    assert not output.parent.exists()
+    message = refused("--input", str(tmp_path / "in.de"), "--output", str(tmp_path), "--force")
+    assert message == (f"error: --output {tmp_path} is a folder; name the file to write, e.g. "
+                       f"{tmp_path / 'translations.txt'}")
+
+
+@pytest.mark.parametrize("option", ["--input", "--ref", "--checkpoint"])
+def test_cli_refuses_an_input_as_output_even_with_force(option: str, checkpoint: Path, tmp_path: Path):
+    (tmp_path / "in.de").write_text("Ein Hund.\n", encoding="utf-8")
+    (tmp_path / "ref.en").write_text("A dog.\n", encoding="utf-8")
+    shutil.copy(checkpoint, tmp_path / "model.ckpt")
+    paths = {"--input": tmp_path / "in.de", "--ref": tmp_path / "ref.en", "--checkpoint": tmp_path / "model.ckpt"}
+    before = {path: path.read_bytes() for path in paths.values()}
+    what = "the input file" if option == "--input" else f"the {option} file"
+    with pytest.raises(SystemExit) as caught:
+        main([*(x for flag, path in paths.items() for x in (flag, str(path))), "--output", str(paths[option]), "--force"])
+    assert str(caught.value.code) == f"error: --output {paths[option]} is {what} {paths[option]}: it would be overwritten"
+    assert {path: path.read_bytes() for path in paths.values()} == before
