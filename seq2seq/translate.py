@@ -43,6 +43,7 @@ from seq2seq.cli import (
     stop_on_sigterm,
     with_extras,
 )
+from seq2seq.glossary import Glossary, normal_term
 from seq2seq.model.compiled import CompileError
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
 from seq2seq.search import SearchConfig
@@ -84,8 +85,9 @@ def main(argv: list[str] | None = None) -> None:
                              "fragment, markup kept; srt: SubRip subtitles, timings kept (default: by --input's "
                              "extension, .html/.htm html, .srt srt, else lines)")
     parser.add_argument("--glossary", default=None, metavar="FILE",
-                        help="`source term<TAB>target term` lines: where a source term occurs (a whole word), its "
-                             "target term must be in the translation")
+                        help="`source term<TAB>target term` lines: where a source term occurs (a whole word; of "
+                             "overlapping terms the leftmost, then the longest), its target term must be in the "
+                             "translation")
     add_search_arguments(parser)
     args = parser.parse_args(argv)
     search = check_flags(parser, args)
@@ -241,7 +243,7 @@ def workers_of(translator: Translator, search: SearchConfig) -> str:
 
 
 def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
-                       glossary: dict[str, str] | None) -> None:
+                       glossary: Glossary | None) -> None:
     """--format html or srt: the whole input as one document, its sentences translated as one batch and
     put back (seq2seq/markup.py, seq2seq/subtitles.py); the output is written when all is done."""
     try:
@@ -278,7 +280,7 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def paragraphs(translator: Translator, lines: Iterable[str], search: SearchConfig, *, max_tokens: int,
-               glossary: dict[str, str] | None) -> Iterator[list[Translation]]:
+               glossary: Glossary | None) -> Iterator[list[Translation]]:
     """--split-sentences: each line's translation, its sentences translated a window of lines at a time,
     as one 1-best Translation (its score, the sum of its sentences', is not kept: the output has none)."""
     iterator = iter(lines)
@@ -298,9 +300,10 @@ def read_constraints(path: str) -> Iterator[list[str]]:
         yield phrases
 
 
-def read_glossary(path: str) -> dict[str, str]:
-    """`source term<TAB>target term` lines (blank lines skipped); one error line naming a line without a
-    tab, an empty term, or a source term given twice with different targets."""
+def read_glossary(path: str) -> Glossary:
+    """`source term<TAB>target term` lines (blank lines skipped), as one Glossary compiled once for the run;
+    one error line naming a line without a tab, an empty term, or a source term given twice with different
+    targets (terms compared as the Glossary compares them: glossary.normal_term)."""
     glossary: dict[str, str] = {}
     for number, line in enumerate(read_lines(path, option="--glossary"), start=1):
         if not line.strip():
@@ -308,7 +311,7 @@ def read_glossary(path: str) -> dict[str, str]:
         if line.count("\t") != 1:
             tabs = "no tab" if line.count("\t") == 0 else "more than one tab"
             raise SystemExit(f"error: --glossary {path} line {number} has {tabs}: write source term<TAB>target term")
-        source, target = (" ".join(part.split()) for part in line.split("\t"))
+        source, target = (normal_term(part) for part in line.split("\t"))
         if not source or not target:
             raise SystemExit(f"error: --glossary {path} line {number} has an empty {'source' if not source else 'target'} "
                              "term: write source term<TAB>target term")
@@ -316,7 +319,7 @@ def read_glossary(path: str) -> dict[str, str]:
             raise SystemExit(f"error: --glossary {path} line {number} gives {source!r} a second target term "
                              f"({glossary[source]!r}, then {target!r}); keep one")
         glossary[source] = target
-    return glossary
+    return Glossary(glossary)
 
 
 def write_translations(results: Iterable[list[Translation]], output: Output | TextIO, *, search: SearchConfig,

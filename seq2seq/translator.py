@@ -23,9 +23,7 @@ import dataclasses
 import heapq
 import itertools
 import math
-import re
 import threading
-import unicodedata
 import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -39,6 +37,7 @@ import torch
 
 from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.constraints import holds
+from seq2seq.glossary import Glossary, as_glossary, unspaced
 from seq2seq.markup import HtmlDocument
 from seq2seq.model import MultiHeadAttention, Transformer
 from seq2seq.model.compiled import CompiledDecoder, bf16_around_int8, check_compilable, int8_compiled
@@ -239,7 +238,7 @@ class Translator:
 
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                   prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
-                  glossary: Mapping[str, str] | None = None) -> list[str]:
+                  glossary: Mapping[str, str] | Glossary | None = None) -> list[str]:
         """One translation per input line, in input order (the best of `search`'s n-best); the options as
         translate_nbest's. Only text comes back, so no scores are computed (`text_only`)."""
         return [hyps[0].text if hyps else ""
@@ -248,7 +247,7 @@ class Translator:
                                                  glossary=glossary)]
 
     def translate_paragraphs(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
-                             glossary: Mapping[str, str] | None = None) -> list[str]:
+                             glossary: Mapping[str, str] | Glossary | None = None) -> list[str]:
         """One translation per text, each text split into sentences (seq2seq/sentences.py, the source
         language's rules) and put back together with its own spaces, tabs and newlines between them; all
         the sentences are translated as one batch, each as it would be alone. A text of one sentence
@@ -258,7 +257,7 @@ class Translator:
                                         search, max_tokens=max_tokens, glossary=glossary)
 
     def translate_html(self, texts: Iterable[str], search: SearchConfig | None = None, *,
-                       max_tokens: int = 8192, glossary: Mapping[str, str] | None = None) -> list[str]:
+                       max_tokens: int = 8192, glossary: Mapping[str, str] | Glossary | None = None) -> list[str]:
         """Each HTML text (a page or a fragment) with its text translated and its markup kept
         (seq2seq/markup.py): word alignments carry the inline elements (<b>, <a href>, ...) to the words
         of the translation."""
@@ -266,7 +265,7 @@ class Translator:
                                         max_tokens=max_tokens, glossary=glossary)
 
     def translate_documents(self, documents: Sequence[Document], search: SearchConfig | None = None, *,
-                            max_tokens: int = 8192, glossary: Mapping[str, str] | None = None) -> list[str]:
+                            max_tokens: int = 8192, glossary: Mapping[str, str] | Glossary | None = None) -> list[str]:
         """Each document (sentences.Paragraphs, markup.HtmlDocument, subtitles.SrtDocument) rendered with
         its translation: the sentences of all of them translated as one batch (with word alignments
         where a document has markup to place), each as it would be alone."""
@@ -285,7 +284,7 @@ class Translator:
     def translate_nbest(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
         first_line: int = 1, generator: torch.Generator | None = None, prefixes: Iterable[str] | None = None,
-        constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | None = None,
+        constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | Glossary | None = None,
     ) -> list[list[Translation]]:
         """Per input line its translations, best first (`search.nbest`, one for greedy and sampling); "" gets [].
 
@@ -303,8 +302,9 @@ class Translator:
         any order (seq2seq/constraints.py); each is tokenised alone (with the leading space of a word, as
         sentencepiece marks it) and must appear as exactly those pieces. An empty phrase, or phrases too
         long for the model together, are an error naming the line. `glossary` (source term -> target
-        term): each term found in a text as a whole word (case-sensitive) adds its target term to that
-        text's constraints.
+        term, or a glossary.Glossary made once for many calls): each term found in a text as a whole word
+        (case-sensitive, in NFC; of overlapping terms the leftmost, then the longest) adds its target term
+        to that text's constraints.
         """
         lines = as_lines(texts, first_line=first_line)
         results: list[list[Translation]] = [[] for _ in lines]
@@ -317,7 +317,7 @@ class Translator:
     def _translate_batches(
         self, lines: list[str], search: SearchConfig | None, *, max_tokens: int, first_line: int,
         generator: torch.Generator | None, prefixes: Iterable[str] | None = None,
-        constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | None = None,
+        constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | Glossary | None = None,
     ) -> Iterator[tuple[int, list[Translation]]]:
         """(index, translations) of every line: the empty ones ([]) first, then batch by batch (longest first)."""
         search = self.search if search is None else search
@@ -329,10 +329,10 @@ class Translator:
             raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
         if search.sampling and (constraints is not None or glossary):
             raise ValueError("constraints and glossaries need a search (beam_size >= 1), not sampling")
-        glossary = check_glossary(glossary) if glossary else None
+        glossary = as_glossary(glossary) if glossary else None  # a Mapping compiled once for all the lines
         forced = self._prefix_ids(prefixes, len(lines), first_line=first_line) if prefixes is not None else None
         if glossary:
-            found = [glossary_terms(text, glossary) for text in lines]
+            found = [glossary.terms_in(text) for text in lines]
             given = as_constraint_lists(constraints) if constraints is not None else [[] for _ in lines]
             # (lists of another length than the texts are left as given: constraint_ids says so)
             constraints = [[*g, *t] for g, t in zip(given, found, strict=True)] if len(given) == len(found) else given
@@ -428,7 +428,7 @@ class Translator:
     def translate_stream(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
         window: int = 1000, prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
-        glossary: Mapping[str, str] | None = None,
+        glossary: Mapping[str, str] | Glossary | None = None,
     ) -> Iterator[list[Translation]]:
         """translate_nbest's results, one line at a time and in order, as soon as a line and all lines
         before it are done; `window` lines are read and batched (sorted by length) at a time.
@@ -436,7 +436,7 @@ class Translator:
         Memory stays bounded, and a caller can write each line while the rest of its window is
         decoded (an interrupted run keeps what was written). `prefixes` and `constraints`: as
         translate_nbest's, read alongside the texts; a ValueError if they end before the texts, or go on
-        after them. `glossary`: as translate_nbest's.
+        after them. `glossary`: as translate_nbest's (a Mapping compiled once for the whole stream).
         """
         if isinstance(texts, str | bytes):
             as_lines(texts)  # the same TypeError as translate_nbest
@@ -450,6 +450,8 @@ class Translator:
         search = self.search if search is None else search
         # One generator for the whole stream: a new one per window would replay the same draws.
         generator = self._generator(search) if search.sampling and search.seed is not None else None
+        # Compiled once here, not once per window: a large glossary's automaton costs more than matching it
+        glossary = as_glossary(glossary) if glossary else None
         while chunk := list(islice(iterator, window)):
             chunk_prefixes = list(islice(prefix_iterator, len(chunk))) if prefix_iterator is not None else None
             if chunk_prefixes is not None and len(chunk_prefixes) < len(chunk):
@@ -636,45 +638,6 @@ def start_decoder_thread(threads: int) -> None:
     torch.set_flush_denormal(True)
 
 
-def check_glossary(glossary: Mapping[str, str]) -> dict[str, str]:
-    """The glossary with runs of spaces in its terms made one; a ValueError for a term that is not text or is
-    empty, or a source term given two target terms (" dog " and "dog" are one term)."""
-    out: dict[str, str] = {}
-    for source, target in glossary.items():
-        if not isinstance(source, str) or not isinstance(target, str):
-            raise TypeError(f"the glossary maps text to text, not {type(source).__name__} to {type(target).__name__}")
-        source, target = " ".join(source.split()), " ".join(target.split())
-        if not source or not target:
-            raise ValueError(f"the glossary has an empty {'source' if not source else 'target'} term")
-        if out.get(source, target) != target:
-            raise ValueError(f"the glossary gives {source!r} two target terms ({out[source]!r} and {target!r}); "
-                             "keep one")
-        out[source] = target
-    return out
-
-
-def glossary_terms(text: str, glossary: Mapping[str, str]) -> list[str]:
-    """The target terms of the glossary's source terms that `text` holds as whole words (case-sensitive).
-
-    A word's edge is where no letter, digit or "_" of a script written with spaces is next to it; in a script
-    written without them (`unspaced`: 東京 in 我去東京了, Tokyo in Tokyoに) nothing marks one, so a term
-    matches there whatever follows (without a word segmenter, also inside a longer word)."""
-
-    def spaced_word_char(char: str) -> bool:
-        return (char.isalnum() or char == "_") and not unspaced(char)
-
-    found = []
-    for source, target in glossary.items():
-        term = source.strip()
-        for match in re.finditer(f"(?={re.escape(term)})", text) if term else ():  # overlapping ones too
-            start, end = match.start(), match.start() + len(term)
-            if ((start == 0 or unspaced(term[0]) or not spaced_word_char(text[start - 1]))
-                    and (end == len(text) or unspaced(term[-1]) or not spaced_word_char(text[end]))):
-                found.append(target)
-                break
-    return found
-
-
 def as_constraint_lists(constraints: Iterable[Sequence[str]]) -> list[Sequence[str]]:
     if isinstance(constraints, str | bytes):
         raise TypeError("constraints is a single string; pass one list of phrases per text")
@@ -687,19 +650,6 @@ def continues_word(piece: str) -> bool:
     without spaces (`unspaced`: に after 東京 is the next word)."""
     return not piece.startswith("\u2581") and ((piece[:1].isalnum() and not unspaced(piece[0]))
                                               or piece.startswith("<0x"))
-
-
-UNSPACED_SCRIPTS = ("CJK ", "IDEOGRAPHIC ", "HIRAGANA", "KATAKANA", "HALFWIDTH KATAKANA", "BOPOMOFO", "HANGUL",
-                    "HALFWIDTH HANGUL", "THAI ", "LAO ", "KHMER ", "MYANMAR ", "TIBETAN ", "YI ")
-"""Unicode name prefixes of the letters of scripts whose words are not separated by spaces (Chinese,
-Japanese, Thai, Lao, Khmer, Burmese, Tibetan, Yi), and of Hangul, whose particles join the word before
-them (서울에서: in Seoul)."""
-
-
-def unspaced(char: str) -> bool:
-    """Whether `char` is a letter of a script whose words are not separated by spaces (UNSPACED_SCRIPTS):
-    a word boundary there is not marked in the text, so none is required next to it."""
-    return unicodedata.name(char, "").startswith(UNSPACED_SCRIPTS)
 
 
 def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:

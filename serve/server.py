@@ -44,6 +44,7 @@ at most the model's max_positions; the tokenizer counts the source), at least 16
 (flag, default, answer beyond it):
 
     --char-limit 5000            characters of q per request                          400
+    --max-glossary-chars 100000  characters of a /v1 glossary's terms per request     400
     --max-request-tokens 16384   decoder tokens per request                           400
     --max-beam-size 16           beam_size of a request (LibreTranslate alternatives + 1)  400
     --max-batch-tokens 8192      decoder tokens per decoder call (bounds its memory)  split
@@ -94,6 +95,7 @@ from seq2seq.cli import (
     parallelism,
     stop_on_sigterm,
 )
+from seq2seq.glossary import Glossary
 from seq2seq.model import ConfigError
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
 from seq2seq.search import SearchConfig
@@ -102,8 +104,6 @@ from seq2seq.translator import (
     Document,
     Translation,
     Translator,
-    check_glossary,
-    glossary_terms,
     per_document,
     search_for,
     start_decoder_thread,
@@ -188,6 +188,7 @@ class Server:
     timeout: float = 60.0
     max_request_tokens: int = 16384
     max_beam_size: int = 16
+    max_glossary_chars: int = 100_000
     files: FileStore = field(default_factory=FileStore)
 
     # -- languages -------------------------------------------------------------------------------
@@ -383,10 +384,11 @@ class Server:
 
     async def v1_translate(self, request: Request) -> JSONResponse:
         body = await read_body(request)
+        self.check_glossary_size(body)
         texts, single = texts_of(body, char_limit=self.char_limit)
         model = self.only_model(body)
         prefixes = self.target_prefixes(model, body, texts, single=single)
-        constraints = self.constraints(model, body, texts, single=single, prefixes=prefixes)
+        constraints = await self.constraints(model, body, texts, single=single, prefixes=prefixes)
         options = {k: v for k, v in body.items()
                    if k not in ("q", "target_prefix", "constraints", "glossary", "source", "target")}
         names = {f.name for f in dataclasses.fields(SearchConfig)}
@@ -403,11 +405,22 @@ class Server:
                                                                 constraints=constraints)])
         return JSONResponse({"translations": [[translation_json(h) for h in hyps] for hyps in nbest_lists]})
 
-    def constraints(self, model: Model, body: dict[str, Any], texts: list[str], *, single: bool,
-                    prefixes: list[str] | None) -> list[list[str]] | None:
+    def check_glossary_size(self, body: dict[str, Any]) -> None:
+        """/v1's `glossary` counted as soon as the body is read, before any work on it: its source and target
+        terms' characters within --max-glossary-chars (compiling and matching it grow with them)."""
+        glossary = body.get("glossary")
+        if isinstance(glossary, dict):  # anything else is refused by `constraints`
+            characters = sum(len(term) for pair in glossary.items() for term in pair if isinstance(term, str))
+            if characters > self.max_glossary_chars:
+                raise BadRequest(f"the glossary has {characters} characters of terms, more than this server's limit "
+                                 f"of {self.max_glossary_chars} per request (--max-glossary-chars); send a smaller one")
+
+    async def constraints(self, model: Model, body: dict[str, Any], texts: list[str], *, single: bool,
+                          prefixes: list[str] | None) -> list[list[str]] | None:
         """/v1's `constraints` (a list of phrases for a single q, a list of such lists as long as q's) and
         `glossary` (an object, source term -> target term, for every text), as phrases per text; checked
-        as the translator will check them."""
+        as the translator will check them. The glossary is compiled and matched off the event loop (they
+        take time with its size, which check_glossary_size has bounded)."""
         if "constraints" not in body and "glossary" not in body:
             return None
         per_text: list[list[str]] = [[] for _ in texts]
@@ -424,10 +437,11 @@ class Server:
             if not isinstance(glossary, dict):
                 raise BadRequest("glossary must be an object of source term -> target term")
             try:
-                glossary = check_glossary(glossary)
+                built = await off_loop(lambda: Glossary(glossary))
             except (TypeError, ValueError) as error:
                 raise BadRequest(str(error)) from None
-            per_text = [[*phrases, *glossary_terms(text, glossary)] for phrases, text in zip(per_text, texts, strict=True)]
+            found = await off_loop(lambda: [built.terms_in(text) for text in texts])
+            per_text = [[*phrases, *terms] for phrases, terms in zip(per_text, found, strict=True)]
         if sum(len(p) for phrases in per_text for p in phrases) > self.char_limit:
             raise BadRequest(f"the constraints have more than this server's limit of {self.char_limit} characters")
         try:
@@ -504,8 +518,8 @@ def create_app(translators: Translator | Sequence[Translator],
                search: SearchConfig | Sequence[SearchConfig] | None = None, *, max_tokens: int = 8192,
                max_wait: float = 0.005, batching: bool = True, max_queue: int = 1024, char_limit: int = 5000,
                timeout: float = 60.0, max_request_tokens: int = 16384, max_batch_tokens: int = 8192,
-               max_beam_size: int = 16, max_body_size: int = 1 << 20, workers: int = 1,
-               threads: int | None = None) -> Starlette:
+               max_beam_size: int = 16, max_body_size: int = 1 << 20, max_glossary_chars: int = 100_000,
+               workers: int = 1, threads: int | None = None) -> Starlette:
     """The ASGI app over one Translator per language pair; their batchers start and drain with the
     app's lifespan. `search`: the requests' defaults, one for all or one per translator (each
     translator's own, tuned on validation where its checkpoint stores them, if None). `workers` decoder
@@ -547,7 +561,8 @@ def create_app(translators: Translator | Sequence[Translator],
                 print(compiled_line(translator, kinds=kinds, seconds=time.perf_counter() - started), file=sys.stderr,
                       flush=True)
         app.state.server = Server(models, detector, char_limit=char_limit, timeout=timeout,
-                                  max_request_tokens=max_request_tokens, max_beam_size=max_beam_size)
+                                  max_request_tokens=max_request_tokens, max_beam_size=max_beam_size,
+                                  max_glossary_chars=max_glossary_chars)
         tasks = [asyncio.create_task(model.batcher.run()) for model in models.values() for _ in range(workers)]
         try:
             yield
@@ -587,6 +602,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-batching", action="store_true", help="decode each request alone (a baseline)")
     parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting at most; then 429")
     parser.add_argument("--char-limit", type=int, default=5000, help="characters per request at most; then 400")
+    parser.add_argument("--max-glossary-chars", type=int, default=100_000,
+                        help="characters of a /v1 request's glossary (its source and target terms together) at most, "
+                             "counted before it is compiled; then 400 (default: 100000)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a request waits at most; then 503")
     parser.add_argument("--max-request-tokens", type=int, default=16384,
                         help="decoder tokens per request at most (beam x output limit per sentence, at least 16 "
@@ -604,7 +622,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     search = check_flags(parser, args)
     for name in ("max_queue", "char_limit", "max_request_tokens", "max_batch_tokens", "max_beam_size",
-                 "max_body_size", "max_connections"):
+                 "max_body_size", "max_connections", "max_glossary_chars"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_wait_ms < 0 or args.timeout <= 0 or args.read_timeout <= 0:
@@ -634,7 +652,8 @@ def main(argv: list[str] | None = None) -> None:
                          batching=not args.no_batching, max_queue=args.max_queue, char_limit=args.char_limit,
                          timeout=args.timeout, max_request_tokens=args.max_request_tokens,
                          max_batch_tokens=args.max_batch_tokens, max_beam_size=args.max_beam_size,
-                         max_body_size=args.max_body_size, workers=workers, threads=threads)
+                         max_body_size=args.max_body_size, max_glossary_chars=args.max_glossary_chars,
+                         workers=workers, threads=threads)
     except ValueError as error:  # a checkpoint's tuned beam over --max-beam-size, two models for one pair
         parser.error(str(error))
     for translator, _ in loaded:  # for the decoder threads' count, before uvicorn: a failure or Ctrl-C is one line

@@ -11,13 +11,20 @@ import pytest
 import torch
 from test_search import PrefixState, per_row
 
+import seq2seq.glossary
 from seq2seq.constraints import Progress, advance, all_met, allocate, met, next_tokens, start
+from seq2seq.glossary import Glossary
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.search import SearchConfig, beam_search, decode
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from seq2seq.translator import Translator, continues_word, glossary_terms
+from seq2seq.translator import Translator, continues_word
 
 IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
+
+
+def glossary_terms(text: str, glossary: dict[str, str]) -> list[str]:
+    """The target terms a glossary forces for `text` (seq2seq/glossary.py, tested in test_glossary.py)."""
+    return Glossary(glossary).terms_in(text)
 
 
 # ---- progress over one hypothesis ---------------------------------------------------------------------
@@ -216,6 +223,39 @@ def test_glossaries_are_checked_and_sampling_refused(translator: Translator):
     assert glossary_terms("A (dog).", {"dog": "Hund", "c++": "C++", "og": "x"}) == ["Hund"]
 
 
+def counting_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each glossary automaton built from now on, as its number of terms (glossary.automaton: the costly step)."""
+    built: list[int] = []
+    automaton = seq2seq.glossary.automaton
+
+    def spy(entries):
+        built.append(len(entries))
+        return automaton(entries)
+
+    monkeypatch.setattr(seq2seq.glossary, "automaton", spy)
+    return built
+
+
+def test_a_glossary_is_compiled_once_per_call_and_once_for_a_whole_stream(translator: Translator,
+                                                                           monkeypatch: pytest.MonkeyPatch):
+    """Today's glossaries were one regular expression per term per sentence: the automaton is built once
+    for a call, once for a stream of many windows, and never again for a Glossary given ready made."""
+    search, glossary = SearchConfig(beam_size=4), {"dog": "Pferd", "book": "Zeitung"}
+    alone = [translator.translate([text], search, glossary=glossary)[0] for text in SOURCES]
+    built = counting_builds(monkeypatch)
+    stream = translator.translate_stream(SOURCES, search, window=1, glossary=glossary)  # four windows
+    assert [hyps[0].text if hyps else "" for hyps in stream] == alone and built == [2]
+    assert "Zeitung" in alone[0] and "Pferd" in alone[1]
+    translator.translate_paragraphs(SOURCES, search, glossary=glossary)
+    assert built == [2, 2]
+    ready = Glossary(glossary)
+    assert [hyps[0].text if hyps else "" for hyps in translator.translate_stream(SOURCES, search, window=1,
+                                                                                 glossary=ready)] == alone
+    assert translator.translate(SOURCES[:2], search, glossary=ready) == translator.translate(SOURCES[:2], search,
+                                                                                           glossary=glossary)
+    assert built == [2, 2, 2, 2]  # `ready`, then the mapping's own for the last call
+
+
 def test_scripts_without_spaces_match_terms_and_end_phrases_where_no_space_marks_a_word():
     """Chinese, Japanese, Thai and Korean text marks no word boundary with a space (Korean's particles join the
     word before them): a glossary term there is found without one, and a placed phrase may be followed by a
@@ -233,6 +273,25 @@ def test_scripts_without_spaces_match_terms_and_end_phrases_where_no_space_marks
     # After a placed phrase the next piece may not continue its word, unless it starts a word itself
     assert [continues_word(piece) for piece in ["ing", "s", "2", "<0xE6>"]] == [True] * 4
     assert not any(continues_word(piece) for piece in ["に", "東", "タワー", "ー", "ดี", "에서", "▁dog", "、", ","])
+
+
+def test_the_cli_compiles_its_glossary_once_for_every_window(trained: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    """A 100,000-entry --glossary cost ~3.5 s a line when each line compiled its terms again: the run builds
+    one automaton, read before the model loads, for all its windows (plain lines and --split-sentences)."""
+    import seq2seq.translate
+    from seq2seq.translate import main
+
+    (tmp_path / "in").write_text("\n".join(SOURCES) + "\n", encoding="utf-8")
+    (tmp_path / "glossary").write_text("dog\tPferd\nbook\tZeitung\nsmall dog\tHündchen\n", encoding="utf-8")
+    monkeypatch.setattr(seq2seq.translate, "WINDOW", 2)  # two windows of the four lines
+    built = counting_builds(monkeypatch)
+    for run, split in enumerate(([], ["--split-sentences"])):
+        main(["--checkpoint", str(trained), "--input", str(tmp_path / "in"), "--output", str(tmp_path / f"out{run}"),
+              "--glossary", str(tmp_path / "glossary"), "--precision", "fp32", "--beam", "4", *split])
+        lines = (tmp_path / f"out{run}").read_text(encoding="utf-8").split("\n")
+        assert "Zeitung" in lines[0] and "Pferd" in lines[1] and "Hündchen" not in "".join(lines)
+    assert built == [3, 3]  # one a run
 
 
 def test_bad_constraints_name_the_line(translator: Translator):
@@ -262,7 +321,8 @@ def test_the_cli_reads_constraints_and_a_glossary(trained: Path, translator: Tra
     for content, message in (("dog Pferd\n", "line 1 has no tab: write source term<TAB>target term"),
                              ("dog\tPferd\ncat\t\n", "line 2 has an empty target term"),
                              ("dog\tPferd\tHund\n", "line 1 has more than one tab"),
-                             ("dog\tPferd\ndog\tHund\n", "line 2 gives 'dog' a second target term")):
+                             ("dog\tPferd\ndog\tHund\n", "line 2 gives 'dog' a second target term"),
+                             ("caf\u00e9\tA\ncafe\u0301 \tB\n", "line 2 gives 'caf\u00e9' a second target term")):
         (tmp_path / "glossary").write_text(content, encoding="utf-8")
         with pytest.raises(SystemExit, match=f"^error: --glossary .*glossary {message}"):
             main(["--checkpoint", str(trained), "--input", str(tmp_path / "in"), "--output", str(tmp_path / "o2"),

@@ -28,6 +28,7 @@ import uvicorn
 from conftest import sigterm_to_this_process
 from libretranslatepy import LibreTranslateAPI
 
+from seq2seq.glossary import Glossary
 from seq2seq.model.compiled import CompileError
 from seq2seq.search import SearchConfig
 from seq2seq.translator import Translator
@@ -176,6 +177,68 @@ def test_v1_constraints_and_glossary(server: Running, translator: Translator):
                          ({"constraints": [["a"], []], "sampling": True}, "not sampling")):
         reply = httpx.post(url, json={"q": SENTENCES[:2], **bad})
         assert reply.status_code == 400 and message in reply.json()["error"], reply.json()
+
+
+def spy_on_glossaries(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, bool]]:
+    """Each Glossary built and each text matched from now on: ("build" or "match", the thread, whether an
+    event loop runs on that thread)."""
+    import asyncio
+
+    calls: list[tuple[str, int, bool]] = []
+
+    def record(name: str) -> None:
+        try:
+            asyncio.get_running_loop()
+            calls.append((name, threading.get_ident(), True))
+        except RuntimeError:  # no loop runs on this thread
+            calls.append((name, threading.get_ident(), False))
+
+    build, match = Glossary.__init__, Glossary.terms_in
+
+    def spy_build(self, terms):
+        record("build")
+        build(self, terms)
+
+    def spy_match(self, text):
+        record("match")
+        return match(self, text)
+
+    monkeypatch.setattr(Glossary, "__init__", spy_build)
+    monkeypatch.setattr(Glossary, "terms_in", spy_match)
+    return calls
+
+
+def test_v1_a_glossary_over_its_limit_is_refused_before_any_work(server: Running, translator: Translator,
+                                                                  monkeypatch: pytest.MonkeyPatch):
+    """One 987 KB request of 34,000 terms held the event loop 11.4 s (a /health waited 10.3 s): a glossary's
+    terms are counted as soon as the body is read, source and target, within --max-glossary-chars."""
+    url = server.url + "/v1/translate"
+    at_limit = {f"zz{i:06d}": "x" * 12 for i in range(5000)}  # 5,000 x 20 = 100,000 characters: the default limit
+    expected = translator.translate(SENTENCES[:2], SEARCH, glossary=at_limit)
+    calls = spy_on_glossaries(monkeypatch)
+    for body, characters in (({"q": SENTENCES[:2], "glossary": {**at_limit, "dog": "Hund"}}, 100007),
+                             ({"q": 5, "glossary": {**at_limit, "a": "bb"}}, 100003)):  # checked first, before q
+        reply = httpx.post(url, json=body)
+        assert reply.status_code == 400 and reply.json()["error"] == (
+            f"the glossary has {characters} characters of terms, more than this server's limit of 100000 per "
+            "request (--max-glossary-chars); send a smaller one"), reply.text
+    assert calls == []  # never built, nothing matched
+    reply = httpx.post(url, json={"q": SENTENCES[:2], "glossary": at_limit})
+    assert reply.status_code == 200 and [hyps[0]["text"] for hyps in reply.json()["translations"]] == expected
+    assert [name for name, _, _ in calls] == ["build", "match", "match"]
+
+
+def test_v1_glossaries_are_compiled_and_matched_off_the_event_loop(server: Running, translator: Translator,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    glossary = {"football": "Tennis", "play football": "Fußball spielen", "park": "Garten"}
+    expected = translator.translate(SENTENCES[:3], SEARCH, glossary=glossary)
+    calls = spy_on_glossaries(monkeypatch)
+    reply = httpx.post(server.url + "/v1/translate", json={"q": SENTENCES[:3], "glossary": glossary})
+    assert reply.status_code == 200 and [hyps[0]["text"] for hyps in reply.json()["translations"]] == expected
+    assert [name for name, _, _ in calls] == ["build", "match", "match", "match"]
+    assert server.thread.ident is not None and all(thread != server.thread.ident for _, thread, _ in calls)
+    assert not any(on_loop for _, _, on_loop in calls)  # the documents thread (server.off_loop), never the event loop
+    assert "Fußball spielen" in expected[1] and "Tennis" not in expected[1]  # the longest term, not the one inside it
 
 
 def test_a_prefix_and_constraints_raise_a_requests_cost():
@@ -361,6 +424,7 @@ def test_bad_flags_and_ctrl_c_while_loading_are_one_line(trained: Path, monkeypa
                                                         capsys: pytest.CaptureFixture[str]):
     for flags, message in ((["--threads", "-1"], "--threads must be at least 1, got -1"),  # torch's RuntimeError before
                            (["--max-body-size", "0"], "--max-body-size must be at least 1"),
+                           (["--max-glossary-chars", "0"], "--max-glossary-chars must be at least 1"),
                            (["--beam", "20"], "--beam 20 is over --max-beam-size 16"),
                            (["--max-beam-size", "2"], "the default beam size 5 is over --max-beam-size 2")):
         with pytest.raises(SystemExit) as caught:
