@@ -1,8 +1,11 @@
 """seq2seq/subtitles.py and the document formats of python -m seq2seq.translate (--format, by extension):
 SubRip files keep their numbers, timings and line counts; HTML files their markup."""
 
+import random
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ from bs4 import BeautifulSoup
 
 from seq2seq.search import SearchConfig
 from seq2seq.sentences import sentence_spans
-from seq2seq.subtitles import SrtDocument, wrap
+from seq2seq.subtitles import SHOWN, SrtDocument, wrap
 from seq2seq.translator import Translation, Translator
 
 SUBTITLES = """1
@@ -116,3 +119,75 @@ def test_subtitle_text_is_not_html_and_its_formatting_is_kept():
                                   "A cat sleeps."]
     out = document.render([said(s, [(i, i) for i in range(len(s.split()))]) for s in document.sentences])
     assert out == text  # the identity gives the file back: CRLF, "&" and "<", {\an8}, the dialogue's dashes
+
+
+PLAYER = re.compile(r"<\s*/?\s*([A-Za-z][A-Za-z0-9_]*)[^>]*>|\{(?:\\|[^{}\\]:)[^}]*\}")  # as VLC reads them
+
+
+def player_markup(text: str) -> Counter:
+    """The tags and overrides a player reads in a file's cues, as VLC reads them (a tag runs to the next ">"):
+    those it applies (<i>, <font ...>) or hides (an override; any other tag, when the cue closes it)."""
+    seen: Counter = Counter()
+    for cue in srt.parse(text):
+        tokens = list(PLAYER.finditer(cue.content))
+        names = [m.group(1).lower() for m in tokens if m.group(1)]
+        for m in tokens:
+            if m.group(1) is None or m.group(1).lower() in SHOWN or names.count(m.group(1).lower()) > 1:
+                seen[m.group(0)] += 1
+    return seen
+
+
+def test_a_cue_is_read_as_players_read_it_and_its_translation_written_so_that_none_reads_markup_in_it():
+    """Players apply <i> and hide closed tags and overrides, and know no entities: "&lt;img ...&gt;" is text, and
+    stays these characters (it was written raw, a live <img>); tags players hide mid-cue (<c.yellow>, <span
+    style>, {\\i1}) are not read by the model; a translation (or a glossary's target term) saying <b> or {\\an8}
+    is written with a word joiner that no player reads as markup."""
+    text = ("1\n00:00:01,000 --> 00:00:02,000\n<i>The woman</i> <code>&lt;img src=x onerror=alert(1)&gt;</code>\n\n"
+            "2\n00:00:03,000 --> 00:00:04,000\nA <c.yellow>dog</c> runs {\\i1}fast{\\i0} <span style='x'>home</span>.\n\n")
+    document = SrtDocument(text, split=split)
+    assert document.sentences == ["The woman &lt;img src=x onerror=alert(1)&gt;", "A dog runs fast home."]
+    out = document.render([said("Die Frau &lt;img src=x onerror=alert(1)&gt;", [(i, i) for i in range(5)]),
+                           said("Ein Hund <b>rennt</b> {\\an8}schnell <img src=x onerror=alert(1)> heim.",
+                                [(0, 0), (1, 1), (2, 2), (3, 3), (4, 5)])])
+    assert player_markup(out) == player_markup(text)
+    cues = list(srt.parse(out))
+    assert cues[0].content == "<i>Die Frau</i> <code>&lt;img src=x onerror=alert(1)&gt;</code>"
+    for kept in ("<\u2060b>rennt<\u2060/b>", "{\u2060\\an8}", "<\u2060img", "<c.yellow>Hund</c>", "{\\i1}", "{\\i0}",
+                 "<span style='x'>"):
+        assert cues[1].content.count(kept) == 1, (kept, cues[1].content)
+
+
+def test_random_cues_and_hostile_translations_give_players_no_markup_the_cue_lacked():
+    rnd = random.Random(10)
+    pieces = ["<i>", "</i>", "<b>", "</b>", "<font color=red>", "</font>", "<c.x>", "</c>", "{\\an8}", "{y:i}", "<",
+              ">", "&lt;", "&amp;", "word", "two words", "A dog runs.", "- ", "{", "}", "</", "<x", "<3"]
+    hostile = ["<b>", "</i>", "<script>alert(1)</script>", "{\\an1}", "{y:b}", "<font color=x>", "</font>", "<c.x>",
+               "</c>", "<img src=x>", "&lt;b&gt;"]
+    for _ in range(500):
+        body = "".join(rnd.choice(pieces) for _ in range(rnd.randint(1, 10))).replace("\n", " ").strip() or "x"
+        text = f"1\n00:00:01,000 --> 00:00:02,000\n{body}\n\n"
+        try:
+            document = SrtDocument(text, split=split)
+        except ValueError:
+            continue  # what srt cannot read as a cue (a body that looks like a timing): said in one line
+        translations = [said(" ".join(rnd.choice([*hostile, *s.split()]) for _ in range(rnd.randint(1, 5))),
+                             [(rnd.randrange(len(s.split())), rnd.randrange(5)) for _ in range(3)])
+                        for s in document.sentences]
+        out = document.render(translations)
+        assert not player_markup(out) - player_markup(text), (text, out)
+
+
+@pytest.mark.parametrize("text, line", [
+    ("1\n00:00:01,000 --> 00:00:02,000\nHello.\n\nThis is no cue\nmore\n", 5),  # after the last cue
+    ("1\n00:00:01,000 --> 00:00:02,000\nHello.\n\nJunk.\n\n2\n00:00:03,000 --> 00:00:04,000\nBye.\n", 5)])
+def test_text_after_a_blank_line_that_starts_no_cue_is_an_error_naming_its_line(text: str, line: int):
+    with pytest.raises(ValueError, match=rf"^line {line} is not an SRT cue"):
+        SrtDocument(text, split=split)
+
+
+def test_a_cue_without_a_number_gets_the_one_after_the_cue_before():
+    text = ("00:00:01,000 --> 00:00:02,000\nHello.\n\n7\n00:00:03,000 --> 00:00:04,000\nBye.\n\n"
+            "00:00:05,000 --> 00:00:06,000\nAgain.\n\n")
+    document = SrtDocument(text, split=split)
+    out = document.render([said(s) for s in document.sentences])
+    assert [cue.index for cue in srt.parse(out)] == [1, 7, 8]
