@@ -141,7 +141,7 @@ def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *
         raise SystemExit(f"error: {error}") from None
     search = search_config(parser, args, translator.search)
     try:
-        search.check_vocabulary(translator.model.config.vocab_size)
+        search.check_model(vocab_size=translator.model.config.vocab_size, max_positions=translator.model.config.max_positions)
     except ConfigError as error:
         raise SystemExit(f"error: {flag_message(error)}") from None
     return translator, search

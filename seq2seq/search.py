@@ -110,11 +110,16 @@ class SearchConfig:
             raise ConfigError(unknown[0], f"is not a SearchConfig field (known: {', '.join(sorted(names))})")
         return cls(**values)
 
-    def check_vocabulary(self, vocab_size: int) -> None:
-        """Beam search ranks 2 * beam_size candidates among the first step's vocabulary."""
+    def check_model(self, *, vocab_size: int, max_positions: int) -> None:
+        """What the search asks of the model it runs on: beam search ranks 2 * beam_size candidates among the
+        first step's vocabulary, and no output is longer than max_positions - 1 tokens (the decoder reads BOS
+        too), so a min_len beyond that could never be met."""
         if not self.sampling and self.beam_size > 1 and 2 * self.beam_size > vocab_size:
             raise ConfigError("beam_size", f"{self.beam_size} needs a vocabulary of at least {2 * self.beam_size} "
                                            f"tokens; this model has {vocab_size}")
+        if self.min_len > max_positions - 1:
+            raise ConfigError("min_len", f"{self.min_len} is more tokens than this model writes in an output "
+                                         f"(max_positions - 1 = {max_positions - 1}); ask for at most that")
 
 
 @dataclass(frozen=True)
@@ -695,7 +700,7 @@ def decode(
     it cannot place keeps its plain output: check with constraints.holds); `continuing`: the tokens that
     continue a word, which may not follow a placed phrase (empty: any may).
     """
-    config.check_vocabulary(model.config.vocab_size)
+    config.check_model(vocab_size=model.config.vocab_size, max_positions=model.config.max_positions)
     if constraints is not None and any(constraints) and config.sampling:
         raise ValueError("lexical constraints need a search (beam_size >= 1), not sampling")
     if config.sampling:

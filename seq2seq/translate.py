@@ -283,10 +283,12 @@ def paragraphs(translator: Translator, lines: Iterable[str], search: SearchConfi
                glossary: Glossary | None) -> Iterator[list[Translation]]:
     """--split-sentences: each line's translation, its sentences translated a window of lines at a time,
     as one 1-best Translation (its score, the sum of its sentences', is not kept: the output has none)."""
-    iterator = iter(lines)
+    iterator, done = iter(lines), 0
     while chunk := list(islice(iterator, WINDOW)):
-        for text in translator.translate_paragraphs(chunk, search, max_tokens=max_tokens, glossary=glossary):
-            yield [Translation(text=text, score=0.0, tokens=[])] if text.strip() else []
+        for text in translator.translate_paragraphs(chunk, search, max_tokens=max_tokens, glossary=glossary,
+                                                    first_line=done + 1):
+            yield [Translation(text=text, score=0.0, tokens=[])] if text else []  # a line of spaces stays one
+        done += len(chunk)
 
 
 def read_constraints(path: str) -> Iterator[list[str]]:

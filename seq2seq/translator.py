@@ -247,14 +247,15 @@ class Translator:
                                                  glossary=glossary)]
 
     def translate_paragraphs(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
-                             glossary: Mapping[str, str] | Glossary | None = None) -> list[str]:
+                             glossary: Mapping[str, str] | Glossary | None = None, first_line: int = 1) -> list[str]:
         """One translation per text, each text split into sentences (seq2seq/sentences.py, the source
         language's rules) and put back together with its own spaces, tabs and newlines between them; all
         the sentences are translated as one batch, each as it would be alone. A text of one sentence
         translates as `translate` translates it, its surrounding whitespace kept; a sentence longer than
-        the model reads is cut at spaces into parts that fit, not truncated."""
+        the model reads is cut at spaces into parts that fit, not truncated (a single word too long for it is
+        truncated, with a warning naming its text's line: `first_line` is the first text's)."""
         return self.translate_documents([Paragraphs(text, split=self.sentence_spans) for text in as_lines(texts)],
-                                        search, max_tokens=max_tokens, glossary=glossary)
+                                        search, max_tokens=max_tokens, glossary=glossary, first_line=first_line)
 
     def translate_html(self, texts: Iterable[str], search: SearchConfig | None = None, *,
                        max_tokens: int = 8192, glossary: Mapping[str, str] | Glossary | None = None) -> list[str]:
@@ -265,14 +266,17 @@ class Translator:
                                         max_tokens=max_tokens, glossary=glossary)
 
     def translate_documents(self, documents: Sequence[Document], search: SearchConfig | None = None, *,
-                            max_tokens: int = 8192, glossary: Mapping[str, str] | Glossary | None = None) -> list[str]:
+                            max_tokens: int = 8192, glossary: Mapping[str, str] | Glossary | None = None,
+                            first_line: int = 1) -> list[str]:
         """Each document (sentences.Paragraphs, markup.HtmlDocument, subtitles.SrtDocument) rendered with
         its translation: the sentences of all of them translated as one batch (with word alignments
-        where a document has markup to place), each as it would be alone."""
+        where a document has markup to place), each as it would be alone. Warnings name a sentence by its
+        document's number, `first_line` the first's."""
         sentences = [sentence for document in documents for sentence in document.sentences]
+        numbers = [first_line + d for d, document in enumerate(documents) for _ in document.sentences]
         best = [hyps[0] if hyps else EMPTY for hyps in self.translate_nbest(
             sentences, search_for(documents, self.search if search is None else search), max_tokens=max_tokens,
-            glossary=glossary)]
+            glossary=glossary, line_numbers=numbers)]
         return [d.render(own) for d, own in zip(documents, per_document(documents, best), strict=True)]
 
     def sentence_spans(self, text: str) -> list[tuple[int, int]]:
@@ -285,12 +289,14 @@ class Translator:
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
         first_line: int = 1, generator: torch.Generator | None = None, prefixes: Iterable[str] | None = None,
         constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | Glossary | None = None,
+        line_numbers: Sequence[int] | None = None,
     ) -> list[list[Translation]]:
         """Per input line its translations, best first (`search.nbest`, one for greedy and sampling); "" gets [].
 
         `max_tokens` bounds each batch: rows x (longest source) <= max_tokens, in source tokens; beam
         search then holds beam_size times as many decoder rows. `first_line` is the number warnings
-        give the first text (a caller translating a file in pieces passes each piece's position), and
+        give the first text (a caller translating a file in pieces passes each piece's position), or
+        `line_numbers` each text's (the sentences of documents: their document's line), and
         `generator` the random draws of sampling (default: a new one seeded with `search.seed`).
 
         `prefixes` (one per text, "" for none): the start each translation must have (autocompletion,
@@ -310,7 +316,8 @@ class Translator:
         results: list[list[Translation]] = [[] for _ in lines]
         for i, translations in self._translate_batches(lines, search, max_tokens=max_tokens, first_line=first_line,
                                                        generator=generator, prefixes=prefixes,
-                                                       constraints=constraints, glossary=glossary):
+                                                       constraints=constraints, glossary=glossary,
+                                                       line_numbers=line_numbers):
             results[i] = translations
         return results
 
@@ -318,13 +325,15 @@ class Translator:
         self, lines: list[str], search: SearchConfig | None, *, max_tokens: int, first_line: int,
         generator: torch.Generator | None, prefixes: Iterable[str] | None = None,
         constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | Glossary | None = None,
+        line_numbers: Sequence[int] | None = None,
     ) -> Iterator[tuple[int, list[Translation]]]:
         """(index, translations) of every line: the empty ones ([]) first, then batch by batch (longest first)."""
         search = self.search if search is None else search
         if not isinstance(search, SearchConfig):
             raise TypeError(f"search must be a SearchConfig, e.g. SearchConfig(beam_size=5), not a "
                             f"{type(search).__name__}")
-        search.check_vocabulary(self.model.config.vocab_size)  # before any work, even for no sentence
+        # before any work, even for no sentence
+        search.check_model(vocab_size=self.model.config.vocab_size, max_positions=self.model.config.max_positions)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
         if search.sampling and (constraints is not None or glossary):
@@ -338,7 +347,8 @@ class Translator:
             constraints = [[*g, *t] for g, t in zip(given, found, strict=True)] if len(given) == len(found) else given
         phrases = (self.constraint_ids(constraints, len(lines), forced=forced, first_line=first_line)
                    if constraints is not None else None)
-        ids = self._truncate(self.tokenizer.encode_source([text.strip() for text in lines]), first_line=first_line)
+        numbers = line_numbers if line_numbers is not None else range(first_line, first_line + len(lines))
+        ids = self._truncate(self.tokenizer.encode_source([text.strip() for text in lines]), numbers=numbers)
         if generator is None and search.sampling and search.seed is not None:  # one for all the batches
             generator = self._generator(search)
         tokenizer = self.tokenizer
@@ -586,12 +596,12 @@ class Translator:
         return sorted({(source_words[p], target_words[j]) for j, p in enumerate(hyp.source_positions)
                        if p < len(source_words) and target_words[j] < words})
 
-    def _truncate(self, ids: list[list[int]], *, first_line: int) -> list[list[int]]:
+    def _truncate(self, ids: list[list[int]], *, numbers: Sequence[int]) -> list[list[int]]:
         limit = self.model.config.max_positions
         for i, sentence in enumerate(ids):
             if len(sentence) > limit:
                 warnings.warn(
-                    f"input line {first_line + i} has {len(sentence)} tokens, more than the model's max_positions "
+                    f"input line {numbers[i]} has {len(sentence)} tokens, more than the model's max_positions "
                     f"({limit}); translating its first {limit} tokens only",
                     stacklevel=3,
                 )

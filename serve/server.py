@@ -51,6 +51,7 @@ at most the model's max_positions; the tokenizer counts the source), at least 16
     --max-queue 1024             requests waiting                                     429
     --timeout 60                 seconds a request waits for its translation          503
     --max-body-size 1048576      bytes of a request body (Content-Length or streamed) 413
+    --max-stored-bytes 67108864  bytes of translated files kept for /download_file    503 (a client: a quarter)
     --read-timeout 10            seconds to send a whole request (headers and body)   408, closed
     --max-connections 512        open connections (idle ones are closed first)        503, closed
 
@@ -112,7 +113,7 @@ from seq2seq.translator import (
 # The server's own modules sit beside it (serve/ is on sys.path when it runs as `python serve/server.py`).
 from batcher import MIN_STEPS_CHARGED, Batcher, Busy, decoding_cost, summary
 from bodies import BadRequest, Upload, int_field, read_body, shown, texts_of
-from documents import FORMATS, FileStore, content_disposition, document, file_format, visible_text
+from documents import FORMATS, FileStore, StoreFull, content_disposition, document, file_format, visible_text
 from guards import FD_RESERVE, AcceptErrors, BodyLimit, BodyTooLarge, open_file_limit, uvicorn_config
 from languages import NAMES, Detector
 
@@ -231,7 +232,8 @@ class Server:
                    at_least: list[int] | None = None) -> list[int]:
         """Each sentence's decoding_cost; a BadRequest if the request's beam or total is over the limits."""
         try:
-            search.check_vocabulary(model.translator.model.config.vocab_size)
+            config = model.translator.model.config
+            search.check_model(vocab_size=config.vocab_size, max_positions=config.max_positions)
         except ConfigError as error:
             raise BadRequest(f"{error.field}: {error.problem}") from None
         if not search.sampling and search.beam_size > self.max_beam_size:
@@ -353,6 +355,8 @@ class Server:
             raise BadRequest("missing file: send the file to translate as the form field file (multipart/form-data), "
                              f"a {', '.join(FORMATS)} file")
         format = file_format(upload.filename)
+        client = request.client.host if request.client is not None else ""
+        self.files.check_room(len(upload.text.encode("utf-8")), client=client)  # its keeping is charged first
         # The text a reader sees is counted before the file is split into sentences (splitting takes
         # time that grows faster than the text), and both happen off the event loop.
         characters = len(await off_loop(lambda: visible_text(upload.text, format=format, name=upload.filename)))
@@ -364,14 +368,13 @@ class Server:
                                               name=upload.filename))
         (nbest_lists,) = await self.translate_documents(request, [(model, [doc])])
         translated = await off_loop(lambda: doc.render([hyps[0] if hyps else EMPTY for hyps in nbest_lists]))
-        name = self.files.put(upload.filename, translated, format=format)
+        name = self.files.put(upload.filename, translated, format=format, client=client)
         return JSONResponse({"translatedFileUrl": f"{str(request.base_url).rstrip('/')}/download_file/{name}"})
 
     async def download_file(self, request: Request) -> Response:
         stored = self.files.get(request.path_params["name"])
         if stored is None:
-            return JSONResponse({"error": "no such file: it expired or was never made; translate it again"},
-                                status_code=404)
+            return JSONResponse({"error": self.files.gone(request.path_params["name"])}, status_code=404)
         return Response(stored.content, media_type=stored.media_type,
                         headers={"content-disposition": content_disposition(stored.filename)})
 
@@ -499,6 +502,9 @@ def answer_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callabl
             return JSONResponse({"error": str(error)}, status_code=413, headers={"connection": "close"})
         except Busy as error:
             return JSONResponse({"error": str(error)}, status_code=429)
+        except StoreFull as error:
+            return JSONResponse({"error": str(error)}, status_code=503,
+                                headers={"retry-after": str(math.ceil(error.retry_after))})
         except TimeoutError as error:
             return JSONResponse({"error": str(error)}, status_code=503)
         except ClientDisconnect:  # no one to answer: uvicorn drops what is sent
@@ -519,7 +525,7 @@ def create_app(translators: Translator | Sequence[Translator],
                max_wait: float = 0.005, batching: bool = True, max_queue: int = 1024, char_limit: int = 5000,
                timeout: float = 60.0, max_request_tokens: int = 16384, max_batch_tokens: int = 8192,
                max_beam_size: int = 16, max_body_size: int = 1 << 20, max_glossary_chars: int = 100_000,
-               workers: int = 1, threads: int | None = None) -> Starlette:
+               max_stored_bytes: int = 64 << 20, workers: int = 1, threads: int | None = None) -> Starlette:
     """The ASGI app over one Translator per language pair; their batchers start and drain with the
     app's lifespan. `search`: the requests' defaults, one for all or one per translator (each
     translator's own, tuned on validation where its checkpoint stores them, if None). `workers` decoder
@@ -562,7 +568,7 @@ def create_app(translators: Translator | Sequence[Translator],
                       flush=True)
         app.state.server = Server(models, detector, char_limit=char_limit, timeout=timeout,
                                   max_request_tokens=max_request_tokens, max_beam_size=max_beam_size,
-                                  max_glossary_chars=max_glossary_chars)
+                                  max_glossary_chars=max_glossary_chars, files=FileStore(max_bytes=max_stored_bytes))
         tasks = [asyncio.create_task(model.batcher.run()) for model in models.values() for _ in range(workers)]
         try:
             yield
@@ -596,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a .ckpt written by python -m seq2seq.fit (or seq2seq.convert); repeat it to serve several "
                              "language pairs, one checkpoint each")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
-    parser.add_argument("--port", type=int, default=5000)
+    parser.add_argument("--port", type=int, default=5000, help="0 to 65535 (0: any free port) (default: 5000)")
     parser.add_argument("--max-wait-ms", type=float, default=5.0,
                         help="how long a batch waits for more requests to join it (default: 5)")
     parser.add_argument("--no-batching", action="store_true", help="decode each request alone (a baseline)")
@@ -614,6 +620,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-beam-size", type=int, default=16, help="beam size of a request at most; then 400")
     parser.add_argument("--max-body-size", type=int, default=1 << 20,
                         help="bytes of a request body at most; then 413 (default: 1048576)")
+    parser.add_argument("--max-stored-bytes", type=int, default=64 << 20,
+                        help="bytes of translated files kept for /download_file at most (an hour each; a client a "
+                             "quarter of them), charged as each is stored; then 503 (default: 67108864)")
     parser.add_argument("--read-timeout", type=float, default=10.0,
                         help="seconds a client has to send a whole request; then 408 and closed (default: 10)")
     parser.add_argument("--max-connections", type=int, default=512,
@@ -622,9 +631,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     search = check_flags(parser, args)
     for name in ("max_queue", "char_limit", "max_request_tokens", "max_batch_tokens", "max_beam_size",
-                 "max_body_size", "max_connections", "max_glossary_chars"):
+                 "max_body_size", "max_connections", "max_glossary_chars", "max_stored_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.port <= 65535:  # before the model loads: uvicorn would fail with three tracebacks
+        parser.error(f"--port must be between 0 and 65535, got {args.port}")
     if args.max_wait_ms < 0 or args.timeout <= 0 or args.read_timeout <= 0:
         parser.error("--max-wait-ms must be >= 0, --timeout and --read-timeout > 0")
     if args.beam_size is not None and not search.sampling and search.beam_size > args.max_beam_size:  # before loading
@@ -653,7 +664,7 @@ def main(argv: list[str] | None = None) -> None:
                          timeout=args.timeout, max_request_tokens=args.max_request_tokens,
                          max_batch_tokens=args.max_batch_tokens, max_beam_size=args.max_beam_size,
                          max_body_size=args.max_body_size, max_glossary_chars=args.max_glossary_chars,
-                         workers=workers, threads=threads)
+                         max_stored_bytes=args.max_stored_bytes, workers=workers, threads=threads)
     except ValueError as error:  # a checkpoint's tuned beam over --max-beam-size, two models for one pair
         parser.error(str(error))
     for translator, _ in loaded:  # for the decoder threads' count, before uvicorn: a failure or Ctrl-C is one line

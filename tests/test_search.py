@@ -974,14 +974,18 @@ def test_search_config_refuses_bad_values_naming_the_field(options, message):
     assert caught.value.field == message.split(":")[0]
 
 
-def test_search_config_defaults_and_the_vocabulary_check():
+def test_search_config_defaults_and_the_model_check():
     assert SearchConfig() == SearchConfig(beam_size=5, nbest=1, length_penalty=0.6, max_len_a=1.5, max_len_b=10)
     SearchConfig(max_len_a=0.5, max_len_b=0)  # floor(0.5 * len) may be 0 for a 1-token source: allowed
     SearchConfig(sampling=True, beam_size=1, top_k=0, top_p=1.0, seed=0)
-    SearchConfig(beam_size=4).check_vocabulary(8)
+    SearchConfig(beam_size=4).check_model(vocab_size=8, max_positions=64)
     with pytest.raises(ConfigError, match="beam_size: 5 needs a vocabulary of at least 10 tokens; this model has 8"):
-        SearchConfig(beam_size=5).check_vocabulary(8)
-    SearchConfig(beam_size=5, sampling=True).check_vocabulary(8)  # sampling does not use the beam
+        SearchConfig(beam_size=5).check_model(vocab_size=8, max_positions=64)
+    SearchConfig(beam_size=5, sampling=True).check_model(vocab_size=8, max_positions=64)  # no beam to rank
+    SearchConfig(min_len=63).check_model(vocab_size=64, max_positions=64)  # BOS + 63 tokens: the longest output
+    with pytest.raises(ConfigError, match=r"min_len: 1000 is more tokens than this model writes in an output "
+                                          r"\(max_positions - 1 = 63\)"):
+        SearchConfig(min_len=1000).check_model(vocab_size=64, max_positions=64)
 
 
 def test_decode_dispatches_to_the_three_searches():

@@ -109,3 +109,21 @@ def test_a_line_longer_than_the_model_reads_is_split_not_truncated(translator: T
         warnings.simplefilter("error")  # a truncation warning would fail here
         [out] = translator.translate_paragraphs([line], SearchConfig(beam_size=2))
     assert out == " ".join(translator.translate([line[a:b] for a, b in spans], SearchConfig(beam_size=2)))
+
+
+def test_the_cli_keeps_lines_of_spaces_and_names_the_input_line_of_a_word_too_long(trained: Path, tmp_path: Path,
+                                                                                     recwarn: pytest.WarningsRecorder):
+    """--split-sentences: a line of spaces comes out as it went in (as the server keeps it), and a word too long
+    for the model is truncated with a warning naming its input line, not its sentence's number (line 3 here,
+    the fourth sentence)."""
+    from seq2seq.translate import main
+
+    word = "x" * 3000  # one "word" of far more pieces than the model reads
+    lines = ["A dog runs. Two men play.", "   ", f"A cat sleeps. A {word} sits.", "\t"]
+    (tmp_path / "in").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    main(["--checkpoint", str(trained), "--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"),
+          "--split-sentences", "--beam", "1", "--precision", "fp32"])
+    out = (tmp_path / "out").read_text(encoding="utf-8").split("\n")
+    assert out[1] == "   " and out[3] == "\t" and len(out) == len(lines) + 1
+    warned = [str(w.message) for w in recwarn if "max_positions" in str(w.message)]
+    assert len(warned) == 1 and warned[0].startswith("input line 3 has "), warned

@@ -425,6 +425,9 @@ def test_bad_flags_and_ctrl_c_while_loading_are_one_line(trained: Path, monkeypa
     for flags, message in ((["--threads", "-1"], "--threads must be at least 1, got -1"),  # torch's RuntimeError before
                            (["--max-body-size", "0"], "--max-body-size must be at least 1"),
                            (["--max-glossary-chars", "0"], "--max-glossary-chars must be at least 1"),
+                           (["--max-stored-bytes", "0"], "--max-stored-bytes must be at least 1"),
+                           (["--port", "99999"], "--port must be between 0 and 65535, got 99999"),
+                           (["--port", "-1"], "--port must be between 0 and 65535, got -1"),
                            (["--beam", "20"], "--beam 20 is over --max-beam-size 16"),
                            (["--max-beam-size", "2"], "the default beam size 5 is over --max-beam-size 2")):
         with pytest.raises(SystemExit) as caught:
@@ -562,10 +565,13 @@ def test_a_request_over_its_token_budget_is_refused_before_it_is_queued(server: 
     assert decoding_cost(0, SearchConfig(), max_positions=128) == 0  # an empty line is not decoded
 
 
-def test_the_beam_size_is_capped(server: Running):
+def test_the_beam_size_is_capped_and_a_min_len_the_model_cannot_write_refused(server: Running):
     reply = httpx.post(server.url + "/v1/translate", json={"q": "a", "beam_size": 400})  # the vocabulary allows 500
     assert reply.status_code == 400
     assert "beam_size 400 is more than this server's limit of 16 (--max-beam-size)" in reply.json()["error"]
+    reply = httpx.post(server.url + "/v1/translate", json={"q": "a", "min_len": 1000})  # it was accepted silently
+    assert reply.status_code == 400 and reply.json()["error"].startswith(
+        "min_len: 1000 is more tokens than this model writes in an output (max_positions - 1 = "), reply.text
 
 
 class Recording:

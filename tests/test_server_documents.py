@@ -23,6 +23,8 @@ sys.path.insert(0, str(REPO / "serve"))
 from server import create_app  # noqa: E402
 from test_server import SENTENCES, Running  # noqa: E402
 
+from bodies import BadRequest  # noqa: E402
+from documents import FileStore, StoreFull  # noqa: E402
 from languages import Detector  # noqa: E402
 
 SEARCH = SearchConfig(beam_size=2)
@@ -229,3 +231,43 @@ def test_file_names_with_folders_two_files_and_markup_too_costly_to_read(server:
     # An upload is parsed before its text is counted: the parse is bounded by what it builds (markup.parse)
     bomb = web_ui_file(server, "bomb.html", "".join(f"<b a={i}>x<p>y" for i in range(5000)).encode())
     assert bomb.status_code == 400 and "bomb.html: the HTML leaves formatting tags" in bomb.json()["error"]
+
+
+def test_the_file_store_charges_what_it_keeps_and_drops_nothing_before_it_expires(monkeypatch: pytest.MonkeyPatch):
+    """A page without text costs nothing of --char-limit but is kept: its bytes are charged. When they would pass
+    the store's limit, or a client's quarter of it, the file is refused (StoreFull: a 503 saying when to retry),
+    and no other file is dropped to make room (they were: 68 text-free uploads of 1 MB made another client's
+    file a 404). A file gone says whether it expired or was never made."""
+    now = [1000.0]
+    monkeypatch.setattr("documents.time.monotonic", lambda: now[0])
+    store = FileStore(max_bytes=4000, keep=60.0)
+    theirs = store.put("theirs.srt", "x" * 900, format="srt", client="10.0.0.1")
+    for k in range(1, 4):
+        store.put(f"mine{k}.html", "<br>" * 75, format="html", client="10.0.0.2")  # 300 bytes each, no text
+    with pytest.raises(StoreFull, match=r"you hold 900 bytes .* this server's 1000 a client; retry in 60 s") as caught:
+        store.put("mine4.html", "<br>" * 75, format="html", client="10.0.0.2")
+    assert caught.value.retry_after == 60.0
+    for client in ("10.0.0.3", "10.0.0.4"):
+        store.put("more.txt", "y" * 900, format="text", client=client)
+    with pytest.raises(StoreFull, match=r"this server holds 3600 bytes .* its limit of 4000 \(--max-stored-bytes\)"):
+        store.put("last.txt", "z" * 500, format="text", client="10.0.0.5")
+    assert store.get(theirs) is not None and store.get(theirs).content == b"x" * 900  # never dropped for room
+    with pytest.raises(BadRequest, match="more than this server keeps for a client"):
+        store.check_room(1001, client="10.0.0.6")
+    now[0] += 61  # all expire: their room is free again, and the 404 says why
+    assert store.get(theirs) is None and "expired" in store.gone(theirs)
+    assert "never made" in store.gone("nosuchtoken.txt")
+    store.put("last.txt", "z" * 500, format="text", client="10.0.0.5")
+
+
+def test_a_full_store_is_a_503_before_the_file_is_translated(models: dict[tuple[str, str], Translator]):
+    running = Running(create_app([models[("en", "de")]], SEARCH, max_wait=0.02, max_stored_bytes=8000))
+    try:
+        first = web_ui_file(running, "a.txt", SENTENCES[0].encode())
+        assert first.status_code == 200, first.text
+        pages = [web_ui_file(running, f"p{k}.html", b"<p></p>" * 200) for k in range(4)]  # 1,400 bytes, no text
+        assert [p.status_code for p in pages[:1]] == [200] and pages[-1].status_code == 503, [p.text for p in pages]
+        assert "retry in" in pages[-1].json()["error"] and int(pages[-1].headers["retry-after"]) >= 1
+        assert httpx.get(first.json()["translatedFileUrl"]).status_code == 200  # still there
+    finally:
+        running.stop()
