@@ -190,7 +190,7 @@ class Markup:
         elif node.name in VERBATIM or not _translated(node):
             run.verbatims.append(node)
             run.add(node.get_text(), stack, verbatim=len(run.verbatims) - 1)
-        elif run.text and not run.text[-1].isspace() and _marker(node.get_text()):  # after a word: "city[1]"
+        elif run.ends_in_text() and _marker(node.get_text()):  # after a word: "city[1]"
             for tag in node.find_all(True):
                 if _translated(tag):
                     self._add_attributes(tag)

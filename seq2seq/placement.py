@@ -73,7 +73,8 @@ class Run:
     node (an index into `verbatims`) holding character i, -1 for none. `parents[e]`: element e's parent
     element in the run (None at the top)."""
 
-    text: str = ""
+    text: str = ""  # (made by close(); `add` keeps the pieces: a string grown piece by piece is quadratic)
+    pieces: list[str] = field(default_factory=list)
     marks: list[Stack] = field(default_factory=list)
     verbatim: list[int] = field(default_factory=list)
     anchors: list[Anchor] = field(default_factory=list)
@@ -87,19 +88,24 @@ class Run:
     def add(self, text: str, stack: Stack, *, verbatim: int = -1) -> None:
         if not text:
             return
+        at = len(self.marks)
         for element in stack:
-            self.first.setdefault(element, len(self.text))
-            self.last[element] = len(self.text) + len(text) - 1
-        self.text += text
+            self.first.setdefault(element, at)
+            self.last[element] = at + len(text) - 1
+        self.pieces.append(text)
         self.marks += [stack] * len(text)
         self.verbatim += [verbatim] * len(text)
 
+    def ends_in_text(self) -> bool:
+        """Whether the characters so far end in one that is not a space (what follows is glued to it)."""
+        return bool(self.pieces) and not self.pieces[-1][-1].isspace()
+
     def anchor(self, node: object, stack: Stack) -> None:
-        self.anchors.append(Anchor(len(self.text), node, stack, False, False))
+        self.anchors.append(Anchor(len(self.marks), node, stack, False, False))
 
     def close(self) -> None:
-        """Once every character is in: each anchor's glue, now that what follows it is known."""
-        text = self.text
+        """Once every character is in: the text, and each anchor's glue, now that what follows it is known."""
+        self.text = text = "".join(self.pieces)
         self.anchors = [Anchor(a.at, a.node, a.stack, a.at > 0 and not text[a.at - 1].isspace(),
                                a.at < len(text) and not text[a.at].isspace()) for a in self.anchors]
 
