@@ -11,7 +11,6 @@ import httpx
 import pytest
 import srt
 import torch
-from bs4 import BeautifulSoup
 from conftest import MULTI30K
 from libretranslatepy import LibreTranslateAPI
 
@@ -21,6 +20,8 @@ from seq2seq.translator import Translator
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "serve"))
 from server import create_app  # noqa: E402
+from test_markup import added, elements, live  # noqa: E402
+from test_markup import text as text_of  # noqa: E402
 from test_server import SENTENCES, Running  # noqa: E402
 
 from bodies import BadRequest  # noqa: E402
@@ -111,14 +112,28 @@ def test_format_html_keeps_the_markup(server: Running, models):
     reply = httpx.post(server.url + "/translate", json={"q": [page, SENTENCES[3]], "source": "en", "target": "de",
                                                         "format": "html"}).json()
     assert reply["translatedText"] == models[("en", "de")].translate_html([page, SENTENCES[3]], SEARCH)
-    out = BeautifulSoup(reply["translatedText"][0], "html.parser")
-    assert out.b is not None and out.a["href"] == "/x" and out.li.get_text() == models[("en", "de")].translate(
-        [SENTENCES[2]], SEARCH)[0]
+    out = reply["translatedText"][0]
+    assert elements(out, "b") and elements(out, "a")[0].attrs["href"] == "/x"
+    assert text_of(elements(out, "li")[0]) == models[("en", "de")].translate([SENTENCES[2]], SEARCH)[0]
     hostile = '<img src=x onerror="alert(1)"><p>A dog <script>alert(2)</script>runs.</p>'
     reply = httpx.post(server.url + "/translate", json={"q": hostile, "source": "en", "target": "de", "format": "html",
                                                         "alternatives": 1}).json()
-    for text in (reply["translatedText"], *reply["alternatives"]):
-        assert {t.name for t in BeautifulSoup(text, "html.parser").find_all(True)} == {"img", "p", "script"}
+    for translated in (reply["translatedText"], *reply["alternatives"]):
+        assert not added(translated, hostile) and live(translated) == live(hostile)  # as a browser reads them
+    # A comment a browser does not end at "-- >": the output had a live <script> (Python's html.parser ended it)
+    comment = "<!-- --\n><script>alert(document.domain)</script> --><p>The woman sells the book.</p>"
+    reply = httpx.post(server.url + "/translate", json={"q": comment, "source": "en", "target": "de", "format": "html"})
+    assert reply.status_code == 200 and live(reply.json()["translatedText"]) == set() == live(comment)
+    assert not added(reply.json()["translatedText"], comment)
+
+
+def test_an_uploaded_cue_s_text_stays_text_to_players(server: Running):
+    """"&lt;img ...&gt;" in a cue is text to players (SubRip has no entities): it came back a raw <img ...>."""
+    cue = b"1\n00:00:01,000 --> 00:00:02,000\n<i>The woman</i> <code>&lt;img src=x onerror=alert(1)&gt;</code>\n\n"
+    reply = web_ui_file(server, "hostile.srt", cue)
+    assert reply.status_code == 200, reply.text
+    text = httpx.get(reply.json()["translatedFileUrl"]).text
+    assert "<img" not in text and "<code>" in text and "</code>" in text
 
 
 def web_ui_file(server: Running, name: str, content: bytes, source: str = "en", target: str = "de") -> httpx.Response:
