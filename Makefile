@@ -7,12 +7,14 @@
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
+# pytest-xdist processes for the tests, one a core (make test WORKERS=0: the tests in make's own process)
+WORKERS ?= 2
 BIN    := $(VENV)/bin
 DEMO   := checkpoints/demo
 DATA   := seq2seq/demo/data
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo train-demo translate-demo test lint typecheck pytest
+.PHONY: help setup demo train-demo translate-demo test lint typecheck pytest e2e
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -51,5 +53,8 @@ lint: setup ## ruff
 typecheck: setup ## mypy (configured in pyproject.toml)
 	$(BIN)/mypy
 
-pytest: setup ## the default test run (slow tests: .venv/bin/python -m pytest -m slow)
-	$(BIN)/python -m pytest -q
+pytest: setup ## the default test run, in $(WORKERS) processes (slow tests: .venv/bin/python -m pytest -m slow)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
+
+e2e: setup ## the end-to-end runs and minute-long compiles make test leaves out (CI runs them after make test)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m e2e

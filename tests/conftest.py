@@ -1,4 +1,11 @@
-"""Shared test fixtures: the Multi30k corpus next to the repository and a small tokenizer."""
+"""Shared test fixtures: the Multi30k corpus next to the repository and a small tokenizer.
+
+Under pytest-xdist (`make test` runs `pytest -n 2`) each worker is a process of its own, with its session fixtures:
+the trained models below are trained once for the whole run (`shared_across_workers`, the first worker to need one
+trains it, the others wait for it and read it), and the attention kernel (seq2seq/model/kernels.py) is built once
+into a folder every worker shares. Each worker runs torch on one intra-op thread (torch's default, one per core,
+would have the two workers' threads spin against each other on a 2-core machine); a test that wants more sets it.
+"""
 
 import gzip
 import os
@@ -12,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from filelock import FileLock  # noqa: E402
 from machines import pretend_machine  # noqa: E402
 
 from seq2seq.precision import Verdict  # noqa: E402
@@ -20,6 +28,29 @@ from seq2seq.tokenizer import Tokenizer  # noqa: E402
 # CI clones the project next to shared/, as the working copy is: ../shared/data/multi30k.
 MULTI30K = Path(__file__).resolve().parents[1].parent / "shared/data/multi30k"
 DEMO_DATA = Path(__file__).resolve().parents[1] / "seq2seq/demo/data"
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:  # one core per worker (see above); processes the tests start inherit it
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of this whole test run: the session's base folder, or under xdist the one above the workers'."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if XDIST_WORKER else base
+
+
+def shared_across_workers(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> Path:
+    """`make(folder)` run once for the whole test run, by whichever worker asks first (the others wait for it):
+    the folder. What is made there is read, never changed, by the tests (as a session fixture's result)."""
+    root = run_root(tmp_path_factory)
+    folder = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (folder / ".made").is_file():
+            folder.mkdir(exist_ok=True)
+            make(folder)
+            (folder / ".made").touch()
+    return folder
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,6 +64,7 @@ def an_avx2_machine_by_default(tmp_path_factory: pytest.TempPathFactory):
     one query a row keeps the matmuls (tests/test_attention.py and test_model.py run SDPA there too)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
+        patch.setenv("TORCH_EXTENSIONS_DIR", str(run_root(tmp_path_factory) / "torch_extensions"))  # built once a run
         pretend_machine(patch, "avx2")
         patch.setattr("seq2seq.translator.onednn_linears", pinned_onednn_linears)
         patch.setattr("seq2seq.translator.one_query_sdpa", lambda device, precision: Verdict(False, "pinned by the tests"))
@@ -203,10 +235,11 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory):
     """A finished few-step training run: (its config path, its checkpoint folder)."""
     from seq2seq.training.fit import main
 
-    root = tmp_path_factory.mktemp("tiny_run")
-    config = write_tiny_run(root)
-    main(["--config", str(config)])
-    return config, root / "checkpoints"
+    def train(root: Path) -> None:
+        main(["--config", str(write_tiny_run(root))])
+
+    root = shared_across_workers(tmp_path_factory, "tiny_run", train)
+    return root / "tiny.yaml", root / "checkpoints"
 
 
 @pytest.fixture(scope="session")
@@ -217,20 +250,22 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     from seq2seq.training.fit import main as fit
 
-    root = tmp_path_factory.mktemp("export_run")
-    config = write_tiny_run(root, max_steps=300, train_pairs=10, val_pairs=10)
-    text = config.read_text(encoding="utf-8")
-    text = text.replace(f"[{root}/data/train.de, {root}/data/train.en]", f"[{DEMO_DATA}/train.en.gz, {DEMO_DATA}/train.de.gz]")
-    text = text.replace(f"[{root}/data/val.de, {root}/data/val.en]", f"[{DEMO_DATA}/valid.en.gz, {DEMO_DATA}/valid.de.gz]")
-    text = text.replace("src_lang: de\n  tgt_lang: en", "src_lang: en\n  tgt_lang: de").replace("vocab_size: 600", "vocab_size: 1000")
-    config.write_text(text, encoding="utf-8")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        fit(["--config", str(config), "--model.transformer.d_model=64", "--model.transformer.num_heads=4",
-             "--model.transformer.d_ff=256", "--model.transformer.num_encoder_layers=2",
-             "--model.transformer.num_decoder_layers=2", "--model.transformer.norm_placement=post",
-             "--model.warmup_steps=50", "--data.max_tokens=1024", "--trainer.limit_val_batches=0"])
-    finally:
-        torch.set_num_threads(threads)
+    def train(root: Path) -> None:
+        config = write_tiny_run(root, max_steps=300, train_pairs=10, val_pairs=10)
+        text = config.read_text(encoding="utf-8")
+        text = text.replace(f"[{root}/data/train.de, {root}/data/train.en]", f"[{DEMO_DATA}/train.en.gz, {DEMO_DATA}/train.de.gz]")
+        text = text.replace(f"[{root}/data/val.de, {root}/data/val.en]", f"[{DEMO_DATA}/valid.en.gz, {DEMO_DATA}/valid.de.gz]")
+        text = text.replace("src_lang: de\n  tgt_lang: en", "src_lang: en\n  tgt_lang: de").replace("vocab_size: 600", "vocab_size: 1000")
+        config.write_text(text, encoding="utf-8")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            fit(["--config", str(config), "--model.transformer.d_model=64", "--model.transformer.num_heads=4",
+                 "--model.transformer.d_ff=256", "--model.transformer.num_encoder_layers=2",
+                 "--model.transformer.num_decoder_layers=2", "--model.transformer.norm_placement=post",
+                 "--model.warmup_steps=50", "--data.max_tokens=1024", "--trainer.limit_val_batches=0"])
+        finally:
+            torch.set_num_threads(threads)
+
+    root = shared_across_workers(tmp_path_factory, "export_run", train)
     return root / "checkpoints" / "last.ckpt"

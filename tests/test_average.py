@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import output_checks
 import pytest
 import torch
 from conftest import write_tiny_run
@@ -105,12 +106,7 @@ def test_a_flipped_bit_in_the_trained_weights_is_refused(ema_run: Path, tmp_path
 
 
 def refused(*args: str) -> str:
-    """The one `error:` line main() exits with (no traceback, no errno)."""
-    with pytest.raises(SystemExit) as caught:
-        main(list(args))
-    message = str(caught.value.code)
-    assert message.startswith("error: ") and "\n" not in message and "Errno" not in message, message
-    return message
+    return output_checks.refused(main, *args)
 
 
 @pytest.mark.parametrize("force", [[], ["--force"]])

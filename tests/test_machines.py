@@ -157,6 +157,8 @@ def translate_over_http(machine: str, checkpoint: Path, sentences: list[str], *a
         process.kill()
 
 
+@pytest.mark.e2e  # (.ci/run; make test runs each shipped config's few updates below as the AVX2, AMX, AVX512-BF16
+# and ARM machines, and tests/test_translator.py, test_server.py the translation faces)
 @pytest.mark.parametrize("machine", ["avx2", "amx"])
 def test_the_main_job_runs_end_to_end_whatever_auto_picks(machine: str, tmp_path: Path, machine_verdicts,
                                                            monkeypatch):
@@ -248,9 +250,13 @@ def gzip_lines(path: Path, count: int) -> list[str]:
         return f.read().split("\n")[:count]
 
 
+END_TO_END = pytest.mark.e2e  # (.ci/run: wmt's; demo's two DDP processes stand in for its two in make test)
+
+
 @pytest.mark.parametrize("name,machine", [("demo.yaml", "avx2"), ("demo.yaml", "amx"), ("multi30k.yaml", "avx2"),
                                           ("multi30k.yaml", "avx512_bf16"), ("multi30k.yaml", "arm"),
-                                          ("wmt.yaml", "avx2"), ("wmt.yaml", "amx")])
+                                          pytest.param("wmt.yaml", "avx2", marks=END_TO_END),
+                                          pytest.param("wmt.yaml", "amx", marks=END_TO_END)])
 def test_each_shipped_config_runs_under_each_precision_auto_can_pick(name: str, machine: str, tmp_path: Path,
                                                                      machine_verdicts):
     """demo and wmt run two DDP processes (gloo on a CPU; wmt's GPUs become CPU processes here): every

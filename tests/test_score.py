@@ -2,12 +2,11 @@
 the training loss computed on the same pairs and against CTranslate2's score_batch on the exported model;
 and the translate CLI's alignment and token-score columns."""
 
-import contextlib
 import gzip
 import os
-import threading
 from pathlib import Path
 
+import output_checks
 import pytest
 import torch
 from conftest import DEMO_DATA, sigterm_to_this_process
@@ -237,21 +236,7 @@ def test_a_fifo_is_written_into_without_force(trained: Path, pairs: list[str], t
     """Streaming into a FIFO (a pipe to another program) is no replacing: it needs no --force, and is never emptied."""
     fifo = tmp_path / "scores.fifo"
     os.mkfifo(fifo)
-    got: list[str] = []
-
-    def read() -> None:
-        with open(fifo, encoding="utf-8") as reader:  # waits for the writer, then reads to its close
-            got.append(reader.read())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        main(["--checkpoint", str(trained), *pairs, "--output", str(fifo)])
-        reader.join(timeout=60)
-    finally:
-        if reader.is_alive():  # the writer never opened it: let the reader go
-            with contextlib.suppress(OSError):
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    got = output_checks.read_while(fifo, lambda: main(["--checkpoint", str(trained), *pairs, "--output", str(fifo)]))
     main(["--checkpoint", str(trained), *pairs, "--output", str(tmp_path / "scores.txt")])
     assert got == [(tmp_path / "scores.txt").read_text(encoding="utf-8")] and got[0].count("\n") == 5
     assert fifo.is_fifo()
