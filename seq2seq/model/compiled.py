@@ -458,8 +458,10 @@ of 8 (README, "A compiled decoding step"); the translate CLI, which compiles at 
 KIND_SOURCE_LENGTH = 16
 """Source tokens of `compile_kinds`' made-up sentences (the cross-attention's sizes at its first call, as above)."""
 
-RETRIES = 3
-"""Times a call whose kind has its graph is made again when dynamo finds none fitting it (`CompiledDecoder._run`)."""
+RETRIES = 10
+"""Times a call whose kind has its graph is made again when dynamo finds none fitting it (`CompiledDecoder._run`):
+a failed guard check costs microseconds, a compile seconds (with three, the three-thread test in tests/test_compiled.py
+compiled a graph again now and then while the other core was busy)."""
 
 
 def compile_frozen(function: Callable[..., T], *, backend: Callable[..., object]) -> Callable[..., T]:
@@ -682,6 +684,7 @@ class CompiledDecoder:
                 return function(*inputs)
             except RecompileError:
                 self.retried += 1
+                time.sleep(0)  # the GIL to the thread whose decoding upset the guards, before they are checked again
         with self._compiling_alone(), tracing_settings(compiled=False):
             return function(*inputs)
 
