@@ -3,15 +3,15 @@
     document = HtmlDocument(html, split=...)        # parse; document.sentences: what the model reads
     document.render(translations)                    # one Translation per sentence, with word alignments
 
-Parsing is the WHATWG algorithm browsers run (html5lib, scripting on, as in a browser with JavaScript),
+Parsing is the WHATWG algorithm browsers run, scripting on as in a browser with JavaScript (JustHTML, `parse`),
 so that what we take for a comment, a script or an attribute is what a browser takes for one: Python's
 html.parser ends a comment at "-- >", where a browser does not, and a page that is one inert comment to a
-browser would come out with a live <script>. html5lib is the reference implementation of that algorithm in
-Python and builds BeautifulSoup's tree. Writing is the standard's serialisation: text and attribute values
-escaped (&, <, >, and " in attributes), the content of raw-text elements (script, style, ...) of the HTML
-namespace as it is, so a translation saying "<script>" is text and the output holds no element or
-attribute the input lacked, as a browser reads either. A fragment (no <html>, <head>, <body> or doctype) is
-parsed as the body of a page and written back as a fragment. Line ends are the input's (CRLF or LF).
+browser came out with a live <script>. Writing is the standard's serialisation (`serialize`): text and
+attribute values escaped (&, <, >, and " in attributes), the content of raw-text elements (<script>, <style>,
+...) as it is only where every element above them is HTML's, so a translation saying "<script>" is text and
+the output holds no element or attribute the input lacked, as a browser reads either. A fragment (no <html>,
+<head>, <body> or doctype) is parsed as a fragment and written back as one. Line ends are the input's (CRLF
+or LF).
 
 What is translated: each run of inline content (text and inline elements such as <b>, <a href>, <i>)
 between the places a browser breaks text (block elements, <br>) is one segment, split into sentences as
