@@ -5,7 +5,7 @@
 
 The reference is Pharaoh `i-j` lines for the same pairs (bench/eflomal_reference.py writes eflomal's);
 no gold alignments exist for Multi30k, so this measures agreement, not error. Each reference translation
-is teacher-forced (seq2seq/scoring.py's way), and each target token is aligned to the source token its
+is teacher-forced (seq2seq/decoding/scoring.py's way), and each target token is aligned to the source token its
 layer's cross-attention (averaged over heads) weighs most, then mapped to words as
 `SearchConfig.alignments` does. Two readings per layer: the attention of the step that *predicts* the
 token (what seq2seq reports), and of the step that *reads* it (one position later), which some layers
@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seq2seq.scoring import alignment_layer  # noqa: E402
-from seq2seq.translator import Translator, pad_batch  # noqa: E402
+from seq2seq.decoding.scoring import alignment_layer  # noqa: E402
+from seq2seq.inference.translator import Translator, pad_batch  # noqa: E402
 
 
 def read(path: str) -> list[str]:

@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_batching import reference_batches  # noqa: E402  # the pair-by-pair plan, kept as the tests' reference
 
-from seq2seq.batching import TokenBatchSampler  # noqa: E402
+from seq2seq.training.batching import TokenBatchSampler  # noqa: E402
 
 
 def measure(make) -> tuple[float, int, object]:  # noqa: ANN001

@@ -112,9 +112,9 @@ def child(args: argparse.Namespace) -> None:
     """One process: the model's own step against `args.variant`, in turns; one JSON line per row count."""
     import torch
 
+    from seq2seq.decoding.search import SearchConfig
+    from seq2seq.inference.translator import Translator
     from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
-    from seq2seq.search import SearchConfig
-    from seq2seq.translator import Translator
 
     tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)
     torch.set_num_threads(1)  # one worker's thread, as decode_vs_ct2's fastest configurations ran

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seq2seq.search import SearchConfig  # noqa: E402
-from seq2seq.translator import Translator  # noqa: E402
+from seq2seq.decoding.search import SearchConfig  # noqa: E402
+from seq2seq.inference.translator import Translator  # noqa: E402
 
 
 def read(path: str, n: int) -> list[str]:

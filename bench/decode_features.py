@@ -7,8 +7,8 @@ Translator.translate_nbest over the same sentences with SearchConfig(token_score
 alone, and both, in turns (repeats interleaved, so that a slow moment of the machine hits every
 configuration alike); prints each one's best and median seconds and its ratio to the plain run. The
 plain search runs exactly as it did before these options existed: they add one teacher-forced pass over
-the finished outputs (seq2seq/scoring.py) and nothing to the search's steps; `--before REV` also times
-the plain run with seq2seq/search.py as commit REV had it (loaded from git beside today's), to show it.
+the finished outputs (seq2seq/decoding/scoring.py) and nothing to the search's steps; `--before REV` also times
+the plain run with seq2seq/decoding/search.py as commit REV had it (loaded from git beside today's), to show it.
 """
 
 import argparse
@@ -26,14 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import seq2seq.translator  # noqa: E402
-from seq2seq.search import Hypothesis  # noqa: E402
-from seq2seq.translator import Translator  # noqa: E402
+import seq2seq.inference.translator  # noqa: E402
+from seq2seq.decoding.search import Hypothesis  # noqa: E402
+from seq2seq.inference.translator import Translator  # noqa: E402
 
 
 def search_as_of(rev: str):
-    """seq2seq/search.py as commit `rev` had it, loaded as a module of its own beside today's."""
-    source = subprocess.run(["git", "show", f"{rev}:seq2seq/search.py"], check=True, capture_output=True,
+    """seq2seq/decoding/search.py as commit `rev` had it, loaded as a module of its own beside today's."""
+    source = subprocess.run(["git", "show", f"{rev}:seq2seq/decoding/search.py"], check=True, capture_output=True,
                             text=True, cwd=Path(__file__).resolve().parents[1]).stdout
     path = Path(tempfile.mkdtemp()) / "search_before.py"
     path.write_text(source, encoding="utf-8")
@@ -63,7 +63,7 @@ def main() -> None:
     configs = {"plain": plain, "token_scores": replace(plain, token_scores=True),
                "alignments": replace(plain, alignments=True),
                "both": replace(plain, token_scores=True, alignments=True)}
-    decoders = {name: seq2seq.translator.decode for name in configs}
+    decoders = {name: seq2seq.inference.translator.decode for name in configs}
     if args.before:
         old = search_as_of(args.before)
 
@@ -77,7 +77,7 @@ def main() -> None:
     outputs: dict[str, list[str]] = {}
     for _ in range(args.repeats):
         for name, search in configs.items():
-            seq2seq.translator.decode = decoders[name]  # what Translator decodes with
+            seq2seq.inference.translator.decode = decoders[name]  # what Translator decodes with
             start = time.perf_counter()
             # (translate_nbest, which keeps the scores: translate() would spare today's greedy search its
             # normaliser, which search.py as of --before computes)

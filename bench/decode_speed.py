@@ -13,7 +13,7 @@ for two models that differ only in how the decoder is run:
   `model.decode(..., state=None)` and keeps the last position, so each step recomputes all earlier
   positions and re-projects the source, as a naive implementation would.
 
-Same weights, same search code (seq2seq.search through Translator), same batches, measured in the
+Same weights, same search code (seq2seq.decoding.search through Translator), same batches, measured in the
 same run, interleaved, so the ratio holds on a loaded machine even where the absolute numbers do not.
 Both runs must produce the same translations; the table says whether they did.
 
@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translation, Translator
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.search import SearchConfig
-from seq2seq.tokenizer import Tokenizer
-from seq2seq.translator import Translation, Translator
+from seq2seq.text.tokenizer import Tokenizer
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared/data/multi30k"
 

@@ -45,12 +45,12 @@ import torch
 from train_throughput import time_alternating
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
-from seq2seq.export import export_ctranslate2
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translator
+from seq2seq.interop.export import export_ctranslate2
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
-from seq2seq.search import SearchConfig
-from seq2seq.tokenizer import Tokenizer
-from seq2seq.translator import Translator
+from seq2seq.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Glossary matching (seq2seq/glossary.py) against the per-term regular expressions it replaced, on Multi30k.
+"""Glossary matching (seq2seq/text/glossary.py) against the per-term regular expressions it replaced, on Multi30k.
 
     python bench/glossary.py [--data ../shared/data/multi30k] [--terms 100000] [--lines 1000] [--baseline-lines 20]
 
@@ -25,7 +25,7 @@ from decode_vs_ct2 import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from seq2seq.glossary import Glossary, unspaced  # noqa: E402
+from seq2seq.text.glossary import Glossary, unspaced  # noqa: E402
 
 
 def per_term_regex(text: str, glossary: Mapping[str, str]) -> list[str]:

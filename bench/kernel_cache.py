@@ -39,9 +39,9 @@ def child(args: argparse.Namespace) -> None:
     """One process: translate the slices and print one JSON line of seconds per slice and peak RSS."""
     import torch
 
+    from seq2seq.decoding.search import SearchConfig
+    from seq2seq.inference.translator import Translator
     from seq2seq.model import numerics
-    from seq2seq.search import SearchConfig
-    from seq2seq.translator import Translator
 
     if args.child in ("before", "cache"):
         numerics.padded_rows = lambda rows: rows  # type: ignore[assignment]

@@ -1,4 +1,4 @@
-"""`source: auto`'s language identifier (serve/languages.py, lingua) on Multi30k: accuracy among the
+"""`source: auto`'s language identifier (seq2seq/serve/languages.py, lingua) on Multi30k: accuracy among the
 four languages on whole test2016 sentences and on their first 1, 2 and 3 words, detections per
 second, and the memory its models take.
 
@@ -9,15 +9,13 @@ Needs the `[serve]` extra. Run by hand, not in CI.
 
 import argparse
 import gzip
-import sys
 import time
 from pathlib import Path
 
 from decode_vs_ct2 import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "serve"))
-from languages import Detector  # noqa: E402
+from seq2seq.serve.languages import Detector  # noqa: E402
 
 
 def rss_mib() -> float:

@@ -10,7 +10,6 @@ Run by hand, not in CI.
 
 import argparse
 import gzip
-import sys
 from pathlib import Path
 
 from decode_vs_ct2 import cpu_model
@@ -18,10 +17,8 @@ from language_id import rss_mib
 from starlette.testclient import TestClient
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "serve"))
-from server import create_app  # noqa: E402
-
-from seq2seq.translator import Translator  # noqa: E402
+from seq2seq.inference.translator import Translator  # noqa: E402
+from seq2seq.serve.server import create_app  # noqa: E402
 
 
 def main() -> None:

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from train_throughput import SIZES, batches_for, make_step, ours, ours_loss, time_alternating
 
-from seq2seq.loss import label_smoothed_nll
 from seq2seq.model.layers import Dropout
-from seq2seq.tokenizer import PAD_ID
+from seq2seq.text.tokenizer import PAD_ID
+from seq2seq.training.loss import label_smoothed_nll
 
 
 def full_logits_loss(model: nn.Module, batch: dict) -> torch.Tensor:

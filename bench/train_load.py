@@ -101,7 +101,7 @@ def worker(batches_path: Path, threads: int, seconds: float) -> None:
     import torch  # only here: the parent set OMP_* in our environment before this import
     from train_throughput import SIZES, make_step, ours, ours_loss
 
-    from seq2seq.tokenizer import PAD_ID
+    from seq2seq.text.tokenizer import PAD_ID
 
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # as training does (seq2seq/training/module.py)

@@ -5,7 +5,7 @@
 
 One training step = forward, label-smoothed loss, backward, fused AdamW update. Ours is what
 TranslationModule.training_step runs (output projection fused with the loss over non-pad positions,
-seq2seq/loss.py); the baseline is what a plain PyTorch loop writes (full logits, F.cross_entropy).
+seq2seq/training/loss.py); the baseline is what a plain PyTorch loop writes (full logits, F.cross_entropy).
 Both models see the same Multi30k token-budget batches, in alternation (ours, baseline, ours, ...)
 so that machine noise hits both alike. Also prints the fraction of the machine's matmul peak (a
 large square matmul timed in this same process) that each step reaches, with FLOPs counted by
@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from seq2seq.loss import training_loss
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
 from seq2seq.precision import bf16_attention, tune_process_memory
-from seq2seq.tokenizer import PAD_ID
+from seq2seq.text.tokenizer import PAD_ID
 from seq2seq.training.data import TranslationDataModule
+from seq2seq.training.loss import training_loss
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared/data/multi30k"
 

@@ -35,9 +35,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from seq2seq.decoding.search import SearchConfig
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
-from seq2seq.search import SearchConfig
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.text.tokenizer import Tokenizer
 
 CHECKPOINT_KEY = "seq2seq"
 CHECKPOINT_FORMAT = 4  # 2 added "sha256", 3 "search", 4 "training_sha256"; bump on any change to the entry

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from seq2seq.checkpoint import CheckpointError
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import DEFAULT_SEARCH, Translation, Translator, resolve_device
 from seq2seq.model import ConfigError
 from seq2seq.model.compiled import CompileError
 from seq2seq.precision import PRECISIONS
-from seq2seq.search import SearchConfig
-from seq2seq.translator import DEFAULT_SEARCH, Translation, Translator, resolve_device
 
 # ---------------------------------------------------------------------------------------------
 # The search flags, and the Translator they run on.
@@ -44,7 +44,7 @@ def search_flags() -> dict[str, list[str]]:
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per SearchConfig field (its name with dashes; older spellings kept), and the run's options."""
-    group = parser.add_argument_group("search (SearchConfig in seq2seq/search.py)")
+    group = parser.add_argument_group("search (SearchConfig in seq2seq/decoding/search.py)")
     hints = typing.get_type_hints(SearchConfig)
     all_flags = search_flags()
     for f in fields(SearchConfig):

@@ -1,6 +1,6 @@
 """python -m seq2seq.fit --config configs/demo.yaml [--key value ...]: train a model (the LightningCLI and
 its checks are seq2seq/training/fit.py), then, where the config has a TuneLengthPenalty callback, tune
-the best checkpoint's length penalty on the validation set (seq2seq/tune.py)."""
+the best checkpoint's length penalty on the validation set (seq2seq/inference/tune.py)."""
 
 import os
 
@@ -15,10 +15,10 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from seq2seq.checkpoint import CheckpointError
+from seq2seq.inference.tune import tune_length_penalty
 from seq2seq.training.callbacks import TuneLengthPenalty
 from seq2seq.training.fit import TranslationCLI
 from seq2seq.training.fit import main as train
-from seq2seq.tune import tune_length_penalty
 
 
 def main(args: list[str] | None = None) -> TranslationCLI:

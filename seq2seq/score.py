@@ -7,7 +7,7 @@ sentence for review: one output line per input pair, in order,
 
 the log-probability of the whole target (natural log), then one per target token and one for the
 final EOS, space-separated; they sum to the first. Computed as translation computes them
-(seq2seq/scoring.py): the same precision rules (`--precision auto`), device and length-sorted
+(seq2seq/decoding/scoring.py): the same precision rules (`--precision auto`), device and length-sorted
 batches. A pair that cannot be scored (an empty source, a side longer than the model reads) gives an
 empty line, and a warning naming its line. --src and --tgt must have as many lines; they are read,
 checked and written as python -m seq2seq.translate reads, checks and writes (UTF-8, one line per
@@ -23,10 +23,10 @@ import torch
 
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.cli import OutputRefused, check_output, interruption, one_line_warnings, stop_on_sigterm
+from seq2seq.decoding.scoring import Forced
+from seq2seq.inference.translator import Translator, resolve_device
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, PRECISIONS, tune_process_memory
-from seq2seq.scoring import Forced
 from seq2seq.textio import Output, check_input_path, read_lines, where
-from seq2seq.translator import Translator, resolve_device
 
 WINDOW = 1000  # pairs scored (sorted by length) and written at a time
 

@@ -43,10 +43,11 @@ from seq2seq.cli import (
     stop_on_sigterm,
     with_extras,
 )
-from seq2seq.glossary import Glossary, normal_term
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translation, Translator, document_of, text_only
 from seq2seq.model.compiled import CompileError
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
-from seq2seq.search import SearchConfig
+from seq2seq.text.glossary import Glossary, normal_term
 from seq2seq.textio import (
     InputError,
     Output,
@@ -58,7 +59,6 @@ from seq2seq.textio import (
     read_text,
     where,
 )
-from seq2seq.translator import Translation, Translator, document_of, text_only
 
 FORMATS = {".html": "html", ".htm": "html", ".srt": "srt"}  # --format by --input's extension (else lines)
 WINDOW = 1000  # input lines read and sorted by length at a time; each line is written once it and those before are done
@@ -245,7 +245,7 @@ def workers_of(translator: Translator, search: SearchConfig) -> str:
 def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
                        glossary: Glossary | None) -> None:
     """--format html or srt: the whole input as one document, its sentences translated as one batch and
-    put back (seq2seq/markup.py, seq2seq/subtitles.py); the output is written when all is done."""
+    put back (seq2seq/text/markup.py, seq2seq/text/subtitles.py); the output is written when all is done."""
     try:
         text = read_text(args.input)
     except InputError as error:

@@ -14,9 +14,9 @@ from conftest import write_tiny_run
 
 from seq2seq.average import average, main, write
 from seq2seq.checkpoint import CHECKPOINT_KEY, CheckpointError, load_checkpoint, read_inference
-from seq2seq.search import SearchConfig
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translator
 from seq2seq.training.fit import main as fit
-from seq2seq.translator import Translator
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = REPO / "tests" / "data" / "format3.ckpt"  # a small checkpoint of ours (tests/data/README.md)

@@ -1,12 +1,12 @@
-"""Tests for seq2seq.batching: the token-budget batch sampler (ranks, epochs, seeds) and collate."""
+"""Tests for seq2seq.training.batching: the token-budget batch sampler (ranks, epochs, seeds) and collate."""
 
 import math
 from collections import Counter
 
 import numpy as np
 
-from seq2seq.batching import TokenBatchSampler, collate
-from seq2seq.tokenizer import BOS_ID, EOS_ID
+from seq2seq.text.tokenizer import BOS_ID, EOS_ID
+from seq2seq.training.batching import TokenBatchSampler, collate
 from seq2seq.training.data import TranslationDataModule
 
 

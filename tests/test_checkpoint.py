@@ -28,11 +28,11 @@ from seq2seq.checkpoint import (
     save_atomic,
     store_search_defaults,
 )
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translator
 from seq2seq.model import ConfigError, Transformer
-from seq2seq.search import SearchConfig
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.text.tokenizer import Tokenizer
 from seq2seq.translate import main as translate_main
-from seq2seq.translator import Translator
 
 REPO = Path(__file__).resolve().parents[1]
 

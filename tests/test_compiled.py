@@ -16,7 +16,8 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor.graph import GraphLowering
 
-from seq2seq import search as search_module
+from seq2seq.decoding import search as search_module
+from seq2seq.decoding.search import SearchConfig, decode
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model import compiled as compiled_module
 from seq2seq.model.attention import CACHE_GROWTH
@@ -29,7 +30,6 @@ from seq2seq.model.compiled import (
     tracing_settings,
 )
 from seq2seq.model.numerics import RowInt8Linear, for_inference
-from seq2seq.search import SearchConfig, decode
 
 BOS, EOS, PAD = 1, 2, 0
 pytestmark = pytest.mark.xdist_group("compiled")  # one worker runs them all (make test's --dist loadgroup): they

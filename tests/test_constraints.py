@@ -1,4 +1,4 @@
-"""Lexical constraints (seq2seq/constraints.py, search.constrained_beam_search): the progress functions,
+"""Lexical constraints (seq2seq/decoding/constraints.py, search.constrained_beam_search): the progress functions,
 the search against a brute-force constrained search on a table model, and the Translator, CLI and
 server faces of constraints and glossaries."""
 
@@ -11,19 +11,19 @@ import pytest
 import torch
 from test_search import PrefixState, per_row
 
-import seq2seq.glossary
-from seq2seq.constraints import Progress, advance, all_met, allocate, met, next_tokens, start
-from seq2seq.glossary import Glossary
+import seq2seq.text.glossary
+from seq2seq.decoding.constraints import Progress, advance, all_met, allocate, met, next_tokens, start
+from seq2seq.decoding.search import SearchConfig, beam_search, decode
+from seq2seq.inference.translator import Translator, continues_word
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.search import SearchConfig, beam_search, decode
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from seq2seq.translator import Translator, continues_word
+from seq2seq.text.glossary import Glossary
+from seq2seq.text.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
 
 
 def glossary_terms(text: str, glossary: dict[str, str]) -> list[str]:
-    """The target terms a glossary forces for `text` (seq2seq/glossary.py, tested in test_glossary.py)."""
+    """The target terms a glossary forces for `text` (seq2seq/text/glossary.py, tested in test_glossary.py)."""
     return Glossary(glossary).terms_in(text)
 
 
@@ -226,13 +226,13 @@ def test_glossaries_are_checked_and_sampling_refused(translator: Translator):
 def counting_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Each glossary automaton built from now on, as its number of terms (glossary.automaton: the costly step)."""
     built: list[int] = []
-    automaton = seq2seq.glossary.automaton
+    automaton = seq2seq.text.glossary.automaton
 
     def spy(entries):
         built.append(len(entries))
         return automaton(entries)
 
-    monkeypatch.setattr(seq2seq.glossary, "automaton", spy)
+    monkeypatch.setattr(seq2seq.text.glossary, "automaton", spy)
     return built
 
 

@@ -21,12 +21,12 @@ from marian_hub import hub_cache_layout, read_multi30k, write_marian_folder
 from near_ties import beam_near_ties, greedy_near_ties, reference_model
 
 from seq2seq.checkpoint import load_checkpoint, read_inference
-from seq2seq.convert import ConvertError, convert_huggingface, main, transformer_config
-from seq2seq.export import export_ctranslate2, export_huggingface
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translator
+from seq2seq.interop.convert import ConvertError, convert_huggingface, main, transformer_config
+from seq2seq.interop.export import export_ctranslate2, export_huggingface
 from seq2seq.model import Transformer
-from seq2seq.search import SearchConfig
-from seq2seq.tokenizer import Tokenizer
-from seq2seq.translator import Translator
+from seq2seq.text.tokenizer import Tokenizer
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not MULTI30K.is_dir(), reason=f"Multi30k not found at {MULTI30K}")
@@ -194,14 +194,11 @@ def test_an_imported_model_translates_exports_and_serves(marian: Path, imported:
 
 def test_an_imported_model_through_the_cli_and_the_server(imported: Path, tmp_path: Path):
     """python -m seq2seq.translate and serve/server.py on the converted checkpoint: what Translator gives."""
-    import sys
 
     from starlette.testclient import TestClient
 
+    from seq2seq.serve.server import create_app
     from seq2seq.translate import main as translate
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
-    from server import create_app
 
     texts = [de for de, _ in sentences(8)]
     translator = Translator.from_checkpoint(imported)

@@ -1,12 +1,12 @@
-"""seq2seq/glossary.py: a glossary checked and compiled once, then matched leftmost-longest at word edges, in NFC.
+"""seq2seq/text/glossary.py: a glossary checked and compiled once, then matched leftmost-longest at word edges, in NFC.
 (The Translator, CLI and server faces of glossaries are in test_constraints.py and test_server.py.)"""
 
 import unicodedata
 
 import pytest
 
-import seq2seq.glossary
-from seq2seq.glossary import Glossary, as_glossary, normal_term
+import seq2seq.text.glossary
+from seq2seq.text.glossary import Glossary, as_glossary, normal_term
 
 OVERLAPPING = {"small mother": "Omi", "mother": "Mama", "small": "winzig"}
 
@@ -87,8 +87,8 @@ def test_a_glossary_is_checked_and_normalised_as_it_is_built():
 
 def test_a_glossary_is_compiled_once_and_passed_on_as_it_is(monkeypatch: pytest.MonkeyPatch):
     built = []
-    automaton = seq2seq.glossary.automaton
-    monkeypatch.setattr(seq2seq.glossary, "automaton", lambda entries: built.append(len(entries)) or automaton(entries))
+    automaton = seq2seq.text.glossary.automaton
+    monkeypatch.setattr(seq2seq.text.glossary, "automaton", lambda entries: built.append(len(entries)) or automaton(entries))
     glossary = Glossary(OVERLAPPING)
     for _ in range(3):
         glossary.terms_in("The small mother.")

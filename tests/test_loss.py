@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seq2seq.loss import label_smoothed_nll, linear_label_smoothed_nll, training_loss
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.tokenizer import PAD_ID
+from seq2seq.text.tokenizer import PAD_ID
+from seq2seq.training.loss import label_smoothed_nll, linear_label_smoothed_nll, training_loss
 
 
 def test_label_smoothed_loss_matches_cross_entropy():
@@ -152,7 +152,7 @@ def test_training_loss_skips_padding_and_matches_full_logits(marian: bool):
 def test_chunks_fit_a_cpu_cache_and_are_large_on_other_devices(device: str, rows: int, monkeypatch):
     """The chunk size follows the device (`meta` stands in for a GPU, which wants large matmuls)."""
     seen = []
-    monkeypatch.setattr("seq2seq.loss._LinearLabelSmoothedNLL.apply",
+    monkeypatch.setattr("seq2seq.training.loss._LinearLabelSmoothedNLL.apply",
                         lambda hidden, weight, bias, target, smoothing, chunk_rows: seen.append(chunk_rows))
     linear_label_smoothed_nll(torch.empty(10, 8, device=device), torch.empty(1000, 8, device=device),
                               torch.zeros(10, dtype=torch.long, device=device), smoothing=0.1)

@@ -26,8 +26,8 @@ import yaml
 from conftest import DEMO_DATA, _multi30k_lines
 from machines import MACHINES, pretend_machine
 
+from seq2seq.inference.translator import Translator
 from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, verdict_cache
-from seq2seq.translator import Translator
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

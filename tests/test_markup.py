@@ -1,4 +1,4 @@
-"""seq2seq/markup.py and seq2seq/placement.py: HTML split into sentences and put back with its markup, as a
+"""seq2seq/text/markup.py and seq2seq/text/placement.py: HTML split into sentences and put back with its markup, as a
 browser reads it. The placement is tested with translations written by hand (their words and alignments
 chosen), the safety properties with hostile markup and hostile translations read back by JustHTML's own
 tree (the WHATWG algorithm, apart from the BeautifulSoup tree markup.py edits and its writing), and the whole path with the demo model."""
@@ -15,10 +15,10 @@ from conftest import DEMO_DATA
 from justhtml import Comment as JustComment
 from justhtml import Element, JustHTML, Template, Text
 
-from seq2seq.markup import DOCUMENT, READABLE_ATTRIBUTES, HtmlDocument
-from seq2seq.search import SearchConfig
-from seq2seq.sentences import sentence_spans
-from seq2seq.translator import Translation, Translator
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translation, Translator
+from seq2seq.text.markup import DOCUMENT, READABLE_ATTRIBUTES, HtmlDocument
+from seq2seq.text.sentences import sentence_spans
 
 
 def split(text: str) -> list[tuple[int, int]]:

@@ -8,12 +8,12 @@ import typing
 import pytest
 import torch
 
-from seq2seq.loss import training_loss
 from seq2seq.model import ConfigError, Transformer, TransformerConfig, transformer_base, transformer_big
 from seq2seq.model.attention import DecoderState
 from seq2seq.model.config import transformer_small
 from seq2seq.model.layers import Dropout
 from seq2seq.model.transformer import deepnorm_constants
+from seq2seq.training.loss import training_loss
 
 PAD = 0
 PLACEMENTS = typing.get_args(TransformerConfig.__annotations__["norm_placement"])

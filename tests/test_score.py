@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import DEMO_DATA, sigterm_to_this_process
 
-from seq2seq.loss import label_smoothed_nll
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translator
 from seq2seq.score import main
-from seq2seq.search import SearchConfig
+from seq2seq.training.loss import label_smoothed_nll
 from seq2seq.translate import main as translate
-from seq2seq.translator import Translator
 
 
 def demo_pairs(n: int) -> tuple[list[str], list[str]]:
@@ -56,7 +56,7 @@ def test_scores_are_the_training_loss_on_the_same_pairs(translator: Translator):
 def test_scores_equal_ctranslate2s_score_batch(trained: Path, translator: Translator, tmp_path: Path):
     import ctranslate2
 
-    from seq2seq.export import export_ctranslate2
+    from seq2seq.interop.export import export_ctranslate2
 
     export_ctranslate2(trained, tmp_path / "ct2")
     engine = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", compute_type="float32")

@@ -1,14 +1,14 @@
-"""seq2seq/scoring.py: teacher-forced token log-probabilities and cross-attention, and what the searches
+"""seq2seq/decoding/scoring.py: teacher-forced token log-probabilities and cross-attention, and what the searches
 report with them (SearchConfig.token_scores, .alignments), against computations done another way."""
 
 import pytest
 import torch
 
-from seq2seq.loss import label_smoothed_nll
+from seq2seq.decoding.scoring import LOGITS_CHUNK, alignment_layer, force_decode
+from seq2seq.decoding.search import SearchConfig, decode
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.scoring import LOGITS_CHUNK, alignment_layer, force_decode
-from seq2seq.search import SearchConfig, decode
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.text.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.training.loss import label_smoothed_nll
 
 IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
 
@@ -44,7 +44,7 @@ def test_token_log_probs_are_the_teacher_forced_loss_computed_another_way():
     _, nll = label_smoothed_nll(model(src, tgt_in), tgt_out, smoothing=0.0, pad_id=PAD_ID)  # (B, T)
     for chunk in (LOGITS_CHUNK, 1):  # one call, and one row per call
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("seq2seq.scoring.LOGITS_CHUNK", chunk)
+            patch.setattr("seq2seq.decoding.scoring.LOGITS_CHUNK", chunk)
             forced = force_decode(model, model.encode(src), src != PAD_ID, targets, **IDS)
         for row, (target, f) in enumerate(zip(targets, forced, strict=True)):
             assert len(f.token_log_probs) == len(target) + 1 and f.source_positions is None
@@ -122,7 +122,7 @@ def test_bare_spaces_at_the_end_spell_no_word(tokenizer: Tokenizer):
 
 
 def test_translations_carry_word_alignments_in_bounds(tokenizer: Tokenizer):
-    from seq2seq.translator import Translator
+    from seq2seq.inference.translator import Translator
 
     model = Transformer(TransformerConfig(vocab_size=tokenizer.vocab_size, d_model=32, num_heads=4, d_ff=64,
                                           num_encoder_layers=1, num_decoder_layers=2, dropout=0.0))

@@ -1,4 +1,4 @@
-"""Tests for seq2seq.search: fake models with written-out probabilities, a random fake with a real
+"""Tests for seq2seq.decoding.search: fake models with written-out probabilities, a random fake with a real
 incremental state, and the real Transformer decoded with and without its cache."""
 
 import math
@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from seq2seq.model import ConfigError
-from seq2seq.search import (
+from seq2seq.decoding.search import (
     Hypothesis,
     Limits,
     SearchConfig,
@@ -29,6 +28,7 @@ from seq2seq.search import (
     top_k_rows,
     top_p_filter,
 )
+from seq2seq.model import ConfigError
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 A, B, C, D = 4, 5, 6, 7
@@ -306,7 +306,7 @@ def test_log_normalizer_equals_float64_logsumexp():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_log_normalizer_in_row_blocks_changes_no_number(monkeypatch, dtype):
-    import seq2seq.search as search
+    import seq2seq.decoding.search as search
 
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(23, 3001, generator=gen) * 6).to(dtype)
@@ -333,7 +333,7 @@ def test_log_normalizer_in_row_blocks_changes_no_number(monkeypatch, dtype):
 def test_normalizer_and_bounds_give_the_normalizer_to_the_bit_and_the_exact_chunk_maxima(monkeypatch, dtype, vocab):
     """The normaliser and the chunk maxima in one pass over float32 blocks: the same numbers as log_normalizer
     whole or in blocks (its peak is the maximum of the maxima and the partial chunk), the maxima exact."""
-    import seq2seq.search as search
+    import seq2seq.decoding.search as search
 
     gen = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(23, vocab, generator=gen) * 6).to(dtype)
@@ -393,7 +393,7 @@ def test_beam_candidates_by_the_sentence_on_stale_bounds_are_beam_steps(vocab, b
     whole vocabulary: the same totals to the bit in every sentence, each the total of the beam and token it names,
     and (random float32 logits: no ties) the same beams and tokens. Sentences the bounds cannot prove (a constraint
     lowered the logits of the chunks read) are ranked row by row; the others are proven."""
-    from seq2seq.search import beam_candidates, beam_step_on_bounds
+    from seq2seq.decoding.search import beam_candidates, beam_step_on_bounds
 
     gen = torch.Generator().manual_seed(vocab + beams)
     sentences, beam_size = 12, 4
@@ -435,7 +435,7 @@ def test_beam_search_ranks_candidates_by_the_sentence_on_a_step_decoder_s_bounds
     """beam_search on a decoder whose step gives the chunk maxima (the compiled one) takes its candidates by the
     sentence (beam_step_on_bounds) and returns what ranking plain topk over the whole vocabulary returns; a
     model without bounds, and one whose vocabulary has too few chunks, take them row by row."""
-    import seq2seq.search as search
+    import seq2seq.decoding.search as search
 
     class BoundsModel(RunningSumModel):  # a StepDecoder: its step gives the chunk maxima
         def decode_step(self, tgt_in, memory, src_mask, state, *, chunk):
@@ -638,7 +638,7 @@ def test_early_stopping_and_chunked_top_k_change_no_result(monkeypatch, vocab_si
     """Stopping a sentence once no live hypothesis can overtake its n-best, and ranking only each
     row's best 2K tokens (found chunk by chunk), return exactly what searching on with plain topk
     over the whole vocabulary returns."""
-    import seq2seq.search as search
+    import seq2seq.decoding.search as search
 
     model = RunningSumModel(seed=5, vocab_size=vocab_size)
     config = SearchConfig(beam_size=3, nbest=nbest, length_penalty=alpha, **MEDIUM)
@@ -709,7 +709,7 @@ def test_greedy_ranks_a_finished_row_riding_along_without_ranking_it_again(monke
     """A finished row rides along until a quarter of the rows are done, its logits one token's and its chunk maxima
     saying so: top_k_rows proves it on the bounds at once, with no exact ranking of the row at each step (all its
     logits equal, it was a tie ranked again every step); the tokens and scores are argmax's."""
-    import seq2seq.search as search
+    import seq2seq.decoding.search as search
     from seq2seq.model import Transformer, TransformerConfig
 
     config = TransformerConfig(vocab_size=1000, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
@@ -742,7 +742,7 @@ def test_greedy_keeps_a_step_decoder_s_argmax_where_no_constraint_lowered_it(mon
     it where the constraints left its logit as it was and ranks only the rows where they lowered it (EOS banned
     below min_len, a forced prefix token, EOS forced at the limit, a repeated n-gram); the tokens and scores are the
     plain argmax's, every tie (each column has an equal twin further on) going to the first."""
-    import seq2seq.search as search
+    import seq2seq.decoding.search as search
 
     class ArgmaxModel(RunningSumModel):  # a StepDecoder: its step gives the chunk maxima and the argmax
         def decode_step(self, tgt_in, memory, src_mask, state, *, chunk):
@@ -873,7 +873,7 @@ def test_cached_decoding_matches_recomputing_the_prefix():
 def test_a_bf16_model_ranks_its_logits_in_bf16_as_in_a_float32_copy(monkeypatch, search_config):
     """A bf16 model's logits are masked and ranked in bf16 (step_logits keeps them there); taking them to
     float32 first, as before, gives the same hypotheses and log-probabilities to the last bit."""
-    import seq2seq.search as search
+    import seq2seq.decoding.search as search
     from seq2seq.model import Transformer, TransformerConfig
 
     torch.manual_seed(0)
@@ -903,7 +903,7 @@ def test_greedy_without_scores_gives_the_same_tokens_and_never_normalizes(monkey
     """SearchConfig(scores=False): greedy search takes its argmax from the logits alone, as it does with
     scores (the normaliser is one number per row), never runs the normaliser's pass, and its scores are NaN.
     Beam search and sampling need the normaliser, and keep their scores."""
-    import seq2seq.search as search
+    import seq2seq.decoding.search as search
     from seq2seq.model import Transformer, TransformerConfig
 
     torch.manual_seed(0)

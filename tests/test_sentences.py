@@ -1,4 +1,4 @@
-"""seq2seq/sentences.py and the paragraph faces: real paragraphs (Multi30k sentences joined with varied
+"""seq2seq/text/sentences.py and the paragraph faces: real paragraphs (Multi30k sentences joined with varied
 whitespace) split, translated and put back with exactly the input's layout."""
 
 import gzip
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import DEMO_DATA, MULTI30K
 
-from seq2seq.search import SearchConfig
-from seq2seq.sentences import model_sentence_spans, rejoin, sentence_spans
-from seq2seq.translator import Translator
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translator
+from seq2seq.text.sentences import model_sentence_spans, rejoin, sentence_spans
 
 SEPARATORS = [" ", "  ", "\n", "\n\n", "\t", " \n "]
 

@@ -28,16 +28,16 @@ import uvicorn
 from conftest import sigterm_to_this_process
 from libretranslatepy import LibreTranslateAPI
 
-from seq2seq.glossary import Glossary
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translator
 from seq2seq.model.compiled import CompileError
-from seq2seq.search import SearchConfig
-from seq2seq.translator import Translator
+from seq2seq.text.glossary import Glossary
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "serve"))
 sys.path.insert(0, str(REPO / "bench"))
-from server import AcceptErrors, Batcher, Busy, create_app, decoding_cost, main, uvicorn_config  # noqa: E402
 from server_soak import collect, start_attack  # noqa: E402
+
+from seq2seq.serve.server import AcceptErrors, Batcher, Busy, create_app, decoding_cost, main, uvicorn_config  # noqa: E402
 
 SENTENCES = ["A dog runs across the meadow .", "Two men play football in the park .", "A woman reads a book .",
              "The children sing .", "A man rides a bike in the city while it rains .", "People stand outside ."]

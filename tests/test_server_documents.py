@@ -4,7 +4,6 @@ requests shaped as LibreTranslate's own web UI and libretranslatepy send them.""
 
 import copy
 import gzip
-import sys
 from pathlib import Path
 
 import httpx
@@ -14,19 +13,18 @@ import torch
 from conftest import MULTI30K
 from libretranslatepy import LibreTranslateAPI
 
-from seq2seq.search import SearchConfig
-from seq2seq.translator import Translator
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translator
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "serve"))
-from server import create_app  # noqa: E402
 from test_markup import added, elements, live  # noqa: E402
 from test_markup import text as text_of  # noqa: E402
 from test_server import SENTENCES, Running  # noqa: E402
 
-from bodies import BadRequest  # noqa: E402
-from documents import FileStore, StoreFull  # noqa: E402
-from languages import Detector  # noqa: E402
+from seq2seq.serve.bodies import BadRequest  # noqa: E402
+from seq2seq.serve.documents import FileStore, StoreFull  # noqa: E402
+from seq2seq.serve.languages import Detector  # noqa: E402
+from seq2seq.serve.server import create_app  # noqa: E402
 
 SEARCH = SearchConfig(beam_size=2)
 GERMAN = ["Ein Mann fährt mit dem Fahrrad durch die Stadt.", "Zwei Hunde spielen im Schnee.",
@@ -254,7 +252,7 @@ def test_the_file_store_charges_what_it_keeps_and_drops_nothing_before_it_expire
     and no other file is dropped to make room (they were: 68 text-free uploads of 1 MB made another client's
     file a 404). A file gone says whether it expired or was never made."""
     now = [1000.0]
-    monkeypatch.setattr("documents.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("seq2seq.serve.documents.time.monotonic", lambda: now[0])
     store = FileStore(max_bytes=4000, keep=60.0)
     theirs = store.put("theirs.srt", "x" * 900, format="srt", client="10.0.0.1")
     for k in range(1, 4):

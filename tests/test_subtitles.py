@@ -1,4 +1,4 @@
-"""seq2seq/subtitles.py and the document formats of python -m seq2seq.translate (--format, by extension):
+"""seq2seq/text/subtitles.py and the document formats of python -m seq2seq.translate (--format, by extension):
 SubRip files keep their numbers, timings and line counts; HTML files their markup."""
 
 import random
@@ -12,10 +12,10 @@ import pytest
 import srt
 from bs4 import BeautifulSoup
 
-from seq2seq.search import SearchConfig
-from seq2seq.sentences import sentence_spans
-from seq2seq.subtitles import SHOWN, SrtDocument, wrap
-from seq2seq.translator import Translation, Translator
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translation, Translator
+from seq2seq.text.sentences import sentence_spans
+from seq2seq.text.subtitles import SHOWN, SrtDocument, wrap
 
 SUBTITLES = """1
 00:00:01,000 --> 00:00:03,500

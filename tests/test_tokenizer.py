@@ -3,7 +3,15 @@ import pickle
 import pytest
 import sentencepiece as spm
 
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerFileError, _reservoir_sample
+from seq2seq.text.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    Tokenizer,
+    TokenizerFileError,
+    _reservoir_sample,
+)
 
 
 def test_special_ids_are_fixed(tokenizer: Tokenizer) -> None:

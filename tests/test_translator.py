@@ -1,4 +1,4 @@
-"""Tests for seq2seq.translator, the translate CLI and serve/translate.py.
+"""Tests for seq2seq.inference.translator, the translate CLI and serve/translate.py.
 
 Two models: the checkpoint of the short training run (`tiny_run`), loaded as a user would, and a
 randomly initialised Transformer with the run's tokenizer. Twelve training steps teach little
@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import copy
 import gzip
-import importlib.util
 import io
 import math
 import os
@@ -44,17 +43,17 @@ from near_ties import (
 from torch import nn
 from torch._dynamo.utils import counters
 
-from seq2seq import translator as translator_module
 from seq2seq.checkpoint import store_search_defaults
+from seq2seq.decoding.search import SearchConfig, beam_search, greedy
+from seq2seq.inference import translator as translator_module
+from seq2seq.inference.translator import Translation, Translator, length_sorted_batches, pad_batch, shared_out
 from seq2seq.model import MultiHeadAttention, Transformer, TransformerConfig
 from seq2seq.model.compiled import CompiledDecoder, CompileError
 from seq2seq.model.numerics import Int8Linear, PackedLinear, RowInt8Linear
 from seq2seq.precision import Verdict
-from seq2seq.search import SearchConfig, beam_search, greedy
+from seq2seq.text.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.textio import Output
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.translate import format_nbest, main, one_line, read_lines, workers_of, write_translations
-from seq2seq.translator import Translation, Translator, length_sorted_batches, pad_batch, shared_out
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
@@ -179,7 +178,7 @@ def test_text_only_callers_compute_no_scores_in_greedy_search(checkpoint: Path, 
     """translate, translate_paragraphs and the translate CLI's one-best lines return text alone: greedy search
     there skips the normaliser over the vocabulary (SearchConfig.scores), with the same tokens;
     translate_nbest keeps the scores unless told otherwise, and then they are NaN."""
-    import seq2seq.search as search_module
+    import seq2seq.decoding.search as search_module
 
     greedy_search = SearchConfig(beam_size=1)
     scored = translator.translate_nbest(SENTENCES, greedy_search)
@@ -291,7 +290,7 @@ def test_translate_stream_equals_translate_and_numbers_lines_across_windows(trai
 def test_translate_stream_yields_each_line_once_it_and_those_before_are_done(trained64: Translator, monkeypatch):
     """Within a window, batches run longest first: the longest line 0 comes out after the first
     batch, and the rest as the batches holding them (and every line before them) are done."""
-    import seq2seq.translator as translator_module
+    import seq2seq.inference.translator as translator_module
 
     calls = []
     real = translator_module.decode
@@ -446,7 +445,7 @@ def test_linear_layers_packed_for_onednn_translate_as_torch_s_own(trained: Path,
     sources = demo_test_sentences(60)
     translators = {}
     for packed in (False, True):
-        monkeypatch.setattr("seq2seq.translator.onednn_linears", lambda device, precision, packed=packed:
+        monkeypatch.setattr("seq2seq.inference.translator.onednn_linears", lambda device, precision, packed=packed:
                             Verdict(packed, "pretended"))
         translators[packed] = Translator.from_checkpoint(trained, precision=precision)
     assert any(isinstance(m, PackedLinear) for m in translators[True].model.modules())
@@ -478,7 +477,7 @@ def test_few_rows_on_torch_s_own_linear_follow_the_machine_s_verdict(trained: Pa
         return 15 if in_features == out_features else 4  # square ones to the last count, the others to 4
 
     base = Translator.from_checkpoint(trained, precision="fp32")
-    monkeypatch.setattr("seq2seq.translator.few_rows_on_torch", verdict)
+    monkeypatch.setattr("seq2seq.inference.translator.few_rows_on_torch", verdict)
     Translator.from_checkpoint(trained, precision="bf16")
     assert not asked
     few = Translator.from_checkpoint(trained, precision="fp32")
@@ -499,7 +498,7 @@ def quick_to_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         def __init__(self, model: Transformer):
             super().__init__(model, gemm_templates=False, cpp_wrapper=False)
 
-    monkeypatch.setattr("seq2seq.translator.CompiledDecoder", QuickToCompile)
+    monkeypatch.setattr("seq2seq.inference.translator.CompiledDecoder", QuickToCompile)
     return demo_test_sentences(24)
 
 
@@ -618,7 +617,7 @@ def test_bf16_attention_at_one_query_a_row_follows_the_machine_s_verdict(trained
     search = SearchConfig(beam_size=1)
     outputs = {}
     for sdpa in (True, False):
-        monkeypatch.setattr("seq2seq.translator.one_query_sdpa", lambda device, precision, sdpa=sdpa:
+        monkeypatch.setattr("seq2seq.inference.translator.one_query_sdpa", lambda device, precision, sdpa=sdpa:
                             Verdict(sdpa, "pretended"))
         before = MultiHeadAttention.one_query_by_matmul
         Translator.from_checkpoint(trained, precision="fp32")
@@ -1164,10 +1163,7 @@ def test_serve_with_compile_compiles_before_it_reads_the_first_line(checkpoint: 
                                                                    capsys: pytest.CaptureFixture[str]):
     """serve/translate.py --compile compiles every kind of step before it reads a line (run in this process, the
     compiling pretended: Translator.compile_decoding is the test above)."""
-    spec = importlib.util.spec_from_file_location("serve_translate", REPO / "serve/translate.py")
-    assert spec is not None and spec.loader is not None
-    interactive = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(interactive)
+    from seq2seq import interactive
     events: list[str] = []
     monkeypatch.setattr(Translator, "compile_decoding", lambda self, threads=None: events.append("compiled") or 8)
 
@@ -1357,7 +1353,7 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
         h.tokens for h in one.translate_nbest(texts[:1], wide)[0]]
     assert "wide" not in two._pools
     # A lone batch too small to cut, but whose output projection is wide enough: on both workers' threads
-    monkeypatch.setattr("seq2seq.translator.WIDE_WORK", 0)
+    monkeypatch.setattr("seq2seq.inference.translator.WIDE_WORK", 0)
     sizes.clear()
     two.decoded.clear()
     got = two.translate_nbest(texts[:5], SearchConfig(beam_size=3))

@@ -1,10 +1,10 @@
-"""Tests for seq2seq.tune: the length penalty chosen on validation. (Chosen and stored at the end of a
+"""Tests for seq2seq.inference.tune: the length penalty chosen on validation. (Chosen and stored at the end of a
 run: tests/training/test_callbacks.py.)"""
 
 import pytest
 
-from seq2seq.search import SearchConfig
-from seq2seq.tune import choose_length_penalty
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.tune import choose_length_penalty
 
 
 class ScriptedTranslator:

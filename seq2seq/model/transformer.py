@@ -341,7 +341,7 @@ class Transformer(nn.Module):
     def hidden_states(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced decoder output (B, T, D), before the output projection.
 
-        Training projects only the non-pad positions, fused with the loss (seq2seq/loss.py). The
+        Training projects only the non-pad positions, fused with the loss (seq2seq/training/loss.py). The
         batch is encoded whole: training batches are already bucketed by length, and `encode`'s
         chunking would cost a host sync per step on a GPU.
         """

@@ -6,7 +6,7 @@ the first, random updates fade out on their own (Lightning's EMAWeightAveraging 
 with 0.999 over a 3,300-update run, the weights of the first 300 updates keep ~5% of the average).
 
 TuneLengthPenalty: at the end of training, names the best checkpoint and the validation set, on which
-`python -m seq2seq.fit` then chooses the length penalty (seq2seq/tune.py) and stores it in that
+`python -m seq2seq.fit` then chooses the length penalty (seq2seq/inference/tune.py) and stores it in that
 checkpoint as the translation default, so that `python -m seq2seq.translate` (and Translator, and the
 server) use it without being told. Training only says what to tune: decoding is inference's.
 """
@@ -20,7 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
 from torch import Tensor
 
-from seq2seq.search import SearchConfig
+from seq2seq.decoding.search import SearchConfig
 
 
 class PowerAverage:
@@ -51,7 +51,7 @@ class PowerEMA(WeightAveraging):
 
 @dataclass(frozen=True)
 class TuningRequest:
-    """What TuneLengthPenalty asks seq2seq/tune.py to do once training has ended."""
+    """What TuneLengthPenalty asks seq2seq/inference/tune.py to do once training has ended."""
 
     checkpoint: str
     sources: list[str]
@@ -66,7 +66,7 @@ class TuneLengthPenalty(Callback):
         """Asks for the validation set to be decoded with `beam_size` under each of `length_penalties` with
         the best checkpoint (the first ModelCheckpoint's) after fit, and the best-scoring pair stored in
         it: `python -m seq2seq.fit` does it with `request`; a Trainer driven from Python calls
-        seq2seq.tune.tune_length_penalty(**vars(request)) itself."""
+        seq2seq.inference.tune.tune_length_penalty(**vars(request)) itself."""
         SearchConfig(beam_size=beam_size)  # a ConfigError at start, not after hours of training
         for alpha in length_penalties:
             SearchConfig(length_penalty=alpha)
@@ -76,7 +76,7 @@ class TuneLengthPenalty(Callback):
         self.request: TuningRequest | None = None  # set at the end of a fit that has something to tune
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Training's part: what to tune on. The decoding is inference's (seq2seq/tune.py), which
+        """Training's part: what to tune on. The decoding is inference's (seq2seq/inference/tune.py), which
         python -m seq2seq.fit runs with `self.request` once training has ended."""
         if not trainer.is_global_zero or trainer.interrupted:
             return

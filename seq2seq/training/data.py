@@ -40,8 +40,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
-from seq2seq.batching import TokenBatchSampler, collate
-from seq2seq.tokenizer import Tokenizer, TokenizerFileError
+from seq2seq.text.tokenizer import Tokenizer, TokenizerFileError
+from seq2seq.training.batching import TokenBatchSampler, collate
 from seq2seq.training.pretrained import load_pretrained
 
 log = logging.getLogger(__name__)

@@ -44,10 +44,10 @@ from seq2seq.checkpoint import (
     remove_partial_writes,
     save_atomic,
 )
+from seq2seq.decoding.search import SearchConfig
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls, device_name, tune_process_memory
-from seq2seq.search import SearchConfig
-from seq2seq.tokenizer import PAD_ID, Tokenizer
+from seq2seq.text.tokenizer import PAD_ID, Tokenizer
 from seq2seq.training.data import DataError, TranslationDataModule, os_reason
 from seq2seq.training.module import TrainingDiverged, TranslationModule, check_hyperparameters
 from seq2seq.training.pretrained import fine_tuning_config, load_pretrained

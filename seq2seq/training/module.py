@@ -35,11 +35,11 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, seal_training_state
-from seq2seq.loss import label_smoothed_nll, training_loss
+from seq2seq.decoding.search import SearchConfig, decode
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
-from seq2seq.search import SearchConfig, decode
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.text.tokenizer import Tokenizer
+from seq2seq.training.loss import label_smoothed_nll, training_loss
 from seq2seq.training.machine import MachineTuning
 from seq2seq.training.pretrained import fine_tuning_config, load_pretrained
 from seq2seq.training.resume import RNG_KEY, gather_rng_states, restore_rng_state

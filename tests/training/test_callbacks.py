@@ -8,11 +8,11 @@ import torch
 from conftest import write_tiny_run
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, load_checkpoint, read_inference
+from seq2seq.decoding.search import SearchConfig
 from seq2seq.fit import main  # the face: it tunes after training
+from seq2seq.inference.translator import Translator
 from seq2seq.model import ConfigError
-from seq2seq.search import SearchConfig
 from seq2seq.training.callbacks import PowerAverage, TuneLengthPenalty
-from seq2seq.translator import Translator
 
 
 @pytest.mark.parametrize("kwargs", [{"beam_size": 0}, {"length_penalties": (-1.0,)}, {"length_penalties": ()}])
@@ -55,7 +55,7 @@ def test_a_tuned_penalty_that_cannot_be_stored_is_reported_and_training_kept(tmp
     def full_disk(path, search):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("seq2seq.tune.store_search_defaults", full_disk)
+    monkeypatch.setattr("seq2seq.inference.tune.store_search_defaults", full_disk)
     config = write_tiny_run(tmp_path, max_steps=6, train_pairs=100, val_pairs=4)
     main(["--config", str(config), "--trainer.callbacks+=seq2seq.training.callbacks.TuneLengthPenalty",
           "--trainer.callbacks.beam_size=2", "--trainer.callbacks.length_penalties=[1.0]"])

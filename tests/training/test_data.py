@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from seq2seq.batching import TokenBatchSampler, collate
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.text.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from seq2seq.training.batching import TokenBatchSampler, collate
 from seq2seq.training.data import DataError, Status, TranslationDataModule
 
 

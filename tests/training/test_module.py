@@ -13,11 +13,11 @@ import torch
 from conftest import write_tiny_run
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-import seq2seq.search as search_module
+import seq2seq.decoding.search as search_module
+from seq2seq.decoding.search import SearchConfig
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.precision import Verdict
-from seq2seq.search import SearchConfig
 from seq2seq.training.data import TranslationDataModule
 from seq2seq.training.fit import TranslationCLI
 from seq2seq.training.module import TranslationModule

@@ -9,7 +9,7 @@ import torch
 from conftest import write_tiny_run
 
 from seq2seq.model import ConfigError, TransformerConfig
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.text.tokenizer import Tokenizer
 from seq2seq.training.fit import main
 from seq2seq.training.pretrained import fine_tuning_config
 
@@ -162,8 +162,8 @@ def test_an_imported_marian_model_fine_tunes(tmp_path: Path):
     pytest.importorskip("transformers")
     from marian_hub import write_marian_folder
 
-    from seq2seq.convert import convert_huggingface
-    from seq2seq.translator import Translator
+    from seq2seq.inference.translator import Translator
+    from seq2seq.interop.convert import convert_huggingface
 
     # The tiny run's YAML sets heads and layers: the Marian model has the same (a YAML value that differs is refused)
     folder = write_marian_folder(tmp_path / "opus-mt-de-en", heads=2, layers=1, eos_logit_bias=2.0, train_lines=1000,

@@ -7,7 +7,7 @@ anything up to ">"; players apply <i>, <b>, <u>, <s>, <font ...> and hide any ot
 (<c.yellow>...</c>, <span style=...>...</span>); they hide an override in braces ({\an8}, {\i1}, {y:i}); the
 rest is text, "&" and "&lt;" included (SubRip has no entities), and so is a tag never closed that they show
 ("x<y and y>z"). Tags opened and closed are carried to the words of the translation as HTML's inline elements
-are (seq2seq/markup.py, by the word alignments); an override, or a tag applied unclosed, stays where it was
+are (seq2seq/text/markup.py, by the word alignments); an override, or a tag applied unclosed, stays where it was
 among the words, as it is. What the translation says is written so that no player reads markup in it: an
 override, or a tag players would apply or hide, gets a word joiner after its first character (U+2060:
 invisible, and no tag name or override starts with it). A dialogue cue (every line starts with a dash) has
@@ -27,8 +27,8 @@ import srt
 from bs4 import Comment, NavigableString, Tag
 from bs4.element import PageElement
 
-from seq2seq.markup import Markup, Splitter
-from seq2seq.placement import Aligned
+from seq2seq.text.markup import Markup, Splitter
+from seq2seq.text.placement import Aligned
 
 # What players read as markup: a tag ("<" name, then all up to the next ">", as VLC reads it) or an override in
 # braces ({\an8}, {y:i})

@@ -36,9 +36,9 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from seq2seq.checkpoint import load_checkpoint, read_inference
-from seq2seq.constraints import holds
-from seq2seq.glossary import Glossary, as_glossary, unspaced
-from seq2seq.markup import HtmlDocument
+from seq2seq.decoding.constraints import holds
+from seq2seq.decoding.scoring import Forced, force_decode
+from seq2seq.decoding.search import EncoderDecoder, Hypothesis, SearchConfig, decode
 from seq2seq.model import MultiHeadAttention, Transformer
 from seq2seq.model.compiled import CompiledDecoder, bf16_around_int8, check_compilable, int8_compiled
 from seq2seq.model.numerics import PackedLinear, for_inference
@@ -50,11 +50,11 @@ from seq2seq.precision import (
     onednn_linears,
     resolve_precision,
 )
-from seq2seq.scoring import Forced, force_decode
-from seq2seq.search import EncoderDecoder, Hypothesis, SearchConfig, decode
-from seq2seq.sentences import Paragraphs, model_sentence_spans
-from seq2seq.subtitles import SrtDocument
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.text.glossary import Glossary, as_glossary, unspaced
+from seq2seq.text.markup import HtmlDocument
+from seq2seq.text.sentences import Paragraphs, model_sentence_spans
+from seq2seq.text.subtitles import SrtDocument
+from seq2seq.text.tokenizer import Tokenizer
 
 DEFAULT_SEARCH = SearchConfig()  # beam 5
 
@@ -248,7 +248,7 @@ class Translator:
 
     def translate_paragraphs(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                              glossary: Mapping[str, str] | Glossary | None = None, first_line: int = 1) -> list[str]:
-        """One translation per text, each text split into sentences (seq2seq/sentences.py, the source
+        """One translation per text, each text split into sentences (seq2seq/text/sentences.py, the source
         language's rules) and put back together with its own spaces, tabs and newlines between them; all
         the sentences are translated as one batch, each as it would be alone. A text of one sentence
         translates as `translate` translates it, its surrounding whitespace kept; a sentence longer than
@@ -260,7 +260,7 @@ class Translator:
     def translate_html(self, texts: Iterable[str], search: SearchConfig | None = None, *,
                        max_tokens: int = 8192, glossary: Mapping[str, str] | Glossary | None = None) -> list[str]:
         """Each HTML text (a page or a fragment) with its text translated and its markup kept
-        (seq2seq/markup.py): word alignments carry the inline elements (<b>, <a href>, ...) to the words
+        (seq2seq/text/markup.py): word alignments carry the inline elements (<b>, <a href>, ...) to the words
         of the translation."""
         return self.translate_documents([HtmlDocument(text, split=self.sentence_spans) for text in texts], search,
                                         max_tokens=max_tokens, glossary=glossary)
@@ -280,7 +280,7 @@ class Translator:
         return [d.render(own) for d, own in zip(documents, per_document(documents, best), strict=True)]
 
     def sentence_spans(self, text: str) -> list[tuple[int, int]]:
-        """(start, end) of each sentence of `text` as it is given to the model (seq2seq/sentences.py: the
+        """(start, end) of each sentence of `text` as it is given to the model (seq2seq/text/sentences.py: the
         source language's rules, a sentence too long for the model cut at spaces into parts that fit)."""
         return model_sentence_spans(text, tokenizer=self.tokenizer, language=self.src_lang,
                                     max_positions=self.model.config.max_positions)
@@ -305,7 +305,7 @@ class Translator:
         alone, which the model may rarely have seen continued: end prefixes at a space where you can.
 
         `constraints` (one list of phrases per text): target phrases each translation must contain, in
-        any order (seq2seq/constraints.py); each is tokenised alone (with the leading space of a word, as
+        any order (seq2seq/decoding/constraints.py); each is tokenised alone (with the leading space of a word, as
         sentencepiece marks it) and must appear as exactly those pieces. An empty phrase, or phrases too
         long for the model together, are an error naming the line. `glossary` (source term -> target
         term, or a glossary.Glossary made once for many calls): each term found in a text as a whole word

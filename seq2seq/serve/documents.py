@@ -11,10 +11,9 @@ import urllib.parse
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from seq2seq.markup import Splitter
-from seq2seq.translator import Document, Translator, document_of
-
-from bodies import BadRequest, shown
+from seq2seq.inference.translator import Document, Translator, document_of
+from seq2seq.serve.bodies import BadRequest, shown
+from seq2seq.text.markup import Splitter
 
 FORMATS = {".txt": "text", ".html": "html", ".htm": "html", ".srt": "srt"}  # /translate_file, by extension
 MEDIA_TYPES = {"text": "text/plain; charset=utf-8", "html": "text/html; charset=utf-8",

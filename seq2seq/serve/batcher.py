@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from seq2seq.search import SearchConfig
-from seq2seq.translator import Translation, Translator
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translation, Translator
 
 # Every hypothesis holds a vocabulary-wide row of scores (the logits and the search's temporaries
 # over them) however short its output: measured, about as much memory as 20 cached target positions.

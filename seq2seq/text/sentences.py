@@ -20,7 +20,7 @@ from typing import Protocol
 
 import pysbd
 
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.text.tokenizer import Tokenizer
 
 SUPPORTED = frozenset(pysbd.languages.LANGUAGE_CODES)
 

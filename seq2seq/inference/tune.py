@@ -7,8 +7,8 @@ the checkpoint and the validation set; the decoding is here, on the inference si
 import sacrebleu
 
 from seq2seq.checkpoint import CheckpointError, store_search_defaults
-from seq2seq.search import SearchConfig
-from seq2seq.translator import Translator
+from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.translator import Translator
 
 
 def choose_length_penalty(translator: Translator, sources: list[str], references: list[str], *, beam_size: int,

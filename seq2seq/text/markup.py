@@ -17,7 +17,7 @@ What is translated: each run of inline content (text and inline elements such as
 between the places a browser breaks text (block elements, <br>) is one segment, split into sentences as
 plain text is (a line break inside it is a space, as a browser shows it); and the attributes people read
 (alt, title, placeholder, aria-label). Inside a segment, what the model does not read stays in its sentence
-as an anchor (seq2seq/placement.py): comments, images, scripts, inline elements without text, footnote
+as an anchor (seq2seq/text/placement.py): comments, images, scripts, inline elements without text, footnote
 markers (an element of digits or marks such as "[1]" or "*" right after a word); and what is kept as it was
 but read, to give the sentence its words (<code>, <kbd>, an inline element marked translate="no" or
 class="notranslate"), is written back whole. Block elements so marked, <pre>, <script>, <style> and the
@@ -41,7 +41,7 @@ from justhtml import Element, Template, Text
 from justhtml import ProcessingInstruction as JustInstruction
 from justhtml.parser.engine import ParseEngine, compile_raw_engine_plan
 
-from seq2seq.placement import (
+from seq2seq.text.placement import (
     EMPTY,
     Aligned,
     Piece,
@@ -52,7 +52,7 @@ from seq2seq.placement import (
     place,
     whole_verbatims,
 )
-from seq2seq.sentences import rejoin
+from seq2seq.text.sentences import rejoin
 
 # Elements that flow inside a sentence: their text joins the text around them into one segment.
 INLINE = frozenset({"a", "abbr", "b", "bdi", "bdo", "big", "cite", "data", "del", "dfn", "em", "font", "i", "ins",
@@ -77,7 +77,7 @@ DOCUMENT = re.compile(r"<!doctype|<(?:html|head|body)[\s/>]", re.IGNORECASE)  # 
 MAX_DEPTH = 256  # elements inside elements: the tree is walked recursively (and a page is not that deep)
 
 Splitter = Callable[[str], list[tuple[int, int]]]
-"""A text's sentence spans (start, end), as seq2seq.sentences cuts them for the model."""
+"""A text's sentence spans (start, end), as seq2seq.text.sentences cuts them for the model."""
 
 
 @dataclass

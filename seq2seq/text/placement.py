@@ -1,5 +1,5 @@
-"""Where the inline markup of a source sentence goes in its translation: the arithmetic of seq2seq/markup.py,
-apart from any tree (markup.py turns HTML, and seq2seq/subtitles.py a cue, into a `Run`, and builds the pieces
+"""Where the inline markup of a source sentence goes in its translation: the arithmetic of seq2seq/text/markup.py,
+apart from any tree (markup.py turns HTML, and seq2seq/text/subtitles.py a cue, into a `Run`, and builds the pieces
 this module returns into nodes again).
 
 A run is the text of consecutive inline content with, for each of its characters, the chain of inline
@@ -38,7 +38,7 @@ Stack = tuple[int, ...]
 
 
 class Aligned(Protocol):
-    """What the placement needs of a sentence's translation (seq2seq.translator.Translation has it)."""
+    """What the placement needs of a sentence's translation (seq2seq.inference.translator.Translation has it)."""
 
     @property
     def text(self) -> str: ...

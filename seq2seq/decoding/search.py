@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seq2seq.constraints import Phrases, advance, all_met, allocate, holds, met, next_tokens, start
+from seq2seq.decoding.constraints import Phrases, advance, all_met, allocate, holds, met, next_tokens, start
+from seq2seq.decoding.scoring import alignment_layer, force_decode
 from seq2seq.model.config import ConfigError, check_field_types, check_range
 from seq2seq.model.numerics import exp_
-from seq2seq.scoring import alignment_layer, force_decode
 
 NEG_INF = float("-inf")
 
@@ -732,7 +732,7 @@ def decode(
 def annotate(model: EncoderDecoder[Any], src: Tensor, results: list[list[Hypothesis]], *, ids: SpecialIds,
              token_scores: bool, alignments: bool) -> list[list[Hypothesis]]:
     """The hypotheses with their token log-probabilities and/or source positions, from one teacher-forced
-    pass over all of them (seq2seq/scoring.py): the search's own steps are left as they are."""
+    pass over all of them (seq2seq/decoding/scoring.py): the search's own steps are left as they are."""
     rows = [i for i, hyps in enumerate(results) for _ in hyps]
     if not rows:
         return results
@@ -810,7 +810,7 @@ def constrained_beam_search(
     continuing: frozenset[int] = frozenset(),
 ) -> list[list[Hypothesis]]:
     """Beam search whose outputs contain every phrase of their sentence's `constraints`, in any order:
-    dynamic beam allocation (seq2seq/constraints.py). Per sentence its n-best, best first; none for a
+    dynamic beam allocation (seq2seq/decoding/constraints.py). Per sentence its n-best, best first; none for a
     sentence whose phrases could not all be placed (the caller says so).
 
     As beam_search otherwise (the candidates, the length-normalised ranking, the stop rules), with three
