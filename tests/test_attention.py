@@ -268,14 +268,14 @@ def test_bf16_decoding_steps_attend_by_matmul_and_stay_close(dtype, monkeypatch)
 
 @pytest.mark.parametrize("by_matmul", [True, False])
 def test_one_query_a_row_attends_as_the_machine_chose(by_matmul, monkeypatch):
-    """MultiHeadAttention.one_query_by_matmul (set from precision.one_query_sdpa) sends a bf16 step with one
+    """MultiHeadAttention.one_query_by_matmul (chosen from precision.one_query_sdpa) sends a bf16 step with one
     query per row of keys to SDPA where False; folded beams take the matmuls either way; the outputs agree."""
     attention = random_attention().to(torch.bfloat16)
     taken = []
     monkeypatch.setattr("seq2seq.model.attention.attend_by_matmul",
                         lambda *args, **kwargs: taken.append(1) or attend_by_matmul(*args, **kwargs))
     monkeypatch.setattr("seq2seq.model.attention.MATMUL_ATTENTION_MATRICES", 6)
-    monkeypatch.setattr(MultiHeadAttention, "one_query_by_matmul", by_matmul)
+    attention.one_query_by_matmul = by_matmul
     torch.manual_seed(4)
     memory = torch.randn(2, 5, 24).to(torch.bfloat16)
     mask = padding_mask(torch.tensor([[5, 6, 7, 8, 9], [5, 6, 0, 0, 0]]), pad_id=0)
@@ -286,7 +286,7 @@ def test_one_query_a_row_attends_as_the_machine_chose(by_matmul, monkeypatch):
         assert len(taken) == (1 if by_matmul else 0)
         attention(torch.randn(6, 1, 24).to(torch.bfloat16), keys=keys, values=values, mask=mask)  # 3 beams
         assert len(taken) == (2 if by_matmul else 1)
-        monkeypatch.setattr(MultiHeadAttention, "one_query_by_matmul", not by_matmul)
+        attention.one_query_by_matmul = not by_matmul
         other = attention(x, keys=keys, values=values, mask=mask)
     assert len(taken) == 2  # flipped: the matmuls once more where SDPA ran, or SDPA where they did
     torch.testing.assert_close(one.float(), other.float(), atol=0.03, rtol=0.03)

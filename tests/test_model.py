@@ -406,7 +406,7 @@ def test_bf16_steps_by_matmul_over_the_whole_cache_match_float64(positions, monk
     assert error < 0.05 * expected.abs().max().item()
     # A machine where SDPA wins at one query a row (precision.one_query_sdpa): the self-attention reads
     # the filled part by SDPA, the beams' cross-attention still takes the matmuls.
-    monkeypatch.setattr(attention_module.MultiHeadAttention, "one_query_by_matmul", False)
+    model.attend_one_query_by_matmul(False)
     calls.update(whole=0, part=0)
     mixed_error = (run(1) - expected).abs().max().item()
     assert calls["whole"] == 0 and calls["part"] == 2 * 21

@@ -608,10 +608,9 @@ def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: 
 
 def test_bf16_attention_at_one_query_a_row_follows_the_machine_s_verdict(trained: Path,
                                                                           monkeypatch: pytest.MonkeyPatch):
-    """A bf16 Translator on a CPU sets MultiHeadAttention.one_query_by_matmul from precision.one_query_sdpa (a
-    machine's choice, for every model alike); fp32 leaves it; the demo-corpus model translates alike both ways, greedy,
+    """A bf16 Translator on a CPU chooses its model's MultiHeadAttention.one_query_by_matmul from
+    precision.one_query_sdpa, and no other model's (another Translator's, or the class's); fp32 leaves it; the demo-corpus model translates alike both ways, greedy,
     but for near-ties within bf16's rounding the float64 model confirms (tests/near_ties.py; not a chrF floor)."""
-    monkeypatch.setattr(MultiHeadAttention, "one_query_by_matmul", True)  # restored after the test
     monkeypatch.setattr("seq2seq.model.attention.MATMUL_ATTENTION_MATRICES", 1)  # every step, small batches too
     sources = demo_test_sentences(40)
     search = SearchConfig(beam_size=1)
@@ -619,11 +618,12 @@ def test_bf16_attention_at_one_query_a_row_follows_the_machine_s_verdict(trained
     for sdpa in (True, False):
         monkeypatch.setattr("seq2seq.inference.translator.one_query_sdpa", lambda device, precision, sdpa=sdpa:
                             Verdict(sdpa, "pretended"))
-        before = MultiHeadAttention.one_query_by_matmul
-        Translator.from_checkpoint(trained, precision="fp32")
-        assert MultiHeadAttention.one_query_by_matmul is before  # fp32 leaves it
+        fp32 = Translator.from_checkpoint(trained, precision="fp32")
         translator = Translator.from_checkpoint(trained, precision="bf16")
-        assert MultiHeadAttention.one_query_by_matmul is not sdpa
+        chosen = {m.one_query_by_matmul for m in translator.model.modules() if isinstance(m, MultiHeadAttention)}
+        assert chosen == {not sdpa}
+        assert {m.one_query_by_matmul for m in fp32.model.modules() if isinstance(m, MultiHeadAttention)} == {True}
+        assert not hasattr(MultiHeadAttention, "one_query_by_matmul")  # no setting of the process
         outputs[sdpa] = [hyps[0].tokens for hyps in translator.translate_nbest(sources, search)]
     problems = greedy_near_ties(reference_model(trained), translator.tokenizer.encode_source(sources), outputs[True],
                                 outputs[False], precision="bf16", bos=BOS_ID, eos=EOS_ID)

@@ -39,7 +39,7 @@ from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.decoding.constraints import holds
 from seq2seq.decoding.scoring import Forced, force_decode
 from seq2seq.decoding.search import EncoderDecoder, Hypothesis, SearchConfig, decode
-from seq2seq.model import MultiHeadAttention, Transformer
+from seq2seq.model import Transformer
 from seq2seq.model.compiled import CompiledDecoder, bf16_around_int8, check_compilable, int8_compiled
 from seq2seq.model.numerics import PackedLinear, for_inference
 from seq2seq.precision import (
@@ -123,8 +123,7 @@ class Translator:
         slightly. The model is converted in place (on a CPU its fp32 or bf16 linear layers are packed for
         oneDNN where precision.onednn_linears times that faster, their few rows in fp32 on torch's own linear
         where precision.few_rows_on_torch times that faster, and bf16 attention at one query a row runs
-        SDPA where precision.one_query_sdpa times that faster: a setting of the process, the machine's
-        verdict, the same for every model); `self.precision` says what auto chose. `search`
+        SDPA where precision.one_query_sdpa times that faster, a choice made on this model only); `self.precision` says what auto chose. `search`
         is what the translate methods use when given none.
 
         `workers` > 1 decodes that many batches at once, each in a thread of its own with `threads`
@@ -166,11 +165,11 @@ class Translator:
                           f"kernels: one worker is faster there (README, \"Every core\")", stacklevel=2)
         self.precision = resolve_precision(precision, self.device)
         packed = onednn_linears(self.device, self.precision).pays
-        if self.device.type == "cpu" and self.precision == "bf16":  # a machine's choice: the same for every model
-            MultiHeadAttention.one_query_by_matmul = not one_query_sdpa(self.device, self.precision).pays
         if compiled:
             check_compilable(model.config)
         model = model.to(self.device).fuse_self_attention()
+        if self.device.type == "cpu" and self.precision == "bf16":  # the machine's verdict, for this model
+            model.attend_one_query_by_matmul(not one_query_sdpa(self.device, self.precision).pays)
         if compiled and self.precision == "int8":  # every linear layer the compiled encoder's and step's int8
             int8_compiled(model.float())
         self.model = for_inference(model, self.precision, packed=packed and not compiled)

@@ -60,15 +60,13 @@ class MultiHeadAttention(nn.Module):
 
     fp32_under_autocast = False
 
-    one_query_by_matmul = True
-    """A bf16 decoding step on CPU with one query per row of keys (self-attention; cross-attention without
-    beams) attends by `attend_by_matmul` (else SDPA). Set per machine by what builds a translator, from
-    precision.one_query_sdpa's timed verdict: which of the two is faster there differs by CPU (README,
-    "Kernels, chosen by measuring the machine"). Several queries per row of keys (beams folded) always
-    take the matmuls."""
-
     def __init__(self, *, d_model: int, num_heads: int, attention_dropout: float, bias: bool = True):
         super().__init__()
+        self.one_query_by_matmul = True
+        """A bf16 decoding step on CPU with one query per row of keys (self-attention; cross-attention without
+        beams) attends by `attend_by_matmul` (else SDPA). Chosen per model by what prepares it for inference
+        (`Transformer.attend_one_query_by_matmul`, from precision.one_query_sdpa's timed verdict: which of the
+        two is faster differs by CPU). Several queries per row of keys (beams folded) always take the matmuls."""
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         self.num_heads = num_heads
@@ -164,7 +162,8 @@ class MultiHeadAttention(nn.Module):
             if mask is not None:
                 attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
         if length == 1 and attn_mask is mask and attends_by_matmul(queries, key_rows=keys.size(0),
-                                                                  num_heads=self.num_heads, queries_per_row=beams):
+                                                                  num_heads=self.num_heads, queries_per_row=beams,
+                                                                  one_query_by_matmul=self.one_query_by_matmul):
             out = attend_by_matmul(queries, keys, values, mask=mask)  # (N, H, K, Dh)
         else:
             with torch.autocast(device, enabled=False) if in_fp32 else nullcontext():
@@ -195,16 +194,18 @@ MATMUL_ATTENTION_MATRICES = 64
 """A bf16 decoding step on CPU (one query per row, beams folded) attends by `attend_by_matmul` rather
 than SDPA from this many (sentence, head) matrices on: where torch's bf16 SDPA kernel for CPU is slow
 (on a Zen 5 from about 16 sentences of 4 heads two batched matmuls win; at one query a row the machine
-decides, MultiHeadAttention.one_query_by_matmul). float32 keeps SDPA: there the two are even, and its
+decides, per model: MultiHeadAttention.one_query_by_matmul). float32 keeps SDPA: there the two are even, and its
 outputs stay what they were."""
 
 
-def attends_by_matmul(x: Tensor, *, key_rows: int, num_heads: int, queries_per_row: int) -> bool:
+def attends_by_matmul(x: Tensor, *, key_rows: int, num_heads: int, queries_per_row: int,
+                      one_query_by_matmul: bool) -> bool:
     """Whether a decoding step's attention over `key_rows` rows of keys, with `queries_per_row` queries each
-    (beams folded), runs `attend_by_matmul` (x: its queries or input, for their dtype and device)."""
+    (beams folded), runs `attend_by_matmul` (x: its queries or input, for their dtype and device;
+    `one_query_by_matmul`: the attention's own choice at one query a row)."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
             and key_rows * num_heads >= MATMUL_ATTENTION_MATRICES
-            and (queries_per_row > 1 or MultiHeadAttention.one_query_by_matmul))
+            and (queries_per_row > 1 or one_query_by_matmul))
 
 
 def attend_by_matmul(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor | None) -> Tensor:

@@ -140,7 +140,8 @@ class Decoder(nn.Module):
         whole = False  # self-attention over the cache's whole capacity, the unfilled positions masked
         if state is not None and self_mask is None and self.relative_bias is None and self.rotary is None:
             attention = layers[0].self_attn
-            whole = attends_by_matmul(x, key_rows=x.size(0), num_heads=attention.num_heads, queries_per_row=1)
+            whole = attends_by_matmul(x, key_rows=x.size(0), num_heads=attention.num_heads, queries_per_row=1,
+                                      one_query_by_matmul=attention.one_query_by_matmul)
             if whole:
                 capacity = state.capacity_for(new=1, num_layers=len(layers), rows=x.size(0),
                                               heads=attention.num_heads, head_dim=attention.head_dim,
@@ -236,6 +237,14 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (EncoderLayer, DecoderLayer)):
                 module.self_attn.fuse_projections()
+        return self
+
+    def attend_one_query_by_matmul(self, by_matmul: bool) -> "Transformer":
+        """In place: whether this model's bf16 decoding steps on CPU attend by matmuls (else SDPA) where a row of
+        keys has one query (MultiHeadAttention.one_query_by_matmul); a choice of this model's, no other's."""
+        for module in self.modules():
+            if isinstance(module, MultiHeadAttention):
+                module.one_query_by_matmul = by_matmul
         return self
 
     def stack_cross_projections(self) -> "Transformer":
