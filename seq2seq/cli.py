@@ -24,7 +24,8 @@ import torch
 
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.decoding.search import SearchConfig
-from seq2seq.inference.translator import DEFAULT_SEARCH, Translation, Translator, resolve_device
+from seq2seq.inference.preparation import resolve_device
+from seq2seq.inference.translator import DEFAULT_SEARCH, Translation, Translator
 from seq2seq.model import ConfigError
 from seq2seq.model.compiled import CompileError
 from seq2seq.precision import PRECISIONS

@@ -24,7 +24,8 @@ import torch
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.cli import OutputRefused, check_output, interruption, one_line_warnings, stop_on_sigterm
 from seq2seq.decoding.scoring import Forced
-from seq2seq.inference.translator import Translator, resolve_device
+from seq2seq.inference.preparation import resolve_device
+from seq2seq.inference.translator import Translator
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, PRECISIONS, tune_process_memory
 from seq2seq.textio import Output, check_input_path, read_lines, where
 

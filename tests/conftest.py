@@ -66,9 +66,9 @@ def an_avx2_machine_by_default(tmp_path_factory: pytest.TempPathFactory):
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
         patch.setenv("TORCH_EXTENSIONS_DIR", str(run_root(tmp_path_factory) / "torch_extensions"))  # built once a run
         pretend_machine(patch, "avx2")
-        patch.setattr("seq2seq.inference.translator.onednn_linears", pinned_onednn_linears)
-        patch.setattr("seq2seq.inference.translator.one_query_sdpa", lambda device, precision: Verdict(False, "pinned by the tests"))
-        patch.setattr("seq2seq.inference.translator.few_rows_on_torch", lambda device, precision, **shape: 0)
+        patch.setattr("seq2seq.inference.preparation.onednn_linears", pinned_onednn_linears)
+        patch.setattr("seq2seq.inference.preparation.one_query_sdpa", lambda device, precision: Verdict(False, "pinned by the tests"))
+        patch.setattr("seq2seq.inference.preparation.few_rows_on_torch", lambda device, precision, **shape: 0)
         yield
 
 

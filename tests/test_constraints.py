@@ -14,9 +14,9 @@ from test_search import PrefixState, per_row
 import seq2seq.text.glossary
 from seq2seq.decoding.constraints import Progress, advance, all_met, allocate, met, next_tokens, start
 from seq2seq.decoding.search import SearchConfig, beam_search, decode
-from seq2seq.inference.translator import Translator, continues_word
+from seq2seq.inference.translator import Translator
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.text.glossary import Glossary
+from seq2seq.text.glossary import Glossary, continues_word
 from seq2seq.text.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}

@@ -46,7 +46,8 @@ from torch._dynamo.utils import counters
 from seq2seq.checkpoint import store_search_defaults
 from seq2seq.decoding.search import SearchConfig, beam_search, greedy
 from seq2seq.inference import translator as translator_module
-from seq2seq.inference.translator import Translation, Translator, length_sorted_batches, pad_batch, shared_out
+from seq2seq.inference.pool import length_sorted_batches, shared_out
+from seq2seq.inference.translator import Translation, Translator, pad_batch
 from seq2seq.model import MultiHeadAttention, Transformer, TransformerConfig
 from seq2seq.model.compiled import CompiledDecoder, CompileError
 from seq2seq.model.numerics import Int8Linear, PackedLinear, RowInt8Linear
@@ -445,7 +446,7 @@ def test_linear_layers_packed_for_onednn_translate_as_torch_s_own(trained: Path,
     sources = demo_test_sentences(60)
     translators = {}
     for packed in (False, True):
-        monkeypatch.setattr("seq2seq.inference.translator.onednn_linears", lambda device, precision, packed=packed:
+        monkeypatch.setattr("seq2seq.inference.preparation.onednn_linears", lambda device, precision, packed=packed:
                             Verdict(packed, "pretended"))
         translators[packed] = Translator.from_checkpoint(trained, precision=precision)
     assert any(isinstance(m, PackedLinear) for m in translators[True].model.modules())
@@ -477,7 +478,7 @@ def test_few_rows_on_torch_s_own_linear_follow_the_machine_s_verdict(trained: Pa
         return 15 if in_features == out_features else 4  # square ones to the last count, the others to 4
 
     base = Translator.from_checkpoint(trained, precision="fp32")
-    monkeypatch.setattr("seq2seq.inference.translator.few_rows_on_torch", verdict)
+    monkeypatch.setattr("seq2seq.inference.preparation.few_rows_on_torch", verdict)
     Translator.from_checkpoint(trained, precision="bf16")
     assert not asked
     few = Translator.from_checkpoint(trained, precision="fp32")
@@ -498,7 +499,7 @@ def quick_to_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         def __init__(self, model: Transformer):
             super().__init__(model, gemm_templates=False, cpp_wrapper=False)
 
-    monkeypatch.setattr("seq2seq.inference.translator.CompiledDecoder", QuickToCompile)
+    monkeypatch.setattr("seq2seq.inference.preparation.CompiledDecoder", QuickToCompile)
     return demo_test_sentences(24)
 
 
@@ -569,7 +570,7 @@ def test_a_compiled_int8_translator_is_row_int8_and_bf16_around_it_where_bf16_pa
                                                                                   monkeypatch: pytest.MonkeyPatch):
     """make test's share of the next test (which compiles, in .ci/run): the Translator's int8 compiled model, made
     without compiling anything (tests/test_compiled.py decodes with such models, compiled, on tiny ones)."""
-    monkeypatch.setattr(translator_module, "bf16_matmuls_pay", lambda device: bf16_pays)
+    monkeypatch.setattr("seq2seq.inference.preparation.bf16_matmuls_pay", lambda device: bf16_pays)
     compiled_int8_is_made_so(Translator.from_checkpoint(trained, precision="int8", compiled=True, threads=1), bf16_pays)
 
 
@@ -585,7 +586,7 @@ def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: 
     compiled step's logits round in other places (0.06 apart at most in a sum of ~10 log-probs on one CPU), and
     which ties flip depends on the CPU's kernels."""
     sources = quick_to_compile(monkeypatch)
-    monkeypatch.setattr(translator_module, "bf16_matmuls_pay", lambda device: bf16_pays)
+    monkeypatch.setattr("seq2seq.inference.preparation.bf16_matmuls_pay", lambda device: bf16_pays)
     compiled = Translator.from_checkpoint(trained, precision="int8", compiled=True, threads=1)
     compiled_int8_is_made_so(compiled, bf16_pays)
     precision = "bf16" if bf16_pays else "int8"
@@ -616,7 +617,7 @@ def test_bf16_attention_at_one_query_a_row_follows_the_machine_s_verdict(trained
     search = SearchConfig(beam_size=1)
     outputs = {}
     for sdpa in (True, False):
-        monkeypatch.setattr("seq2seq.inference.translator.one_query_sdpa", lambda device, precision, sdpa=sdpa:
+        monkeypatch.setattr("seq2seq.inference.preparation.one_query_sdpa", lambda device, precision, sdpa=sdpa:
                             Verdict(sdpa, "pretended"))
         fp32 = Translator.from_checkpoint(trained, precision="fp32")
         translator = Translator.from_checkpoint(trained, precision="bf16")
@@ -1351,13 +1352,13 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
     wide = SearchConfig(beam_size=64)  # one sentence of 64 rows: one part, never an empty one beside it
     assert [h.tokens for h in two.translate_nbest(texts[:1], wide)[0]] == [
         h.tokens for h in one.translate_nbest(texts[:1], wide)[0]]
-    assert "wide" not in two._pools
+    assert "wide" not in two.pool._executors
     # A lone batch too small to cut, but whose output projection is wide enough: on both workers' threads
-    monkeypatch.setattr("seq2seq.inference.translator.WIDE_WORK", 0)
+    monkeypatch.setattr("seq2seq.inference.pool.WIDE_WORK", 0)
     sizes.clear()
     two.decoded.clear()
     got = two.translate_nbest(texts[:5], SearchConfig(beam_size=3))
-    assert sizes == [5] and "wide" in two._pools
+    assert sizes == [5] and "wide" in two.pool._executors
     assert got == one.translate_nbest(texts[:5], SearchConfig(beam_size=3))
     # ... which the end-of-run line names as it ran, beside the batches that ran on the workers
     assert two.decoded == Counter({(1, 2): 1}) and workers_of(two, SearchConfig()) == "1 worker x 2 threads"
@@ -1369,12 +1370,12 @@ def test_workers_decode_the_same_batches_at_once(checkpoint: Path, monkeypatch: 
     stream.close()  # a reader that stops early: what was queued for it is cancelled
     # Compiled, a lone wide batch stays on one worker's threads: dynamo compiles its graphs per thread count, and
     # all of them again for the wide pool's (the decoding here is eager: which threads decode is what is checked)
-    monkeypatch.setattr(two, "compiled", True)
+    monkeypatch.setattr(two.pool, "widen", False)  # as a compiled Translator's pool is made
     two.decoded.clear()
     assert two.translate_nbest(texts[:5], SearchConfig(beam_size=3)) == one.translate_nbest(
         texts[:5], SearchConfig(beam_size=3))
     assert two.decoded == Counter({(1, 1): 1})
-    monkeypatch.setattr(two, "compiled", False)
+    monkeypatch.setattr(two.pool, "widen", True)
     for bad in ({"workers": 0}, {"workers": True}, {"threads": 0}):
         with pytest.raises(ValueError, match="workers|threads"):
             Translator(model=one.model, tokenizer=one.tokenizer, precision="fp32", **bad)

@@ -20,37 +20,29 @@ the program's to make, not the library's: a program translating much through a T
 """
 
 import dataclasses
-import heapq
 import itertools
-import math
-import threading
 import warnings
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from seq2seq.checkpoint import load_checkpoint, read_inference
 from seq2seq.decoding.constraints import holds
 from seq2seq.decoding.scoring import Forced, force_decode
-from seq2seq.decoding.search import EncoderDecoder, Hypothesis, SearchConfig, decode
+from seq2seq.decoding.search import Hypothesis, SearchConfig, decode
+from seq2seq.inference.pool import DecoderPool, length_sorted_batches
+from seq2seq.inference.preparation import prepare, warn_of_workers_off_the_cpu
 from seq2seq.model import Transformer
-from seq2seq.model.compiled import CompiledDecoder, bf16_around_int8, check_compilable, int8_compiled
-from seq2seq.model.numerics import PackedLinear, for_inference
+from seq2seq.model.compiled import CompiledDecoder
 from seq2seq.precision import (
     Precision,
-    bf16_matmuls_pay,
-    few_rows_on_torch,
-    one_query_sdpa,
-    onednn_linears,
-    resolve_precision,
 )
-from seq2seq.text.glossary import Glossary, as_glossary, unspaced
+from seq2seq.text.glossary import Glossary, as_glossary, continues_word
 from seq2seq.text.markup import HtmlDocument
 from seq2seq.text.sentences import Paragraphs, model_sentence_spans
 from seq2seq.text.subtitles import SrtDocument
@@ -85,22 +77,7 @@ class Document(Protocol):
 
 
 T = TypeVar("T")
-PART_ROWS = 32  # see shared_out
-BALANCE = 1.2  # see shared_out
-WIDE_WORK = 5e8  # see Translator._wide
 EMPTY = Translation(text="", score=0.0, tokens=[])  # what an empty sentence translates to
-
-
-def resolve_device(name: str | torch.device) -> torch.device:
-    """The device, if this machine has it; a ValueError saying what to use instead if not."""
-    try:
-        device = torch.device(name)
-        torch.empty(0, device=device)  # raises for a device this torch build or machine lacks
-    except (RuntimeError, AssertionError, ValueError) as error:
-        reason = str(error).strip().split("\n")[0]
-        raise ValueError(f"device {str(name)!r} cannot be used here ({reason}); use cpu, or a device this "
-                         "machine has (cuda, cuda:1, mps)") from None
-    return device
 
 
 class Translator:
@@ -118,75 +95,30 @@ class Translator:
         threads: int | None = None,
         compiled: bool = False,
     ):
-        """`precision` (seq2seq/precision.py): auto picks bf16 where bf16 matmuls are fast (a GPU from
-        Ampere on, a CPU with AMX or AVX512-BF16), else fp32; int8 is a CPU option that changes outputs
-        slightly. The model is converted in place (on a CPU its fp32 or bf16 linear layers are packed for
-        oneDNN where precision.onednn_linears times that faster, their few rows in fp32 on torch's own linear
-        where precision.few_rows_on_torch times that faster, and bf16 attention at one query a row runs
-        SDPA where precision.one_query_sdpa times that faster, a choice made on this model only); `self.precision` says what auto chose. `search`
-        is what the translate methods use when given none.
+        """`model` is prepared in place for `device` and `precision` (inference/preparation.py's `prepare`: auto
+        picks bf16 where bf16 matmuls are fast, else fp32; int8 is a CPU option; the kernels the machine's timed
+        verdicts choose); `self.precision` says what auto chose. `search` is what the translate methods use when
+        given none.
 
-        `workers` > 1 decodes that many batches at once, each in a thread of its own with `threads`
-        intra-op threads (default: torch's thread count / workers), as CTranslate2's inter_threads do
-        (with one worker and `threads` given, its one thread has that many; with neither, the caller's
-        thread decodes with the caller's count):
-        a decoding step's parallel regions are too small for several threads to pay, several batches
-        are not. The batches are those of one worker, so outputs do not depend on `workers`, except where an
-        input's batches would leave workers idle (fewer than the workers, or unequal in work): those are cut
-        into parts (shared_out), which can change a bf16 translation slightly (fp32: the same tokens), and a lone batch
-        too small to cut but wide enough (_wide) decodes on all the workers' threads (not when `compiled`: its
-        graphs are for one worker's thread count); seeded sampling,
-        whose draws run through one generator, decodes one batch at a time. On a device other than the CPU
-        one worker is faster (several wait on each other's kernels): more are taken, with a warning.
+        `workers` > 1 decodes that many batches at once, each in a thread of its own with `threads` intra-op
+        threads (default: torch's thread count / workers), as CTranslate2's inter_threads do (inference/pool.py's
+        DecoderPool; with one worker and `threads` given, its one thread has that many; with neither, the
+        caller's thread decodes with the caller's count). The batches are those of one worker, so outputs do not
+        depend on `workers`, except where an input's batches would leave workers idle: those are cut into parts
+        (shared_out), which can change a bf16 translation slightly (fp32: the same tokens). On a device other
+        than the CPU one worker is faster: more are taken, with a warning.
 
-        `compiled`: the searches' decoding steps run compiled (seq2seq/model/compiled.py): at a few rows
-        faster on a CPU, where the eager step is mostly per-call overhead (README, "A compiled decoding
-        step"), even with the eager step at hundreds of rows; the first batches of each
-        kind (one row, several rows, beams) wait while it compiles, tens of seconds each (inductor keeps the
-        code on disk for the next process). fp32, bf16 or int8, models with absolute positions; outputs can differ
-        from the eager step's in the last bits of a logit, as a different kernel's would. The decoder's linear
-        layers stay unpacked (inductor packs its own copy), so teacher-forced scoring runs slower."""
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads must be a positive number of threads per worker, got {threads!r}")
-        self.workers = workers
-        self.threads = threads if threads is not None else max(1, torch.get_num_threads() // workers)
-        self._own_threads = threads is not None  # else one worker decodes on the caller's thread, with its threads
-        self._pools: dict[str, ThreadPoolExecutor] = {}  # _pool_of(), each made on first use
-        self.decoded: Counter[tuple[int, int]] = Counter()
-        """Batches decoded so far (parts of one counted apart), by the (workers, intra-op threads each) they
-        ran on: what a run's end-of-run line names (a lone wide batch runs on one worker with all threads). A
-        tally for reading, not a lock: calls from several threads at once may lose a count."""
+        `compiled`: the searches' decoding steps run compiled (seq2seq/model/compiled.py), faster at a few rows on
+        a CPU, where the eager step is mostly per-call overhead; the first batches of each kind (one row, several
+        rows, beams) wait while it compiles (`compile_decoding` compiles them all first)."""
         torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
-        self.device = resolve_device(device)
-        if workers > 1 and self.device.type != "cpu":
-            warnings.warn(f"{workers} decoder workers on {self.device} share one device and wait on each other's "
-                          f"kernels: one worker is faster there (README, \"Every core\")", stacklevel=2)
-        self.precision = resolve_precision(precision, self.device)
-        packed = onednn_linears(self.device, self.precision).pays
-        if compiled:
-            check_compilable(model.config)
-        model = model.to(self.device).fuse_self_attention()
-        if self.device.type == "cpu" and self.precision == "bf16":  # the machine's verdict, for this model
-            model.attend_one_query_by_matmul(not one_query_sdpa(self.device, self.precision).pays)
-        if compiled and self.precision == "int8":  # every linear layer the compiled encoder's and step's int8
-            int8_compiled(model.float())
-        self.model = for_inference(model, self.precision, packed=packed and not compiled)
-        if compiled and self.precision == "int8" and bf16_matmuls_pay(self.device):
-            bf16_around_int8(self.model)  # (after for_inference, whose .float() would undo it)
-        self.compiled = compiled
-        self.decoding: EncoderDecoder[Any] = CompiledDecoder(self.model) if compiled else self.model
-        """What the searches decode with: the model, or its compiled decoding step."""
-        if packed and self.precision == "fp32":  # a decoding step's few rows on torch's own linear, where faster
-            few: dict[tuple[int, int], int] = {}
-            for layer in self.model.modules():
-                if isinstance(layer, PackedLinear):
-                    shape = (layer.in_features, layer.out_features)
-                    if shape not in few:
-                        few[shape] = few_rows_on_torch(self.device, self.precision, in_features=shape[0],
-                                                       out_features=shape[1])
-                    layer.run_few_rows_on_torch(few[shape])
+        prepared = prepare(model, device=device, precision=precision, compiled=compiled)
+        self.model, self.decoding = prepared.model, prepared.decoding
+        self.device, self.precision, self.compiled = prepared.device, prepared.precision, prepared.compiled
+        self.pool = DecoderPool(workers=workers, threads=threads, row_work=model.config.d_model * model.config.vocab_size,
+                                widen=not compiled)
+        """The threads the batches decode on (seq2seq/inference/pool.py)."""
+        warn_of_workers_off_the_cpu(workers, self.device)
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.search = search
@@ -217,23 +149,7 @@ class Translator:
         decoding = self.decoding
         if not isinstance(decoding, CompiledDecoder):
             return 0
-        if threads is None and self.workers == 1 and not self._own_threads:
-            return decoding.compile_kinds()
-        outcome: list[int | BaseException] = []
-
-        def compile_kinds() -> None:
-            start_decoder_thread(threads or self.threads)
-            try:
-                outcome.append(decoding.compile_kinds())
-            except BaseException as error:  # raised again in the caller's thread
-                outcome.append(error)
-
-        thread = threading.Thread(target=compile_kinds, name="decoder-compile", daemon=True)
-        thread.start()
-        thread.join()
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        return outcome[0]
+        return self.pool.on_a_thread_of(threads, decoding.compile_kinds)
 
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                   prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
@@ -370,69 +286,30 @@ class Translator:
                     for i, sentence_hyps in zip(batch, nbest, strict=True)]
 
         batches = length_sorted_batches(ids, max_tokens=max_tokens)
-        if generator is not None or (self.workers == 1 and not self._own_threads):
-            for batch in batches:
-                self.decoded[1, torch.get_num_threads()] += 1
-                yield from translate_batch(batch)
-        else:
-            rows = 1 if search.sampling else search.beam_size
-            parts = shared_out(batches, workers=self.workers, rows=rows, work=[len(sentence) for sentence in ids])
-            if len(parts) == 1 and self.workers > 1 and not self.compiled and self._wide(len(parts[0]) * rows):
-                # Too few rows to cut, enough for every core's threads on one batch (not compiled: dynamo
-                # compiles every kind of step again for another thread count, minutes, mid-run)
-                self.decoded[1, self.workers * self.threads] += 1
-                wide = self._pool_of("wide", 1, self.workers * self.threads)
-                yield from wide.submit(translate_batch, parts[0]).result()
-            elif parts:
-                self.decoded[min(self.workers, len(parts)), self.threads] += len(parts)
-                yield from self._in_parallel(translate_batch, parts)
+        yield from self.pool.decode(translate_batch, batches, rows=1 if search.sampling else search.beam_size,
+                                    work=[len(sentence) for sentence in ids], in_order=generator is not None)
 
     @property
     def compiling_seconds(self) -> float:
         """Seconds its decoding has spent compiling so far (`compiled`; 0 without): what a run's end line reports."""
         return self.decoding.compiling_seconds if isinstance(self.decoding, CompiledDecoder) else 0.0
 
+    @property
+    def workers(self) -> int:
+        return self.pool.workers
+
+    @property
+    def threads(self) -> int:
+        return self.pool.threads
+
+    @property
+    def decoded(self) -> Counter[tuple[int, int]]:
+        """DecoderPool.decoded: batches decoded so far, by the (workers, intra-op threads each) they ran on."""
+        return self.pool.decoded
+
     def decoding_threads(self, search: SearchConfig) -> tuple[int, int]:
-        """(workers, intra-op threads each) that `search` decodes with: seeded sampling decodes its batches
-        one at a time on the calling thread, with its thread count (a draw must not depend on the workers);
-        any other search on the workers (one batch too small to cut but wide, `_wide`, on one of them with
-        all their threads)."""
-        if search.sampling and search.seed is not None:
-            return 1, torch.get_num_threads()
-        return self.workers, self.threads
-
-    def _wide(self, rows: int) -> bool:
-        """Whether a batch of `rows` decoder rows pays for several threads on it: its output projection
-        takes at least WIDE_WORK multiply-adds a step (rows x d_model x vocabulary; README, "Every core")."""
-        config = self.model.config
-        return rows * config.d_model * config.vocab_size >= WIDE_WORK
-
-    def _pool_of(self, name: str, workers: int, threads: int) -> ThreadPoolExecutor:
-        """The decoder threads `name` (made on first use): `workers` threads of `threads` intra-op threads."""
-        if name not in self._pools:
-            self._pools[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"decoder-{name}",
-                                                   initializer=start_decoder_thread, initargs=(threads,))
-        return self._pools[name]
-
-    def _in_parallel(self, translate_batch: Callable[[list[int]], list[tuple[int, list[Translation]]]],
-                     batches: list[list[int]]) -> Iterator[tuple[int, list[Translation]]]:
-        """translate_batch over the batches on the workers, two per worker in flight (the next is ready
-        when one finishes), the results given in the batches' order."""
-        pool = self._pool_of("workers", self.workers, self.threads)
-        pending: deque[Future[list[tuple[int, list[Translation]]]]] = deque()
-        remaining = iter(batches)
-        try:
-            for batch in islice(remaining, 2 * self.workers):
-                pending.append(pool.submit(translate_batch, batch))
-            while pending:
-                done = pending.popleft().result()
-                following = next(remaining, None)
-                if following is not None:
-                    pending.append(pool.submit(translate_batch, following))
-                yield from done
-        finally:  # a caller that stops early (or an error) leaves nothing running for it
-            for future in pending:
-                future.cancel()
+        """(workers, intra-op threads each) that `search` decodes with (DecoderPool.threads_for)."""
+        return self.pool.threads_for(seeded=search.sampling and search.seed is not None)
 
     def translate_stream(
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
@@ -537,7 +414,7 @@ class Translator:
         return ids
 
     def continuing_ids(self) -> frozenset[int]:
-        """The pieces that continue a word (`continues_word`), specials excepted: what may not follow a
+        """The pieces that continue a word (text/glossary.py's `continues_word`), specials excepted: what may not follow a
         placed constraint. Computed once."""
         if self._continuing is None:
             tokenizer = self.tokenizer
@@ -640,25 +517,10 @@ def per_document(documents: Sequence[Document], items: Sequence[T]) -> list[Sequ
     return [items[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-def start_decoder_thread(threads: int) -> None:
-    """A decoder worker thread's set-up (the Translator's workers, the server's decoder threads): its own intra-op thread count (torch keeps it per thread), and
-    denormals flushed (a per-thread CPU flag, as Translator.__init__ sets for the caller's)."""
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)
-
-
 def as_constraint_lists(constraints: Iterable[Sequence[str]]) -> list[Sequence[str]]:
     if isinstance(constraints, str | bytes):
         raise TypeError("constraints is a single string; pass one list of phrases per text")
     return list(constraints)
-
-
-def continues_word(piece: str) -> bool:
-    """Whether a piece goes on with the word before it: no leading "▁", and a letter or digit first (or
-    a byte of a character the vocabulary lacks); punctuation does not, nor a letter of a script written
-    without spaces (`unspaced`: に after 東京 is the next word)."""
-    return not piece.startswith("\u2581") and ((piece[:1].isalnum() and not unspaced(piece[0]))
-                                              or piece.startswith("<0x"))
 
 
 def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:
@@ -673,75 +535,6 @@ def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:
         if not isinstance(text, str):
             raise TypeError(f"texts[{first_line - 1 + i}] is a {type(text).__name__}, not a str")
     return lines
-
-
-def length_sorted_batches(ids: list[list[int]], *, max_tokens: int) -> list[list[int]]:
-    """Indices of the non-empty sentences, longest first, cut into batches of <= max_tokens padded tokens.
-
-    Longest first: the first batch is the largest, so running out of memory happens at once, not
-    at the end of a long file.
-    """
-    order = sorted((i for i, s in enumerate(ids) if s), key=lambda i: -len(ids[i]))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = len(ids[current[0]]) if current else len(ids[i])
-        if current and (len(current) + 1) * longest > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def shared_out(batches: list[list[int]], *, workers: int, rows: int, work: Sequence[int]) -> list[list[int]]:
-    """The batches, cut into consecutive parts where the workers would otherwise wait on one of them, in order.
-
-    The workers take the parts in order, each the next one as it becomes free (`Translator._in_parallel`, whose
-    window of 2W parts in flight can hold a part back behind a slow one: contrived inputs, not length-sorted
-    ones), and `work[i]` is sentence i's share of the decoding (its source tokens: targets grow with them). Each batch is
-    cut into k equal parts, the same k for all, but no more parts than it has sentences, nor than it has
-    PART_ROWS decoder rows (`rows` is the rows a sentence takes: the beam); k is the least, up to `workers`, that
-    leaves the busiest worker no more than BALANCE times its share of the whole work (else the k that leaves it
-    the least). So an input of fewer batches than workers is cut for the idle workers, and so is one of two
-    batches of unequal work for two workers: 500 Multi30k sentences make one batch of long sentences and one of
-    short ones, which left one of two workers idle for a third of the run (README, "Every core"). Batches that
-    already keep the busiest worker within BALANCE of its share stay whole (the 3 batches of 1,000 Multi30k
-    sentences for two workers).
-
-    Parts rather than a lone batch on several threads: a decoding step's parallel regions are too small
-    to share, two batches are not. Below PART_ROWS a part no longer pays for the Python its steps run,
-    which the workers take turns at (the GIL): measured in the README, "Every core".
-    """
-
-    def cut(k: int) -> list[list[int]]:
-        parts = []
-        for batch in batches:
-            count = max(1, min(k, len(batch) * rows // PART_ROWS, len(batch)))
-            cuts = [len(batch) * j // count for j in range(count + 1)]
-            parts += [batch[a:b] for a, b in itertools.pairwise(cuts)]
-        return parts
-
-    def busiest(parts: list[list[int]]) -> int:  # the most work one worker gets
-        loads = [0] * workers  # a heap: the worker free first on top
-        for part in parts:
-            heapq.heapreplace(loads, loads[0] + sum(work[i] for i in part))
-        return max(loads)
-
-    share = sum(work[i] for batch in batches for i in batch) / workers
-    best: list[list[int]] = batches
-    least, previous = math.inf, -1
-    for k in range(1, workers + 1):
-        parts = cut(k)
-        if len(parts) == previous:
-            break  # every batch as finely cut as it can be
-        previous, load = len(parts), busiest(parts)
-        if load <= BALANCE * share:
-            return parts
-        if load < least:
-            best, least = parts, load
-    return best
 
 
 def pad_batch(sentences: list[list[int]], *, pad: int, device: torch.device) -> torch.Tensor:

@@ -98,6 +98,7 @@ from seq2seq.cli import (
     stop_on_sigterm,
 )
 from seq2seq.decoding.search import SearchConfig
+from seq2seq.inference.pool import start_decoder_thread
 from seq2seq.inference.translator import (
     EMPTY,
     Document,
@@ -105,7 +106,6 @@ from seq2seq.inference.translator import (
     Translator,
     per_document,
     search_for,
-    start_decoder_thread,
 )
 from seq2seq.model import ConfigError
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory

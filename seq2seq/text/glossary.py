@@ -44,6 +44,14 @@ def spaced_word_char(char: str) -> bool:
     return (char.isalnum() or char == "_") and not unspaced(char)
 
 
+def continues_word(piece: str) -> bool:
+    """Whether a sentencepiece piece goes on with the word before it: no leading "▁", and a letter or digit first
+    (or a byte of a character the vocabulary lacks); punctuation does not, nor a letter of a script written
+    without spaces (`unspaced`: に after 東京 is the next word). What may not follow a placed term or constraint."""
+    return not piece.startswith("\u2581") and ((piece[:1].isalnum() and not unspaced(piece[0]))
+                                              or piece.startswith("<0x"))
+
+
 def normal_term(text: str) -> str:
     """A term as glossaries compare them: NFC, runs of whitespace made one space, none at the ends
     (" dog " and "dog" are one term). seq2seq/translate.py's read_glossary checks a file's lines with it."""
