@@ -36,7 +36,7 @@ from seq2seq.checkpoint import (
     save_atomic,
 )
 from seq2seq.cli import OutputRefused, check_output
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 
 
 def read_weights(path: str | Path, *, weights: str) -> InferenceCheckpoint:

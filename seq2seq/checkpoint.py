@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.text.tokenizer import Tokenizer
 

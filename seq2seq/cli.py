@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from seq2seq.checkpoint import CheckpointError
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.preparation import resolve_device
 from seq2seq.inference.translator import DEFAULT_SEARCH, Translation, Translator
 from seq2seq.model import ConfigError
@@ -45,7 +45,7 @@ def search_flags() -> dict[str, list[str]]:
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per SearchConfig field (its name with dashes; older spellings kept), and the run's options."""
-    group = parser.add_argument_group("search (SearchConfig in seq2seq/decoding/search.py)")
+    group = parser.add_argument_group("search (SearchConfig in seq2seq/decoding/config.py)")
     hints = typing.get_type_hints(SearchConfig)
     all_flags = search_flags()
     for f in fields(SearchConfig):

@@ -43,7 +43,7 @@ from seq2seq.cli import (
     stop_on_sigterm,
     with_extras,
 )
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translation, Translator, document_of, text_only
 from seq2seq.model.compiled import CompileError
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory

@@ -14,7 +14,7 @@ from conftest import write_tiny_run
 
 from seq2seq.average import average, main, write
 from seq2seq.checkpoint import CHECKPOINT_KEY, CheckpointError, load_checkpoint, read_inference
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.training.fit import main as fit
 

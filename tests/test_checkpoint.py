@@ -28,7 +28,7 @@ from seq2seq.checkpoint import (
     save_atomic,
     store_search_defaults,
 )
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.model import ConfigError, Transformer
 from seq2seq.text.tokenizer import Tokenizer

@@ -16,8 +16,9 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor.graph import GraphLowering
 
-from seq2seq.decoding import search as search_module
-from seq2seq.decoding.search import SearchConfig, decode
+from seq2seq.decoding import ranking as search_module  # the eager ranking functions
+from seq2seq.decoding.config import SearchConfig
+from seq2seq.decoding.search import decode
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.model import compiled as compiled_module
 from seq2seq.model.attention import CACHE_GROWTH

@@ -12,8 +12,10 @@ import torch
 from test_search import PrefixState, per_row
 
 import seq2seq.text.glossary
+from seq2seq.decoding.beam import beam_search
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.decoding.constraints import Progress, advance, all_met, allocate, met, next_tokens, start
-from seq2seq.decoding.search import SearchConfig, beam_search, decode
+from seq2seq.decoding.search import decode
 from seq2seq.inference.translator import Translator
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.text.glossary import Glossary, continues_word

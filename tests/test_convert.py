@@ -21,7 +21,7 @@ from marian_hub import hub_cache_layout, read_multi30k, write_marian_folder
 from near_ties import beam_near_ties, greedy_near_ties, reference_model
 
 from seq2seq.checkpoint import load_checkpoint, read_inference
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.interop.convert import ConvertError, convert_huggingface, main, transformer_config
 from seq2seq.interop.export import export_ctranslate2, export_huggingface

@@ -30,7 +30,7 @@ from conftest import DEMO_DATA
 from near_ties import beam_near_ties, greedy_near_ties, reference_model
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.interop.export import (
     ExportError,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import DEMO_DATA, sigterm_to_this_process
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.score import main
 from seq2seq.training.loss import label_smoothed_nll

@@ -4,8 +4,9 @@ report with them (SearchConfig.token_scores, .alignments), against computations 
 import pytest
 import torch
 
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.decoding.scoring import LOGITS_CHUNK, alignment_layer, force_decode
-from seq2seq.decoding.search import SearchConfig, decode
+from seq2seq.decoding.search import decode
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.text.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from seq2seq.training.loss import label_smoothed_nll

@@ -8,26 +8,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from seq2seq.decoding.search import (
-    Hypothesis,
-    Limits,
-    SearchConfig,
-    SpecialIds,
-    beam_search,
+from seq2seq.decoding import beam, ranking, sampling, steps
+from seq2seq.decoding import config as config_module
+from seq2seq.decoding import search as search_module
+from seq2seq.decoding.beam import beam_search
+from seq2seq.decoding.config import Hypothesis, SearchConfig, SpecialIds
+from seq2seq.decoding.ranking import (
     beam_step,
-    constrain_,
-    decode,
-    greedy,
     length_normalize,
     log_normalizer,
-    max_lengths,
     normalizer_and_bounds,
-    repeated_ngram_mask,
-    sample,
-    top_k_filter,
     top_k_rows,
-    top_p_filter,
 )
+from seq2seq.decoding.sampling import greedy, sample, top_k_filter, top_p_filter
+from seq2seq.decoding.search import decode
+from seq2seq.decoding.steps import Limits, constrain_, max_lengths, repeated_ngram_mask
 from seq2seq.model import ConfigError
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -35,6 +30,15 @@ A, B, C, D = 4, 5, 6, 7
 IDS = {"bos": BOS, "eos": EOS, "pad": PAD}
 INF = float("inf")
 NEG = float("-inf")
+
+
+def patch_decoding(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:
+    """`name` replaced by `value` in every module of seq2seq/decoding/ that reads it (each looks it up in its own
+    globals: the searches call the step and ranking functions they import)."""
+    for module in (config_module, steps, ranking, beam, sampling, search_module):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+
 
 
 def log(*probs: float) -> float:
@@ -306,20 +310,19 @@ def test_log_normalizer_equals_float64_logsumexp():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_log_normalizer_in_row_blocks_changes_no_number(monkeypatch, dtype):
-    import seq2seq.decoding.search as search
 
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(23, 3001, generator=gen) * 6).to(dtype)
     logits[2, 100:] = NEG
     whole = log_normalizer(logits)
-    monkeypatch.setattr(search, "NORMALIZER_CHUNK_BYTES", 4 * 3001 * 5)  # blocks of 5 rows, the last of 3
+    patch_decoding(monkeypatch, "NORMALIZER_CHUNK_BYTES", 4 * 3001 * 5)  # blocks of 5 rows, the last of 3
     blocks = log_normalizer(logits)
     assert whole.dtype == blocks.dtype == torch.float32
     assert torch.equal(blocks, whole)
-    monkeypatch.setattr(search, "NORMALIZER_CHUNK_BYTES", 4 * 3001 * 2)  # blocks of 2 rows, the last of 3
+    patch_decoding(monkeypatch, "NORMALIZER_CHUNK_BYTES", 4 * 3001 * 2)  # blocks of 2 rows, the last of 3
     assert torch.equal(log_normalizer(logits), whole)
     assert torch.equal(log_normalizer(logits[:22]), whole[:22])  # blocks of 2 all through
-    monkeypatch.setattr(search, "NORMALIZER_CHUNK_BYTES", 1)  # never a block of one row
+    patch_decoding(monkeypatch, "NORMALIZER_CHUNK_BYTES", 1)  # never a block of one row
     assert torch.equal(log_normalizer(logits), whole)
     for row in range(23):  # and each row as if it were alone
         assert torch.equal(log_normalizer(logits[row : row + 1]), whole[row : row + 1])
@@ -333,15 +336,14 @@ def test_log_normalizer_in_row_blocks_changes_no_number(monkeypatch, dtype):
 def test_normalizer_and_bounds_give_the_normalizer_to_the_bit_and_the_exact_chunk_maxima(monkeypatch, dtype, vocab):
     """The normaliser and the chunk maxima in one pass over float32 blocks: the same numbers as log_normalizer
     whole or in blocks (its peak is the maximum of the maxima and the partial chunk), the maxima exact."""
-    import seq2seq.decoding.search as search
 
     gen = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(23, vocab, generator=gen) * 6).to(dtype)
     logits[2, 20:] = NEG
     logits[3, -1] = 40.0  # the row's maximum in the partial chunk (when there is one)
     whole = log_normalizer(logits)
-    for block_bytes in (search.NORMALIZER_CHUNK_BYTES, 4 * vocab * 5, 1):
-        monkeypatch.setattr(search, "NORMALIZER_CHUNK_BYTES", block_bytes)
+    for block_bytes in (ranking.NORMALIZER_CHUNK_BYTES, 4 * vocab * 5, 1):
+        patch_decoding(monkeypatch, "NORMALIZER_CHUNK_BYTES", block_bytes)
         normalizer, bounds = normalizer_and_bounds(logits)
         assert torch.equal(normalizer, whole) and torch.equal(normalizer, log_normalizer(logits))
         chunks = vocab // 64
@@ -393,7 +395,7 @@ def test_beam_candidates_by_the_sentence_on_stale_bounds_are_beam_steps(vocab, b
     whole vocabulary: the same totals to the bit in every sentence, each the total of the beam and token it names,
     and (random float32 logits: no ties) the same beams and tokens. Sentences the bounds cannot prove (a constraint
     lowered the logits of the chunks read) are ranked row by row; the others are proven."""
-    from seq2seq.decoding.search import beam_candidates, beam_step_on_bounds
+    from seq2seq.decoding.ranking import beam_candidates, beam_step_on_bounds
 
     gen = torch.Generator().manual_seed(vocab + beams)
     sentences, beam_size = 12, 4
@@ -435,16 +437,15 @@ def test_beam_search_ranks_candidates_by_the_sentence_on_a_step_decoder_s_bounds
     """beam_search on a decoder whose step gives the chunk maxima (the compiled one) takes its candidates by the
     sentence (beam_step_on_bounds) and returns what ranking plain topk over the whole vocabulary returns; a
     model without bounds, and one whose vocabulary has too few chunks, take them row by row."""
-    import seq2seq.decoding.search as search
 
     class BoundsModel(RunningSumModel):  # a StepDecoder: its step gives the chunk maxima
         def decode_step(self, tgt_in, memory, src_mask, state, *, chunk):
             logits = self.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
-            return logits, None, search.chunk_maxima(logits, chunk=chunk), None
+            return logits, None, ranking.chunk_maxima(logits, chunk=chunk), None
 
     calls = []
-    by_sentence = search.beam_step_on_bounds
-    monkeypatch.setattr(search, "beam_step_on_bounds", lambda scores, *args, **kwargs: calls.append(
+    by_sentence = ranking.beam_step_on_bounds
+    patch_decoding(monkeypatch, "beam_step_on_bounds", lambda scores, *args, **kwargs: calls.append(
         scores.size(1)) or by_sentence(scores, *args, **kwargs))
     config = SearchConfig(beam_size=3, nbest=2, length_penalty=0.6, min_len=2, no_repeat_ngram_size=2, **MEDIUM)
     # 3,000 columns: 46 chunks of 64 a row; 300: 4, too few for 2K + 1 on the first step's one row, enough on three
@@ -453,8 +454,8 @@ def test_beam_search_ranks_candidates_by_the_sentence_on_a_step_decoder_s_bounds
         got = beam_search(BoundsModel(seed=5, vocab_size=vocab_size), RANDOM_SOURCES, config, **IDS)
         assert calls[0] == first_beams and set(calls) <= {1, 3} and len(calls) >= 4
         with monkeypatch.context() as plain:
-            plain.setattr(search, "top_k_rows", lambda x, k, **options: x.topk(k, dim=-1))
-            plain.setattr(search, "beam_step_on_bounds", None)  # (not called without bounds)
+            patch_decoding(plain, "top_k_rows", lambda x, k, **options: x.topk(k, dim=-1))
+            patch_decoding(plain, "beam_step_on_bounds", None)  # (not called without bounds)
             reference = beam_search(RunningSumModel(seed=5, vocab_size=vocab_size), RANDOM_SOURCES, config, **IDS)
         for hyps, want in zip(got, reference, strict=True):
             assert [(h.tokens, h.score) for h in hyps] == [(h.tokens, h.score) for h in want]
@@ -638,7 +639,6 @@ def test_early_stopping_and_chunked_top_k_change_no_result(monkeypatch, vocab_si
     """Stopping a sentence once no live hypothesis can overtake its n-best, and ranking only each
     row's best 2K tokens (found chunk by chunk), return exactly what searching on with plain topk
     over the whole vocabulary returns."""
-    import seq2seq.decoding.search as search
 
     model = RunningSumModel(seed=5, vocab_size=vocab_size)
     config = SearchConfig(beam_size=3, nbest=nbest, length_penalty=alpha, **MEDIUM)
@@ -647,8 +647,8 @@ def test_early_stopping_and_chunked_top_k_change_no_result(monkeypatch, vocab_si
     model.decode = lambda tgt_in, *args, **kwargs: calls.append(tgt_in.size(0)) or decode_calls(tgt_in, *args, **kwargs)
     fast = beam_search(model, RANDOM_SOURCES, config, **IDS)
     fast_rows = sum(calls)
-    monkeypatch.setattr(search, "cannot_be_overtaken", lambda worst, best, max_len, alpha: torch.zeros_like(best, dtype=torch.bool))
-    monkeypatch.setattr(search, "top_k_rows", lambda x, k, **options: x.topk(k, dim=-1))
+    patch_decoding(monkeypatch, "cannot_be_overtaken", lambda worst, best, max_len, alpha: torch.zeros_like(best, dtype=torch.bool))
+    patch_decoding(monkeypatch, "top_k_rows", lambda x, k, **options: x.topk(k, dim=-1))
     calls.clear()
     reference = beam_search(model, RANDOM_SOURCES, config, **IDS)
     for got, want in zip(fast, reference, strict=True):
@@ -709,7 +709,6 @@ def test_greedy_ranks_a_finished_row_riding_along_without_ranking_it_again(monke
     """A finished row rides along until a quarter of the rows are done, its logits one token's and its chunk maxima
     saying so: top_k_rows proves it on the bounds at once, with no exact ranking of the row at each step (all its
     logits equal, it was a tie ranked again every step); the tokens and scores are argmax's."""
-    import seq2seq.decoding.search as search
     from seq2seq.model import Transformer, TransformerConfig
 
     config = TransformerConfig(vocab_size=1000, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
@@ -720,18 +719,18 @@ def test_greedy_ranks_a_finished_row_riding_along_without_ranking_it_again(monke
     src[7, 2:] = PAD  # its limit two tokens: it finishes first, the others decode on to theirs (12)
     config_ = SearchConfig(beam_size=1, max_len_a=1.0, max_len_b=0)
     rows_ranked_again = []
-    top_k_rows = search.top_k_rows
+    top_k_rows = ranking.top_k_rows
 
     def counting(x, k, **options):
         if options.get("bounds") is None:
             rows_ranked_again.append(x.size(0))
         return top_k_rows(x, k, **options)
 
-    monkeypatch.setattr(search, "top_k_rows", counting)
+    patch_decoding(monkeypatch, "top_k_rows", counting)
     got = decode(model, src, config_, **IDS)
     assert len(got[7][0].tokens) <= 2 < 8 <= min(len(h[0].tokens) for h in got[:7])
     assert rows_ranked_again == [1, 7]  # only where the length limit forced EOS (at 2; at 12), lowering the best
-    monkeypatch.setattr(search, "top_k_rows", lambda x, k, **options: x.max(dim=-1, keepdim=True))
+    patch_decoding(monkeypatch, "top_k_rows", lambda x, k, **options: x.max(dim=-1, keepdim=True))
     want = decode(model, src, config_, **IDS)
     assert [(h[0].tokens, h[0].log_prob) for h in got] == [(h[0].tokens, h[0].log_prob) for h in want]
 
@@ -742,12 +741,11 @@ def test_greedy_keeps_a_step_decoder_s_argmax_where_no_constraint_lowered_it(mon
     it where the constraints left its logit as it was and ranks only the rows where they lowered it (EOS banned
     below min_len, a forced prefix token, EOS forced at the limit, a repeated n-gram); the tokens and scores are the
     plain argmax's, every tie (each column has an equal twin further on) going to the first."""
-    import seq2seq.decoding.search as search
 
     class ArgmaxModel(RunningSumModel):  # a StepDecoder: its step gives the chunk maxima and the argmax
         def decode_step(self, tgt_in, memory, src_mask, state, *, chunk):
             logits = self.decode(tgt_in, memory, src_mask, state=state)[:, -1]  # (R, V)
-            return logits, None, search.chunk_maxima(logits, chunk=chunk), logits.argmax(dim=-1)
+            return logits, None, ranking.chunk_maxima(logits, chunk=chunk), logits.argmax(dim=-1)
 
     def twins(model):
         model.out[:, 1500:] = model.out[:, :1500]  # (EOS's column alone is raised: its twin stays below)
@@ -755,15 +753,15 @@ def test_greedy_keeps_a_step_decoder_s_argmax_where_no_constraint_lowered_it(mon
 
     config = SearchConfig(min_len=2, no_repeat_ngram_size=2, max_len_a=1.0, max_len_b=3, scores=scores)
     prefix = [[7, 7], [], [], [3]]
-    ranked, steps = [], []
-    top_k_rows, step_logits = search.top_k_rows, search.step_logits
-    monkeypatch.setattr(search, "top_k_rows", lambda x, k, **options: ranked.append(x.size(0)) or top_k_rows(
+    ranked, stepped = [], []
+    top_k_rows, step_logits = ranking.top_k_rows, steps.step_logits
+    patch_decoding(monkeypatch, "top_k_rows", lambda x, k, **options: ranked.append(x.size(0)) or top_k_rows(
         x, k, **options))
-    monkeypatch.setattr(search, "step_logits", lambda *args, **options: steps.append(args[1].size(0)) or step_logits(
+    patch_decoding(monkeypatch, "step_logits", lambda *args, **options: stepped.append(args[1].size(0)) or step_logits(
         *args, **options))
     got = greedy(twins(ArgmaxModel(seed=6, vocab_size=3000)), RANDOM_SOURCES, config, prefix=prefix, **IDS)
-    assert 0 < sum(ranked) < sum(steps)
-    monkeypatch.setattr(search, "top_k_rows", lambda x, k, **options: x.max(dim=-1, keepdim=True))
+    assert 0 < sum(ranked) < sum(stepped)
+    patch_decoding(monkeypatch, "top_k_rows", lambda x, k, **options: x.max(dim=-1, keepdim=True))
     want = greedy(twins(RunningSumModel(seed=6, vocab_size=3000)), RANDOM_SOURCES, config, prefix=prefix, **IDS)
     assert [h.tokens for h in got] == [h.tokens for h in want]
     assert got[0].tokens[:2] == [7, 7]
@@ -773,7 +771,7 @@ def test_greedy_keeps_a_step_decoder_s_argmax_where_no_constraint_lowered_it(mon
     else:
         assert all(math.isnan(h.log_prob) for h in got)
     ranked.clear()
-    monkeypatch.setattr(search, "top_k_rows", top_k_rows)
+    patch_decoding(monkeypatch, "top_k_rows", top_k_rows)
     free = greedy(twins(ArgmaxModel(seed=6, vocab_size=3000)), RANDOM_SOURCES, SearchConfig(max_len_b=40), **IDS)
     assert ranked == [] and max(len(h.tokens) for h in free) < 40  # (no constraint lowered an argmax: none ranked)
 
@@ -873,7 +871,6 @@ def test_cached_decoding_matches_recomputing_the_prefix():
 def test_a_bf16_model_ranks_its_logits_in_bf16_as_in_a_float32_copy(monkeypatch, search_config):
     """A bf16 model's logits are masked and ranked in bf16 (step_logits keeps them there); taking them to
     float32 first, as before, gives the same hypotheses and log-probabilities to the last bit."""
-    import seq2seq.decoding.search as search
     from seq2seq.model import Transformer, TransformerConfig
 
     torch.manual_seed(0)
@@ -882,17 +879,17 @@ def test_a_bf16_model_ranks_its_logits_in_bf16_as_in_a_float32_copy(monkeypatch,
     model = Transformer(config).to(torch.bfloat16).eval()
     src = torch.randint(4, 300, (6, 7))
     src[3:, 4:] = PAD
-    logits, normalizer, _, _ = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
+    logits, normalizer, _, _ = steps.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
                                                model.new_state())
     assert logits.dtype == torch.bfloat16 and normalizer.dtype == torch.float32
     kept = decode(model, src, search_config, prefix=[[], [9], [], [], [], []], **IDS)
-    narrow_step = search.step_logits
+    narrow_step = steps.step_logits
 
     def float32_step(*args, **kwargs):
         logits, normalizer, bounds, argmax = narrow_step(*args, **kwargs)
-        return search.StepLogits(logits.float(), normalizer, bounds, argmax)
+        return steps.StepLogits(logits.float(), normalizer, bounds, argmax)
 
-    monkeypatch.setattr(search, "step_logits", float32_step)
+    patch_decoding(monkeypatch, "step_logits", float32_step)
     widened = decode(model, src, search_config, prefix=[[], [9], [], [], [], []], **IDS)
     for got, want in zip(kept, widened, strict=True):
         assert [(h.tokens, h.log_prob, h.score) for h in got] == [(h.tokens, h.log_prob, h.score) for h in want]
@@ -903,7 +900,6 @@ def test_greedy_without_scores_gives_the_same_tokens_and_never_normalizes(monkey
     """SearchConfig(scores=False): greedy search takes its argmax from the logits alone, as it does with
     scores (the normaliser is one number per row), never runs the normaliser's pass, and its scores are NaN.
     Beam search and sampling need the normaliser, and keep their scores."""
-    import seq2seq.decoding.search as search
     from seq2seq.model import Transformer, TransformerConfig
 
     torch.manual_seed(0)
@@ -920,12 +916,12 @@ def test_greedy_without_scores_gives_the_same_tokens_and_never_normalizes(monkey
     def refused(*args, **kwargs):
         raise AssertionError("the normaliser ran for a search that reports no scores")
 
-    monkeypatch.setattr(search, "log_normalizer", refused)
-    monkeypatch.setattr(search, "normalizer_and_bounds", refused)
+    patch_decoding(monkeypatch, "log_normalizer", refused)
+    patch_decoding(monkeypatch, "normalizer_and_bounds", refused)
     plain = decode(model, src, replace(base, scores=False), prefix=prefix, **IDS)
     assert [h.tokens for hyps in plain for h in hyps] == [h.tokens for hyps in scored for h in hyps]
     assert all(math.isnan(h.score) and math.isnan(h.log_prob) for hyps in plain for h in hyps)
-    logits, normalizer, bounds, _ = search.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
+    logits, normalizer, bounds, _ = steps.step_logits(model, torch.full((6, 1), BOS), model.encode(src), src != PAD,
                                                     model.new_state(), bounds=True, normalize=False)
     assert logits.shape == (6, 300) and normalizer.isnan().all() and bounds is None
     with pytest.raises(AssertionError, match="normaliser ran"):  # beam search ranks by log-probabilities

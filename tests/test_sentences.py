@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import DEMO_DATA, MULTI30K
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.text.sentences import model_sentence_spans, rejoin, sentence_spans
 

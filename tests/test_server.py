@@ -28,7 +28,7 @@ import uvicorn
 from conftest import sigterm_to_this_process
 from libretranslatepy import LibreTranslateAPI
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.model.compiled import CompileError
 from seq2seq.text.glossary import Glossary

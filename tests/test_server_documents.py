@@ -13,7 +13,7 @@ import torch
 from conftest import MULTI30K
 from libretranslatepy import LibreTranslateAPI
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 import srt
 from bs4 import BeautifulSoup
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translation, Translator
 from seq2seq.text.sentences import sentence_spans
 from seq2seq.text.subtitles import SHOWN, SrtDocument, wrap

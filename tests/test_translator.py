@@ -44,7 +44,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from seq2seq.checkpoint import store_search_defaults
-from seq2seq.decoding.search import SearchConfig, beam_search, greedy
+from seq2seq.decoding.beam import beam_search
+from seq2seq.decoding.config import SearchConfig
+from seq2seq.decoding.sampling import greedy
 from seq2seq.inference import translator as translator_module
 from seq2seq.inference.pool import length_sorted_batches, shared_out
 from seq2seq.inference.translator import Translation, Translator, pad_batch
@@ -179,7 +181,7 @@ def test_text_only_callers_compute_no_scores_in_greedy_search(checkpoint: Path, 
     """translate, translate_paragraphs and the translate CLI's one-best lines return text alone: greedy search
     there skips the normaliser over the vocabulary (SearchConfig.scores), with the same tokens;
     translate_nbest keeps the scores unless told otherwise, and then they are NaN."""
-    import seq2seq.decoding.search as search_module
+    import seq2seq.decoding.steps as search_module  # where step_logits reads the normaliser
 
     greedy_search = SearchConfig(beam_size=1)
     scored = translator.translate_nbest(SENTENCES, greedy_search)

@@ -3,7 +3,7 @@ run: tests/training/test_callbacks.py.)"""
 
 import pytest
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.tune import choose_length_penalty
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from seq2seq.decoding.search import EncoderDecoder
+from seq2seq.decoding.config import EncoderDecoder
 from seq2seq.model import Transformer
 from seq2seq.model.compiled import CompiledDecoder, bf16_around_int8, check_compilable, int8_compiled
 from seq2seq.model.numerics import PackedLinear, for_inference

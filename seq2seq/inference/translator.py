@@ -32,9 +32,10 @@ from typing import Protocol, TypeVar
 import torch
 
 from seq2seq.checkpoint import load_checkpoint, read_inference
+from seq2seq.decoding.config import Hypothesis, SearchConfig
 from seq2seq.decoding.constraints import holds
 from seq2seq.decoding.scoring import Forced, force_decode
-from seq2seq.decoding.search import Hypothesis, SearchConfig, decode
+from seq2seq.decoding.search import decode
 from seq2seq.inference.pool import DecoderPool, length_sorted_batches
 from seq2seq.inference.preparation import prepare, warn_of_workers_off_the_cpu
 from seq2seq.model import Transformer

@@ -7,7 +7,7 @@ the checkpoint and the validation set; the decoding is here, on the inference si
 import sacrebleu
 
 from seq2seq.checkpoint import CheckpointError, store_search_defaults
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translation, Translator
 
 # Every hypothesis holds a vocabulary-wide row of scores (the logits and the search's temporaries

@@ -97,7 +97,7 @@ from seq2seq.cli import (
     parallelism,
     stop_on_sigterm,
 )
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.pool import start_decoder_thread
 from seq2seq.inference.translator import (
     EMPTY,

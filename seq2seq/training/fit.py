@@ -44,7 +44,7 @@ from seq2seq.checkpoint import (
     remove_partial_writes,
     save_atomic,
 )
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls, device_name, tune_process_memory
 from seq2seq.text.tokenizer import PAD_ID, Tokenizer

@@ -35,7 +35,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, seal_training_state
-from seq2seq.decoding.search import SearchConfig, decode
+from seq2seq.decoding.config import SearchConfig
+from seq2seq.decoding.search import decode
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
 from seq2seq.text.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ import torch
 from conftest import write_tiny_run
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, load_checkpoint, read_inference
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.fit import main  # the face: it tunes after training
 from seq2seq.inference.translator import Translator
 from seq2seq.model import ConfigError

@@ -22,7 +22,7 @@ from machines import MACHINES, pretend_machine
 import seq2seq.training.fit
 from seq2seq.average import main as average_main
 from seq2seq.checkpoint import CheckpointError
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.model import TransformerConfig
 from seq2seq.training.data import TranslationDataModule
 from seq2seq.training.fit import AtomicCheckpointIO, Trainer, TranslationCLI, main

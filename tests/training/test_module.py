@@ -14,7 +14,8 @@ from conftest import write_tiny_run
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import seq2seq.decoding.search as search_module
-from seq2seq.decoding.search import SearchConfig
+import seq2seq.decoding.steps as steps_module
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.precision import Verdict
@@ -101,8 +102,8 @@ def test_validation_decodes_without_scores(monkeypatch: pytest.MonkeyPatch):
     def refused(*args, **kwargs):
         raise AssertionError("validation ran the normaliser")
 
-    monkeypatch.setattr(search_module, "log_normalizer", refused)
-    monkeypatch.setattr(search_module, "normalizer_and_bounds", refused)
+    monkeypatch.setattr(steps_module, "log_normalizer", refused)  # where step_logits reads them
+    monkeypatch.setattr(steps_module, "normalizer_and_bounds", refused)
     assert module.translate_batch(src) == [str(hyps[0].tokens) for hyps in scored]
 
 
