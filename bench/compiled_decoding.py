@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, device_name, tune_process_memory
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.model.compiled import CompiledDecoder, CompiledState
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, device_name, tune_process_memory

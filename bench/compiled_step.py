@@ -112,7 +112,7 @@ def child(args: argparse.Namespace) -> None:
     """One process: the model's own step against `args.variant`, in turns; one JSON line per row count."""
     import torch
 
-    from seq2seq.decoding.search import SearchConfig
+    from seq2seq.decoding.config import SearchConfig
     from seq2seq.inference.translator import Translator
     from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seq2seq.decoding.search import SearchConfig  # noqa: E402
+from seq2seq.decoding.config import SearchConfig  # noqa: E402
 from seq2seq.inference.translator import Translator  # noqa: E402
 
 

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import seq2seq.inference.translator  # noqa: E402
-from seq2seq.decoding.search import Hypothesis  # noqa: E402
+from seq2seq.decoding.config import Hypothesis  # noqa: E402
 from seq2seq.inference.translator import Translator  # noqa: E402
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translation, Translator
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.text.tokenizer import Tokenizer

@@ -45,7 +45,7 @@ import torch
 from train_throughput import time_alternating
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
-from seq2seq.decoding.search import SearchConfig
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 from seq2seq.interop.export import export_ctranslate2
 from seq2seq.model import Transformer, TransformerConfig

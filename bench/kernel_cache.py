@@ -39,7 +39,7 @@ def child(args: argparse.Namespace) -> None:
     """One process: translate the slices and print one JSON line of seconds per slice and peak RSS."""
     import torch
 
-    from seq2seq.decoding.search import SearchConfig
+    from seq2seq.decoding.config import SearchConfig
     from seq2seq.inference.translator import Translator
     from seq2seq.model import numerics
 

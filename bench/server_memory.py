@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 REPO = Path(__file__).resolve().parents[1]
 from seq2seq.inference.translator import Translator  # noqa: E402
-from seq2seq.serve.server import create_app  # noqa: E402
+from seq2seq.serve.app import create_app  # noqa: E402
 
 
 def main() -> None:

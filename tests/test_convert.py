@@ -197,7 +197,7 @@ def test_an_imported_model_through_the_cli_and_the_server(imported: Path, tmp_pa
 
     from starlette.testclient import TestClient
 
-    from seq2seq.serve.server import create_app
+    from seq2seq.serve.app import create_app
     from seq2seq.translate import main as translate
 
     texts = [de for de, _ in sentences(8)]

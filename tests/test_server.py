@@ -37,7 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from server_soak import collect, start_attack  # noqa: E402
 
-from seq2seq.serve.server import AcceptErrors, Batcher, Busy, create_app, decoding_cost, main, uvicorn_config  # noqa: E402
+from seq2seq.serve.app import create_app  # noqa: E402
+from seq2seq.serve.batcher import Batcher, Busy, decoding_cost  # noqa: E402
+from seq2seq.serve.guards import AcceptErrors, uvicorn_config  # noqa: E402
+from seq2seq.serve.server import main  # noqa: E402
 
 SENTENCES = ["A dog runs across the meadow .", "Two men play football in the park .", "A woman reads a book .",
              "The children sing .", "A man rides a bike in the city while it rains .", "People stand outside ."]

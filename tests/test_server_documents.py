@@ -21,10 +21,10 @@ from test_markup import added, elements, live  # noqa: E402
 from test_markup import text as text_of  # noqa: E402
 from test_server import SENTENCES, Running  # noqa: E402
 
+from seq2seq.serve.app import create_app  # noqa: E402
 from seq2seq.serve.bodies import BadRequest  # noqa: E402
 from seq2seq.serve.documents import FileStore, StoreFull  # noqa: E402
 from seq2seq.serve.languages import Detector  # noqa: E402
-from seq2seq.serve.server import create_app  # noqa: E402
 
 SEARCH = SearchConfig(beam_size=2)
 GERMAN = ["Ein Mann fährt mit dem Fahrrad durch die Stadt.", "Zwei Hunde spielen im Schnee.",
