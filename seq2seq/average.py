@@ -11,7 +11,7 @@ checked as Translator checks one, and all must share the model config, tokenizer
 Search defaults a checkpoint stores (a tuned length penalty) are not carried over: they were tuned
 for other weights.
 
---output is checked before any checkpoint is read (seq2seq/cli.py's check_output): a new file, or with
+--output is checked before any checkpoint is read (seq2seq/textio.py's check_output): a new file, or with
 --force an existing one, in a folder that exists; never a device, FIFO or link (the write renames a new file
 over the path), a folder, or one of the checkpoints.
 """
@@ -35,8 +35,8 @@ from seq2seq.checkpoint import (
     read_inference,
     save_atomic,
 )
-from seq2seq.cli import OutputRefused, check_output
 from seq2seq.decoding.config import SearchConfig
+from seq2seq.textio import OutputRefused, check_output
 
 
 def read_weights(path: str | Path, *, weights: str) -> InferenceCheckpoint:
@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"averaged {len(args.checkpoints)} checkpoints ({args.weights} weights) into {args.output}")
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The command: `main` with the process set up for it."""
     torch.set_grad_enabled(False)
     main()
+
+
+if __name__ == "__main__":
+    run()

@@ -10,15 +10,11 @@ import dataclasses
 import os
 import re
 import signal
-import stat
 import sys
-import tempfile
 import time
 import typing
 import warnings
-from collections.abc import Iterable
 from dataclasses import fields
-from pathlib import Path
 
 import torch
 
@@ -187,136 +183,6 @@ def describe(search: SearchConfig) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Where a face writes: one policy for every --output.
-
-
-class OutputRefused(ValueError):
-    """An output a face may not write: one line (no "error: ") naming the option, the path, and what to do."""
-
-
-def check_output(path: str | Path, *, option: str = "--output", force: bool, replaces: bool,
-                 inputs: Iterable[tuple[str, str | Path]] = (), folder: bool = False,
-                 example: str = "model.ckpt") -> None:
-    """Raise OutputRefused unless a face may write `path`; called before any work (a checkpoint loaded, a model
-    converted, a line translated), and it changes nothing at `path`. The policy, for every face:
-
-    - `replaces`: the face writes a new file (a folder, with `folder`) beside `path` and renames it over `path`
-      (average, convert, export): a device, FIFO, socket or symbolic link at `path` is refused even with `force`,
-      since the rename would replace it (`--output /dev/null` became a regular file), and `-` names no stdout.
-      Otherwise the face streams text into `path` (translate, score): `-` is stdout, and a FIFO or a device is
-      written into as it is (never truncated, nor opened here: a FIFO would wait for its reader); a file that is
-      not text (a checkpoint under another name) is refused even with `force`.
-    - An existing regular file that holds anything is refused unless `force` (an empty one has nothing to lose).
-    - `folder`: the face writes a folder (export), `path` made absolute and normalised as it writes it (`typo/..`
-      is the working folder there): a file there is refused; an existing folder passes, for the face's own rule
-      on what it may replace. Without `folder`, a folder at `path` is refused.
-    - The folder `path` goes in must exist: no face creates folders.
-    - `inputs`, (option, path) pairs (`-`: stdin): the output may be none of them, even with `force`.
-    - The folder must take a new file (a folder, with `folder`), tried now; a streaming face's `path` must open
-      for appending (which empties nothing).
-
-    `example` names a file to suggest when `path` is a folder (`--output runs/` -> `runs/model.ckpt`).
-    """
-    shown, kind = str(path), "folder" if folder else "file"
-    if not shown:
-        raise OutputRefused(f"{option} is empty: name a new {kind}" + ("" if replaces else ", or - for stdout"))
-    if shown == "-":
-        if replaces:
-            raise OutputRefused(f"{option} -: this writes a {kind}, not stdout: name a new {kind}")
-        return
-    target = Path(os.path.abspath(shown)) if folder else Path(shown)
-    for what, other in inputs:
-        name = "the input file" if what == "--input" else f"the {what} file"
-        if str(other) == "-":
-            if _is_stdin(target):
-                raise OutputRefused(f"{option} {shown} is {name}, read from stdin: it would be overwritten; write to "
-                                    "another file")
-        elif _same_file(target, Path(other)):
-            raise OutputRefused(f"{option} {shown} is {name} {other}: it would be overwritten")
-    try:  # the rename faces replace a link itself; the streaming ones write where it leads (/dev/stdout)
-        status: os.stat_result | None = os.lstat(target) if replaces else os.stat(target)
-    except OSError:  # not there (or not reachable: the folder checks below say why)
-        status = None
-    if status is not None:
-        mode = status.st_mode
-        if stat.S_ISLNK(mode):
-            raise OutputRefused(f"{option} {shown} is a symbolic link: name the {kind} itself, or a new one")
-        if stat.S_ISDIR(mode) and not folder:
-            raise OutputRefused(f"{option} {shown} is a folder; name the file to write, e.g. "
-                                f"{Path(shown) / example}")
-        if not stat.S_ISDIR(mode) and not stat.S_ISREG(mode):
-            if replaces:
-                raise OutputRefused(f"{option} {shown} is {_special_file(mode)}, not a {kind}: name a new {kind}")
-            return  # a FIFO, a terminal, /dev/null: written into as they are, never emptied
-        if stat.S_ISREG(mode) and folder:
-            raise OutputRefused(f"{option} {shown} is a file, not a folder: name a new folder")
-        if stat.S_ISREG(mode) and status.st_size:
-            if not replaces and not _looks_like_text(target):
-                raise OutputRefused(f"{option} {shown} exists and is not a text file (a checkpoint, an archive?): "
-                                    "it would be overwritten; give another path, or delete it first if it is yours "
-                                    "to lose")
-            if not force:
-                raise OutputRefused(f"{option} {shown} exists: name a new {kind}, or pass --force to replace it")
-    parent = target.parent
-    if not parent.is_dir():
-        if parent.exists():
-            raise OutputRefused(f"{option} {shown}: {parent} is a file, not a folder")
-        raise OutputRefused(f"{option} {shown}: the folder {parent} does not exist; create it first")
-    if not replaces:
-        existed = os.path.lexists(target)
-        try:
-            with open(target, "a", encoding="utf-8"):  # "a": an existing file is not emptied by the check
-                pass
-        except OSError as error:
-            raise OutputRefused(f"{option} {shown} cannot be written ({error.strerror})") from None
-        if not existed:
-            target.unlink()
-        return
-    try:  # what the face's write makes first: a new file (or folder) beside `path`
-        if folder:
-            os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".seq2seq-check-"))
-        else:
-            fd, probe = tempfile.mkstemp(dir=parent, prefix=".seq2seq-check-")
-            os.close(fd)
-            os.unlink(probe)
-    except OSError as error:
-        raise OutputRefused(f"{option} {shown}: cannot create a {kind} in {parent} ({error.strerror or error}): "
-                            "name a folder you can write to") from None
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.samefile(b)  # a hard or symbolic link to an input is that input
-    except OSError:
-        return False
-
-
-def _is_stdin(path: Path) -> bool:
-    """Whether `path` is the regular file stdin reads: `--output F < F` would empty the input."""
-    try:
-        a, b = path.stat(), os.fstat(0)
-    except (OSError, ValueError):
-        return False
-    return stat.S_ISREG(a.st_mode) and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _special_file(mode: int) -> str:
-    return ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-            else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-            else "a special file")
-
-
-def _looks_like_text(path: Path) -> bool:
-    """No NUL byte in the first 8 KiB and no zip archive (a torch checkpoint is one): translations are text."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8192)
-    except OSError:
-        return True  # unreadable: the write check that follows says what is wrong
-    return b"\0" not in head and not head.startswith(b"PK\x03\x04")
-
-
-# ---------------------------------------------------------------------------------------------
-# Translations as text.
 
 
 def one_line(text: str) -> str:

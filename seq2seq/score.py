@@ -22,12 +22,12 @@ from itertools import islice
 import torch
 
 from seq2seq.checkpoint import CheckpointError
-from seq2seq.cli import OutputRefused, check_output, interruption, one_line_warnings, stop_on_sigterm
+from seq2seq.cli import interruption, one_line_warnings, stop_on_sigterm
 from seq2seq.decoding.scoring import Forced
 from seq2seq.inference.preparation import resolve_device
 from seq2seq.inference.translator import Translator
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, PRECISIONS, tune_process_memory
-from seq2seq.textio import Output, check_input_path, read_lines, where
+from seq2seq.textio import Output, OutputRefused, check_input_path, check_output, read_lines, where
 
 WINDOW = 1000  # pairs scored (sorted by length) and written at a time
 
@@ -71,14 +71,14 @@ def main(argv: list[str] | None = None) -> None:
     one_line_warnings()
     stop_on_sigterm()
     try:
-        run(args)
+        score_input(args)
     except KeyboardInterrupt as error:  # before the first window (run reports a stop after that)
         stop, status = interruption(error)
         print(f"\n{stop} before any pair was scored; {where(args.output)} was not written", file=sys.stderr)
         raise SystemExit(status) from None
 
 
-def run(args: argparse.Namespace) -> None:
+def score_input(args: argparse.Namespace) -> None:
     sources, targets = read_lines(args.src, option="--src"), read_lines(args.tgt, option="--tgt")
     if len(sources) != len(targets):
         raise SystemExit(f"error: --src {args.src} has {len(sources)} lines but --tgt {args.tgt} has "
@@ -110,6 +110,11 @@ def run(args: argparse.Namespace) -> None:
           f"{torch.get_num_threads()} threads)", file=sys.stderr)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The command: `main` with the process set up for it."""
     tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # large blocks reused, kernels kept
     main()
+
+
+if __name__ == "__main__":
+    run()

@@ -30,10 +30,8 @@ import sacrebleu
 from tqdm import tqdm
 
 from seq2seq.cli import (
-    OutputRefused,
     add_search_arguments,
     check_flags,
-    check_output,
     describe,
     format_nbest,
     interruption,
@@ -51,8 +49,10 @@ from seq2seq.text.glossary import Glossary, normal_term
 from seq2seq.textio import (
     InputError,
     Output,
+    OutputRefused,
     UpToABadLine,
     check_input_path,
+    check_output,
     count_lines,
     iter_lines,
     read_lines,
@@ -127,14 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     one_line_warnings()
     stop_on_sigterm()
     try:
-        run(parser, args)
+        translate_input(parser, args)
     except KeyboardInterrupt as error:  # before the first line was written (run reports an interruption after that)
         stop, status = interruption(error)
         print(f"\n{stop} before any line was translated; {where(args.output)} was not written", file=sys.stderr)
         raise SystemExit(status) from None
 
 
-def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def translate_input(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.format != "lines":
         return translate_document(parser, args, glossary=read_glossary(args.glossary) if args.glossary else None)
     total = count_lines(args.input)
@@ -351,6 +351,11 @@ def write_translations(results: Iterable[list[Translation]], output: Output | Te
             bar.update()
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The command: `main` with the process set up for it."""
     tune_process_memory(kernels=DECODING_KERNEL_CACHE_CAPACITY)  # large blocks reused, kernels kept
     main()
+
+
+if __name__ == "__main__":
+    run()

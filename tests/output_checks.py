@@ -1,4 +1,4 @@
-"""What the faces' output tests share (seq2seq/cli.py's check_output is one policy for every face)."""
+"""What the faces' output tests share (seq2seq/textio.py's check_output is one policy for every face)."""
 
 import contextlib
 import os

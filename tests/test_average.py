@@ -102,7 +102,7 @@ def test_a_flipped_bit_in_the_trained_weights_is_refused(ema_run: Path, tmp_path
     average([steps(ema_run)[0], str(damaged)], weights="inference")  # the EMA weights are another matter
 
 
-# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before any checkpoint is read ----
+# ---- --output: the policy every face shares (seq2seq/textio.py's check_output), checked before any checkpoint is read ----
 
 
 def refused(*args: str) -> str:

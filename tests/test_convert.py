@@ -21,9 +21,10 @@ from marian_hub import hub_cache_layout, read_multi30k, write_marian_folder
 from near_ties import beam_near_ties, greedy_near_ties, reference_model
 
 from seq2seq.checkpoint import load_checkpoint, read_inference
+from seq2seq.convert import main
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
-from seq2seq.interop.convert import ConvertError, convert_huggingface, main, transformer_config
+from seq2seq.interop.convert import ConvertError, convert_huggingface, transformer_config
 from seq2seq.interop.export import export_ctranslate2, export_huggingface
 from seq2seq.model import Transformer
 from seq2seq.text.tokenizer import Tokenizer
@@ -376,7 +377,7 @@ def test_unknown_weights_a_taken_output_and_a_bad_source_are_refused(marian: Pat
     assert os.path.exists(convert_huggingface(str(no_pair), tmp_path / "z.ckpt", src_lang="de", tgt_lang="en"))
 
 
-# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before SRC is read ----
+# ---- --output: the policy every face shares (seq2seq/textio.py's check_output), checked before SRC is read ----
 
 
 @pytest.fixture

@@ -517,7 +517,7 @@ def test_the_python_api_refuses_and_replaces_as_the_command_line_does(checkpoint
         export_huggingface(checkpoint, tmp_path / "ct2", force=True)
 
 
-# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before the checkpoint is read ----
+# ---- --output: the policy every face shares (seq2seq/textio.py's check_output), checked before the checkpoint is read ----
 
 
 def refused(*args: str) -> str:

@@ -195,7 +195,7 @@ def test_ctrl_c_or_sigterm_keeps_the_scores_written_and_says_how_many(stop: str,
     assert capsys.readouterr().err.strip() == f"{stop} before any pair was scored; --output {output} was not written"
 
 
-# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before the model loads ----
+# ---- --output: the policy every face shares (seq2seq/textio.py's check_output), checked before the model loads ----
 
 
 @pytest.fixture

@@ -495,9 +495,9 @@ def test_a_device_this_machine_lacks_is_one_usage_error_before_loading(device: s
     assert caught.value.code == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
-    assert lines[0].startswith("usage: python serve/server.py ") and "Traceback" not in err
+    assert lines[0].startswith("usage: python -m seq2seq.serve ") and "Traceback" not in err
     errors = [line for line in lines if "error:" in line]
-    assert errors == [lines[-1]] and lines[-1].startswith("python serve/server.py: error: ") and message in lines[-1]
+    assert errors == [lines[-1]] and lines[-1].startswith("python -m seq2seq.serve: error: ") and message in lines[-1]
     assert "use cpu, or a device this machine has" in lines[-1]
 
 

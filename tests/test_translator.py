@@ -1447,7 +1447,7 @@ def test_workers_and_threads_fill_the_cores(workers, threads, cores, device, exp
     assert parallelism(Namespace(workers=workers, threads=threads, device=device)) == expected
 
 
-# ---- --output: the policy every face shares (seq2seq/cli.py's check_output), checked before the model loads ----
+# ---- --output: the policy every face shares (seq2seq/textio.py's check_output), checked before the model loads ----
 
 
 def refused(*args: str) -> str:

@@ -27,7 +27,6 @@ What is read, and how it maps (the inverse of seq2seq/export.py's Marian export)
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import json
 import re
@@ -37,12 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq.checkpoint import CHECKPOINT_KEY, CheckpointError, inference_entry, save_atomic
-from seq2seq.cli import OutputRefused, check_output
+from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
 from seq2seq.interop.marian import channel_order, layer_modules
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
 from seq2seq.text.tokenizer import Tokenizer
+from seq2seq.textio import OutputRefused, check_output
 
 
 class ConvertError(ValueError):
@@ -413,7 +412,7 @@ def source_files(source: str) -> list[Path]:
 def convert_huggingface(source: str, output: str | Path, *, src_lang: str | None = None,
                         tgt_lang: str | None = None, force: bool = False) -> Path:
     """Write checkpoint `output` from the Marian model SRC (a folder or a Hub id); ConvertError if it cannot.
-    `output` is checked first (seq2seq/cli.py's check_output): a new file, or with `force` an existing one, in a
+    `output` is checked first (seq2seq/textio.py's check_output): a new file, or with `force` an existing one, in a
     folder that exists; never a device, FIFO or link, a folder, or one of SRC's files."""
     try:
         check_output(output, force=force, replaces=True, inputs=[("SRC", path) for path in source_files(source)])
@@ -446,25 +445,3 @@ def convert_huggingface(source: str, output: str | Path, *, src_lang: str | None
     except OSError as error:
         raise ConvertError(f"--output {output}: cannot write it ({error.strerror or error})") from None
     return output
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m seq2seq.convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--from", dest="source_format", required=True, choices=["huggingface"],
-                        help="the toolkit the model comes from")
-    parser.add_argument("source", metavar="SRC", help="a model folder, or a Hub id (Helsinki-NLP/opus-mt-de-en)")
-    parser.add_argument("--output", required=True, help="the checkpoint to write (.ckpt), in a folder that exists")
-    parser.add_argument("--src-lang", default=None, help="source language code (default: the model's record)")
-    parser.add_argument("--tgt-lang", default=None, help="target language code (default: the model's record)")
-    parser.add_argument("--force", action="store_true", help="replace --output if it is a file that holds anything")
-    args = parser.parse_args(argv)
-    try:
-        convert_huggingface(args.source, args.output, src_lang=args.src_lang, tgt_lang=args.tgt_lang, force=args.force)
-    except (ConvertError, CheckpointError) as error:
-        raise SystemExit(f"error: {error}") from None
-    print(f"wrote {args.output} (from {args.source})")
-
-
-if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    main()

@@ -10,7 +10,7 @@ sentencepiece model too (`source.spm`, `target.spm`: the same joint model), so t
 
 The output folder: an export is written into a new folder beside `--output` and renamed into place
 only once it is whole, so a failure leaves `--output` as it was. It is checked first by the policy
-every face shares (seq2seq/cli.py's check_output: not a file, device, FIFO or link, not the checkpoint,
+every face shares (seq2seq/textio.py's check_output: not a file, device, FIFO or link, not the checkpoint,
 in a folder that exists, none created); `--force` then replaces only a folder that holds nothing but an
 earlier export's files (EXPORT_FILES): never the checkpoint, other files or sub-folders, since the user
 named the folder for an export, not for everything in it.
@@ -36,7 +36,6 @@ How our model maps onto the spec, and why each choice:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import os
@@ -51,8 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from seq2seq import cli
-from seq2seq.checkpoint import CheckpointError, InferenceCheckpoint, load_checkpoint, read_inference
+from seq2seq import textio
+from seq2seq.checkpoint import InferenceCheckpoint, load_checkpoint, read_inference
 from seq2seq.interop.marian import channel_order, layer_modules
 from seq2seq.model import TransformerConfig
 from seq2seq.text.tokenizer import Tokenizer
@@ -79,13 +78,6 @@ EXPORT_FILES = frozenset({
 _WEIGHT_SHARD = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.samefile(b)  # a hard or symbolic link to the checkpoint is the checkpoint
-    except OSError:
-        return False
-
-
 def check_output(output: str | Path, *, checkpoint: Path, force: bool) -> None:
     """Raise ExportError (naming --output and what to do) unless an export may write `output`: the policy every
     face shares (cli.check_output: a folder in a folder that exists, not a file, device, FIFO or link, not the
@@ -95,8 +87,8 @@ def check_output(output: str | Path, *, checkpoint: Path, force: bool) -> None:
     path)."""
     shown = Path(output) if str(output) else ""  # named as Path spells it (`./ct2/.` is ct2); "" stays empty
     try:
-        cli.check_output(shown, force=force, replaces=True, folder=True, inputs=[("--checkpoint", checkpoint)])
-    except cli.OutputRefused as error:
+        textio.check_output(shown, force=force, replaces=True, folder=True, inputs=[("--checkpoint", checkpoint)])
+    except textio.OutputRefused as error:
         raise ExportError(str(error)) from None
     output = Path(os.path.abspath(output))
     if not output.exists():
@@ -106,7 +98,7 @@ def check_output(output: str | Path, *, checkpoint: Path, force: bool) -> None:
     except OSError as error:
         raise ExportError(f"--output {shown} cannot be read ({error.strerror}): name a new folder") from None
     holder = output.resolve()
-    inside = next((e for e in entries if _same_file(e, checkpoint)), None)
+    inside = next((e for e in entries if textio.same_file(e, checkpoint)), None)
     if inside is not None or holder in checkpoint.resolve().parents:
         where = inside.name if inside is not None else checkpoint.resolve().relative_to(holder)
         raise ExportError(f"--output {shown} holds the checkpoint being exported ({where}): "
@@ -467,40 +459,3 @@ def export_huggingface(checkpoint: str | Path, output: str | Path, *, force: boo
         MarianTokenizer(source_spm=str(spm["source"]), target_spm=str(spm["target"]), vocab=str(vocab_path),
                         source_lang=loaded.src_lang, target_lang=loaded.tgt_lang).save_pretrained(folder)
     return output
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m seq2seq.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
-    parser.add_argument("--to", required=True, choices=["ctranslate2", "huggingface"], help="the engine to export to")
-    parser.add_argument("--output", required=True,
-                        help="the folder to write, in a folder that exists (must not exist itself, unless --force)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                        help="CTranslate2 weight type (default: float32 as trained)")
-    parser.add_argument("--force", action="store_true",
-                        help="replace --output if it holds an earlier export (and nothing else)")
-    args = parser.parse_args(argv)
-    if args.to == "huggingface" and args.quantization:
-        parser.error("--quantization is for --to ctranslate2")
-    try:  # before the engine's import and the checkpoint's reading, which take seconds
-        check_output(args.output, checkpoint=Path(args.checkpoint), force=args.force)
-    except ExportError as error:
-        raise SystemExit(f"error: {error}") from None
-    output = Path(args.output)
-    package = {"ctranslate2": "ctranslate2", "huggingface": "transformers"}[args.to]
-    try:
-        __import__(package)
-    except ImportError:
-        raise SystemExit(f"error: --to {args.to} needs the {package} package: pip install -e '.[export]'") from None
-    try:
-        if args.to == "ctranslate2":
-            export_ctranslate2(args.checkpoint, output, quantization=args.quantization, force=args.force)
-        else:
-            export_huggingface(args.checkpoint, output, force=args.force)
-    except (CheckpointError, ExportError) as error:
-        raise SystemExit(f"error: {error}") from None
-    print(f"wrote {output} ({args.to}{', ' + args.quantization if args.quantization else ''})")
-
-
-if __name__ == "__main__":
-    main()

@@ -22,9 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from seq2seq.cli import (
-    compiled_line,
-)
+from seq2seq.cli import compiled_line
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.pool import start_decoder_thread
 from seq2seq.inference.translator import (

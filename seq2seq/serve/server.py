@@ -92,7 +92,7 @@ from seq2seq.serve.guards import (
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python serve/server.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m seq2seq.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, action="append",
                         help="a .ckpt written by python -m seq2seq.fit (or seq2seq.convert); repeat it to serve several "
                              "language pairs, one checkpoint each")
