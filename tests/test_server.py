@@ -37,8 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from server_soak import collect, start_attack  # noqa: E402
 
+from seq2seq.inference.inputs import Inputs, decoding_cost  # noqa: E402
 from seq2seq.serve.app import create_app  # noqa: E402
-from seq2seq.serve.batcher import Batcher, Busy, decoding_cost  # noqa: E402
+from seq2seq.serve.batcher import Batcher, Busy  # noqa: E402
 from seq2seq.serve.guards import AcceptErrors, uvicorn_config  # noqa: E402
 from seq2seq.serve.server import main  # noqa: E402
 
@@ -261,7 +262,7 @@ def test_v1_target_prefix(server: Running, translator: Translator):
         SENTENCES[:3], SEARCH, prefixes=["Zwei", "", "Eine Frau"])
     for bad, message in ((["a"], "target_prefix must be a list of 3 strings, as q is"),
                          (5, "target_prefix must be a list of 3 strings"),
-                         (["a", "b", " ".join(["x"] * 200)], "target_prefix[2] has")):
+                         (["a", "b", " ".join(["x"] * 200)], "the target prefix of q item 3 has")):
         reply = httpx.post(url, json={"q": SENTENCES[:3], "target_prefix": bad})
         assert reply.status_code == 400 and message in reply.json()["error"], reply.json()
 
@@ -357,9 +358,12 @@ class Blocking:
     def compile_decoding(self) -> int:
         return 0
 
-    def translate_nbest(self, texts, search, *, max_tokens, **options):
+    def prepare_inputs(self, texts, search, **options):
+        return Inputs(ids=[[5] if text else [] for text in texts])
+
+    def decode_inputs(self, inputs, search, *, max_tokens, generator):
         self.release.wait(timeout=30)
-        return [[] for _ in texts]
+        return [[] for _ in range(len(inputs))]
 
 
 def test_a_full_queue_answers_429_and_a_slow_one_503(translator: Translator):
@@ -414,10 +418,15 @@ def test_batcher_refuses_beyond_its_queue(translator: Translator):
 
     async def fill() -> None:
         batcher = Batcher(translator, max_queue=2)
-        batcher.submit(["a"], SEARCH)
-        batcher.submit(["b"], SEARCH)
+
+        def submit(text: str) -> None:
+            inputs = translator.prepare_inputs([text], SEARCH)
+            batcher.submit(inputs, SEARCH, costs=inputs.costs(SEARCH, max_positions=translator.model.config.max_positions))
+
+        submit("a")
+        submit("b")
         with pytest.raises(Busy):
-            batcher.submit(["c"], SEARCH)
+            submit("c")
         batcher.pool.shutdown()
 
     asyncio.run(fill())
@@ -583,6 +592,7 @@ class Recording:
 
     def __init__(self, translator: Translator, *, error: Exception | None = None, gated: bool = False):
         self.translator, self.error, self.calls = translator, error, []
+        self.texts: dict[tuple[int, ...], str] = {}  # what each prepared text was, by its ids
         self.tokenizer, self.model, self.precision = translator.tokenizer, translator.model, "fp32"
         self.src_lang, self.tgt_lang, self.device = translator.src_lang, translator.tgt_lang, translator.device
         self.release = threading.Event()
@@ -595,12 +605,18 @@ class Recording:
     def compile_decoding(self) -> int:
         return 0
 
-    def translate_nbest(self, texts, search, **options):
-        self.calls.append(list(texts))
+    def prepare_inputs(self, texts, search, **options):
+        inputs = self.translator.prepare_inputs(texts, search, **options)
+        self.texts.update({tuple(ids): text for ids, text in zip(inputs.ids, texts, strict=True)})
+        return inputs
+
+    def decode_inputs(self, inputs, search, **options):
+        texts = [self.texts[tuple(ids)] for ids in inputs.ids]
+        self.calls.append(texts)
         self.release.wait(timeout=30)
         if self.error is not None and any("boom" in text for text in texts):
             raise self.error
-        return self.translator.translate_nbest(texts, search, **options)
+        return self.translator.decode_inputs(inputs, search, **options)
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
@@ -610,13 +626,13 @@ def test_requests_with_and_without_scores_are_decoded_together(translator: Trans
     still answers none (null)."""
     recording = Recording(translator)
     searches: list[SearchConfig] = []
-    decode = recording.translate_nbest
+    decode = recording.decode_inputs
 
-    def record(texts, search, **options):
+    def record(inputs, search, **options):
         searches.append(search)
-        return decode(texts, search, **options)
+        return decode(inputs, search, **options)
 
-    recording.translate_nbest = record
+    recording.decode_inputs = record
     running = Running(create_app(recording, SearchConfig(beam_size=beam_size), max_wait=0.5))
     libre = {"q": SENTENCES[0], "source": "en", "target": "de"}
     try:

@@ -815,16 +815,16 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(stop: str,
     sources = [SENTENCES[i % len(SENTENCES)] for i in range(7)]
     (tmp_path / "in.de").write_text("\n".join(sources) + "\n", encoding="utf-8")
     monkeypatch.setattr("seq2seq.translate.WINDOW", 3)
-    real = Translator._translate_batches
+    real = Translator._decode_batches
     calls = []
 
-    def stopped_at_the_third_window(self, lines, *args, **kwargs):
-        calls.append(len(lines))
+    def stopped_at_the_third_window(self, inputs, *args, **kwargs):
+        calls.append(len(inputs))
         if len(calls) == 3:
             if status == 130:
                 raise KeyboardInterrupt
             sigterm_to_this_process()
-        return real(self, lines, *args, **kwargs)
+        return real(self, inputs, *args, **kwargs)
 
     real_cut, sigterm_while_cut = Output.cut_to_whole_lines, []
 
@@ -832,7 +832,7 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(stop: str,
         sigterm_while_cut.append(signal.getsignal(signal.SIGTERM))
         real_cut(self)
 
-    monkeypatch.setattr(Translator, "_translate_batches", stopped_at_the_third_window)
+    monkeypatch.setattr(Translator, "_decode_batches", stopped_at_the_third_window)
     monkeypatch.setattr(Output, "cut_to_whole_lines", cut)
     output = tmp_path / "out.en"
     with pytest.raises(SystemExit) as caught:
@@ -842,7 +842,7 @@ def test_cli_writes_as_it_goes_and_an_interrupted_run_keeps_its_lines(stop: str,
                                                                 "of the first 6 lines")
     if status == 143:
         assert sigterm_while_cut == [signal.SIG_IGN] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    monkeypatch.setattr(Translator, "_translate_batches", real)
+    monkeypatch.setattr(Translator, "_decode_batches", real)
     expected = Translator.from_checkpoint(checkpoint).translate(sources[:6])
     assert output.read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)  # two whole windows
 

@@ -36,6 +36,7 @@ from seq2seq.decoding.config import Hypothesis, SearchConfig
 from seq2seq.decoding.constraints import holds
 from seq2seq.decoding.scoring import Forced, force_decode
 from seq2seq.decoding.search import decode
+from seq2seq.inference.inputs import Inputs, as_constraint_lists, as_lines, check_max_tokens
 from seq2seq.inference.pool import DecoderPool, length_sorted_batches
 from seq2seq.inference.preparation import prepare, warn_of_workers_off_the_cpu
 from seq2seq.model import Transformer
@@ -228,30 +229,21 @@ class Translator:
         (case-sensitive, in NFC; of overlapping terms the leftmost, then the longest) adds its target term
         to that text's constraints.
         """
-        lines = as_lines(texts, first_line=first_line)
-        results: list[list[Translation]] = [[] for _ in lines]
-        for i, translations in self._translate_batches(lines, search, max_tokens=max_tokens, first_line=first_line,
-                                                       generator=generator, prefixes=prefixes,
-                                                       constraints=constraints, glossary=glossary,
-                                                       line_numbers=line_numbers):
-            results[i] = translations
-        return results
+        check_max_tokens(max_tokens)  # before any work
+        inputs = self.prepare_inputs(texts, search, first_line=first_line, prefixes=prefixes, constraints=constraints,
+                                     glossary=glossary, line_numbers=line_numbers)
+        return self.decode_inputs(inputs, search, max_tokens=max_tokens, generator=generator)
 
-    def _translate_batches(
-        self, lines: list[str], search: SearchConfig | None, *, max_tokens: int, first_line: int,
-        generator: torch.Generator | None, prefixes: Iterable[str] | None = None,
-        constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | Glossary | None = None,
-        line_numbers: Sequence[int] | None = None,
-    ) -> Iterator[tuple[int, list[Translation]]]:
-        """(index, translations) of every line: the empty ones ([]) first, then batch by batch (longest first)."""
-        search = self.search if search is None else search
-        if not isinstance(search, SearchConfig):
-            raise TypeError(f"search must be a SearchConfig, e.g. SearchConfig(beam_size=5), not a "
-                            f"{type(search).__name__}")
-        # before any work, even for no sentence
-        search.check_model(vocab_size=self.model.config.vocab_size, max_positions=self.model.config.max_positions)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
+    def prepare_inputs(
+        self, texts: Iterable[str], search: SearchConfig | None = None, *, first_line: int = 1,
+        prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
+        glossary: Mapping[str, str] | Glossary | None = None, line_numbers: Sequence[int] | None = None,
+    ) -> Inputs:
+        """`texts` made ready to decode with `search` (inference/inputs.py), and every input checked, here once:
+        the options as translate_nbest's. A TypeError or ValueError naming the line for what cannot be
+        decoded; a warning naming the line of a text cut to the model's max_positions."""
+        lines = as_lines(texts, first_line=first_line)
+        search = self._checked(search)
         if search.sampling and (constraints is not None or glossary):
             raise ValueError("constraints and glossaries need a search (beam_size >= 1), not sampling")
         glossary = as_glossary(glossary) if glossary else None  # a Mapping compiled once for all the lines
@@ -265,15 +257,39 @@ class Translator:
                    if constraints is not None else None)
         numbers = line_numbers if line_numbers is not None else range(first_line, first_line + len(lines))
         ids = self._truncate(self.tokenizer.encode_source([text.strip() for text in lines]), numbers=numbers)
+        # Without text tokens (a Marian source keeps its eos; a normalising model may encode text to nothing)
+        for i, (text, sentence) in enumerate(zip(lines, ids, strict=True)):
+            if not text.strip() or self.tokenizer.source_tokens(sentence) <= 0:
+                ids[i] = []
+        return Inputs(ids=ids, forced=forced, phrases=phrases)
+
+    def decode_inputs(self, inputs: Inputs, search: SearchConfig | None = None, *, max_tokens: int = 8192,
+                      generator: torch.Generator | None = None) -> list[list[Translation]]:
+        """Per text of `inputs` (prepare_inputs') its translations, best first, as translate_nbest gives them."""
+        results: list[list[Translation]] = [[] for _ in range(len(inputs))]
+        for i, translations in self._decode_batches(inputs, search, max_tokens=max_tokens, generator=generator):
+            results[i] = translations
+        return results
+
+    def _checked(self, search: SearchConfig | None) -> SearchConfig:
+        """`search` (default: `self.search`), checked against this model before any work, even for no sentence."""
+        search = self.search if search is None else search
+        if not isinstance(search, SearchConfig):
+            raise TypeError(f"search must be a SearchConfig, e.g. SearchConfig(beam_size=5), not a "
+                            f"{type(search).__name__}")
+        search.check_model(vocab_size=self.model.config.vocab_size, max_positions=self.model.config.max_positions)
+        return search
+
+    def _decode_batches(self, inputs: Inputs, search: SearchConfig | None, *, max_tokens: int,
+                        generator: torch.Generator | None) -> Iterator[tuple[int, list[Translation]]]:
+        """(index, translations) of every text: those with nothing to decode ([]) first, then batch by batch
+        (longest first)."""
+        search = self._checked(search)
+        check_max_tokens(max_tokens)
         if generator is None and search.sampling and search.seed is not None:  # one for all the batches
             generator = self._generator(search)
-        tokenizer = self.tokenizer
-        # Without text tokens (a Marian source keeps its eos; a normalising model may encode text to nothing)
-        empty = [i for i, (text, sentence) in enumerate(zip(lines, ids, strict=True))
-                 if not text.strip() or tokenizer.source_tokens(sentence) <= 0]
-        for i in empty:
-            ids[i] = []
-        yield from ((i, []) for i in empty)
+        ids, forced, phrases, tokenizer = inputs.ids, inputs.forced, inputs.phrases, self.tokenizer
+        yield from ((i, []) for i, sentence in enumerate(ids) if not sentence)
         continuing = self.continuing_ids() if phrases is not None else frozenset()
 
         def translate_batch(batch: list[int]) -> list[tuple[int, list[Translation]]]:
@@ -351,10 +367,9 @@ class Translator:
                                  "do: give one list per text (an empty one for none)")
             ready: dict[int, list[Translation]] = {}
             next_line = 0
-            for i, translations in self._translate_batches(as_lines(chunk, first_line=done + 1), search,
-                                                           max_tokens=max_tokens, first_line=done + 1,
-                                                           generator=generator, prefixes=chunk_prefixes,
-                                                           constraints=chunk_constraints, glossary=glossary):
+            inputs = self.prepare_inputs(chunk, search, first_line=done + 1, prefixes=chunk_prefixes,
+                                         constraints=chunk_constraints, glossary=glossary)
+            for i, translations in self._decode_batches(inputs, search, max_tokens=max_tokens, generator=generator):
                 ready[i] = translations
                 while next_line in ready:
                     yield ready.pop(next_line)
@@ -375,8 +390,7 @@ class Translator:
         sources, targets = as_lines(sources, first_line=first_line), as_lines(targets, first_line=first_line)
         if len(sources) != len(targets):
             raise ValueError(f"{len(sources)} sources but {len(targets)} targets: they must be line-aligned")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
+        check_max_tokens(max_tokens)
         tokenizer, limit = self.tokenizer, self.model.config.max_positions
         src_ids = tokenizer.encode_source([text.strip() for text in sources])
         tgt_ids = tokenizer.encode_target([text.strip() for text in targets])
@@ -516,26 +530,6 @@ def per_document(documents: Sequence[Document], items: Sequence[T]) -> list[Sequ
     """`items`, one per sentence of the documents in order, cut into each document's."""
     bounds = list(itertools.accumulate((len(d.sentences) for d in documents), initial=0))
     return [items[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def as_constraint_lists(constraints: Iterable[Sequence[str]]) -> list[Sequence[str]]:
-    if isinstance(constraints, str | bytes):
-        raise TypeError("constraints is a single string; pass one list of phrases per text")
-    return list(constraints)
-
-
-def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:
-    """Any iterable of str as a list; a bare string (which would translate character by character) is refused.
-
-    A bad item is named by its index in the whole input (`first_line` is the first text's number).
-    """
-    if isinstance(texts, str | bytes):
-        raise TypeError("texts is a single string; pass a list of sentences, e.g. [text]")
-    lines = list(texts)
-    for i, text in enumerate(lines):
-        if not isinstance(text, str):
-            raise TypeError(f"texts[{first_line - 1 + i}] is a {type(text).__name__}, not a str")
-    return lines
 
 
 def pad_batch(sentences: list[list[int]], *, pad: int, device: torch.device) -> torch.Tensor:

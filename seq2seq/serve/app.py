@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from seq2seq.cli import compiled_line
 from seq2seq.decoding.config import SearchConfig
+from seq2seq.inference.inputs import MIN_STEPS_CHARGED
 from seq2seq.inference.pool import start_decoder_thread
 from seq2seq.inference.translator import (
     EMPTY,
@@ -35,7 +36,7 @@ from seq2seq.inference.translator import (
 )
 from seq2seq.model import ConfigError
 from seq2seq.serve.answers import answer_errors, translation_json
-from seq2seq.serve.batcher import MIN_STEPS_CHARGED, Batcher
+from seq2seq.serve.batcher import Batcher
 from seq2seq.serve.bodies import BadRequest, Upload, int_field, read_body, shown, texts_of
 from seq2seq.serve.documents import (
     FORMATS,
@@ -143,9 +144,10 @@ class Server:
 
     # -- costs and waiting -----------------------------------------------------------------------
 
-    def check_cost(self, model: Model, texts: list[str], search: SearchConfig, *,
-                   at_least: list[int] | None = None) -> list[int]:
-        """Each sentence's decoding_cost; a BadRequest if the request's beam or total is over the limits."""
+    def check_search(self, model: Model, texts: list[str], search: SearchConfig) -> None:
+        """A BadRequest for a search this model or server does not take, or for more sentences than the request
+        budget holds at MIN_STEPS_CHARGED each: the count alone, before the tokenizer runs on the event loop, so
+        that a flood of thousands of one-word sentences is refused without being tokenised."""
         try:
             config = model.translator.model.config
             search.check_model(vocab_size=config.vocab_size, max_positions=config.max_positions)
@@ -156,15 +158,9 @@ class Server:
                              "(--max-beam-size); ask for a smaller beam")
         rows = 1 if search.sampling else search.beam_size
         sentences = sum(1 for text in texts if text)
-        # A floor from the count alone, checked before the tokenizer runs on the event loop: a flood of
-        # thousands of one-word sentences is refused without being tokenised.
         if sentences * rows * MIN_STEPS_CHARGED > self.max_request_tokens:
             raise self.over_budget(sentences * rows * MIN_STEPS_CHARGED, sentences, rows,
                                    f"at least {MIN_STEPS_CHARGED}")
-        costs = model.batcher.costs(texts, search, at_least=at_least)
-        if sum(costs) > self.max_request_tokens:
-            raise self.over_budget(sum(costs), sentences, rows, f"up to {max(costs) // rows}")
-        return costs
 
     def over_budget(self, tokens: int, sentences: int, rows: int, steps: str) -> BadRequest:
         return BadRequest(
@@ -174,15 +170,18 @@ class Server:
 
     def submit(self, model: Model, texts: list[str], search: SearchConfig, *, prefixes: list[str] | None = None,
                constraints: list[list[str]] | None = None) -> asyncio.Future[list[list[Translation]]]:
-        at_least = None
-        if prefixes is not None or constraints is not None:  # the output limit grows to hold them
-            tokenizer = model.translator.tokenizer
-            prefix_tokens = [len(ids) for ids in tokenizer.encode_target(prefixes)] if prefixes else [0] * len(texts)
-            phrase_tokens = ([sum(map(len, tokenizer.encode_target(phrases))) if phrases else 0 for phrases in constraints]
-                             if constraints else [0] * len(texts))
-            at_least = [a + b for a, b in zip(prefix_tokens, phrase_tokens, strict=True)]
-        costs = self.check_cost(model, texts, search, at_least=at_least)
-        return model.batcher.submit(texts, search, costs=costs, prefixes=prefixes, constraints=constraints)
+        """The texts prepared once (Translator.prepare_inputs: tokenised, prefixes and constraints checked), charged
+        (each text's decoding cost, its output limit raised to hold its prefix and phrases) and queued."""
+        self.check_search(model, texts, search)
+        try:
+            inputs = model.translator.prepare_inputs(texts, search, prefixes=prefixes, constraints=constraints)
+        except (TypeError, ValueError) as error:  # it names a text by its line number: here, its place in q (from 1)
+            raise BadRequest(str(error).replace("line ", "q item ", 1)) from None
+        costs = inputs.costs(search, max_positions=model.translator.model.config.max_positions)
+        if sum(costs) > self.max_request_tokens:
+            rows = 1 if search.sampling else search.beam_size
+            raise self.over_budget(sum(costs), sum(1 for text in texts if text), rows, f"up to {max(costs) // rows}")
+        return model.batcher.submit(inputs, search, costs=costs)
 
     async def wait(self, request: Request, futures: list[asyncio.Future[list[list[Translation]]]]) -> list[list[list[Translation]]]:
         """The futures' results, once all are done; a ClientDisconnect if the client goes first, a
@@ -308,8 +307,8 @@ class Server:
         self.check_glossary_size(body)
         texts, single = texts_of(body, char_limit=self.char_limit)
         model = self.only_model(body)
-        prefixes = self.target_prefixes(model, body, texts, single=single)
-        constraints = await self.constraints(model, body, texts, single=single, prefixes=prefixes)
+        prefixes = self.target_prefixes(body, texts, single=single)
+        constraints = await self.constraints(body, texts, single=single)
         options = {k: v for k, v in body.items()
                    if k not in ("q", "target_prefix", "constraints", "glossary", "source", "target")}
         names = {f.name for f in dataclasses.fields(SearchConfig)}
@@ -320,8 +319,6 @@ class Server:
             search = dataclasses.replace(model.search, **options)
         except ConfigError as error:
             raise BadRequest(f"{error.field}: {error.problem}"[:300]) from None  # the problem shows the value
-        if constraints is not None and search.sampling:
-            raise BadRequest("constraints and glossary need a search (beam_size >= 1), not sampling")
         (nbest_lists,) = await self.wait(request, [self.submit(model, texts, search, prefixes=prefixes,
                                                                 constraints=constraints)])
         return JSONResponse({"translations": [[translation_json(h) for h in hyps] for hyps in nbest_lists]})
@@ -336,8 +333,7 @@ class Server:
                 raise BadRequest(f"the glossary has {characters} characters of terms, more than this server's limit "
                                  f"of {self.max_glossary_chars} per request (--max-glossary-chars); send a smaller one")
 
-    async def constraints(self, model: Model, body: dict[str, Any], texts: list[str], *, single: bool,
-                          prefixes: list[str] | None) -> list[list[str]] | None:
+    async def constraints(self, body: dict[str, Any], texts: list[str], *, single: bool) -> list[list[str]] | None:
         """/v1's `constraints` (a list of phrases for a single q, a list of such lists as long as q's) and
         `glossary` (an object, source term -> target term, for every text), as phrases per text; checked
         as the translator will check them. The glossary is compiled and matched off the event loop (they
@@ -365,15 +361,9 @@ class Server:
             per_text = [[*phrases, *terms] for phrases, terms in zip(per_text, found, strict=True)]
         if sum(len(p) for phrases in per_text for p in phrases) > self.char_limit:
             raise BadRequest(f"the constraints have more than this server's limit of {self.char_limit} characters")
-        try:
-            forced = model.translator.tokenizer.encode_target(prefixes) if prefixes is not None else None
-            model.translator.constraint_ids(per_text, len(texts), forced=forced, first_line=1)
-        except ValueError as error:  # it names the text by its line number: here, its place in q (from 1)
-            raise BadRequest(str(error).replace("line ", "q item ", 1)) from None
-        return per_text
+        return per_text  # (their tokens are checked as the texts are prepared: submit)
 
-    def target_prefixes(self, model: Model, body: dict[str, Any], texts: list[str], *,
-                        single: bool) -> list[str] | None:
+    def target_prefixes(self, body: dict[str, Any], texts: list[str], *, single: bool) -> list[str] | None:
         """/v1's `target_prefix`: a string for a single q, a list as long as q's for a list ("" for none);
         each within the model's length."""
         if "target_prefix" not in body:
@@ -385,11 +375,7 @@ class Server:
                              "as q is: the start each translation must have (\"\" for none)")
         if sum(len(p) for p in prefixes) > self.char_limit:
             raise BadRequest(f"target_prefix has more than this server's limit of {self.char_limit} characters")
-        limit = model.translator.model.config.max_positions - 1
-        for i, ids in enumerate(model.translator.tokenizer.encode_target([p.strip() for p in prefixes])):
-            if len(ids) > limit:
-                raise BadRequest(f"target_prefix[{i}] has {len(ids)} tokens, more than the model writes ({limit})")
-        return [" ".join(p.split()) for p in prefixes]
+        return [" ".join(p.split()) for p in prefixes]  # (their tokens are checked as the texts are prepared: submit)
 
     async def languages(self, request: Request) -> JSONResponse:
         sources = sorted({source for source, _ in self.models})

@@ -12,29 +12,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from seq2seq.decoding.config import SearchConfig
+from seq2seq.inference.inputs import Inputs
 from seq2seq.inference.translator import Translation, Translator
-
-# Every hypothesis holds a vocabulary-wide row of scores (the logits and the search's temporaries
-# over them) however short its output: measured, about as much memory as 20 cached target positions.
-# Charged less, a client could ask for one-step outputs (max_len_b 0) of thousands of one-token
-# sentences and hold that many rows at once.
-MIN_STEPS_CHARGED = 16
 
 
 class Busy(Exception):
     """The queue is full: answered 429."""
-
-
-def decoding_cost(length: int, search: SearchConfig, *, max_positions: int, at_least: int = 0) -> int:
-    """The decoder tokens one sentence of `length` source tokens may cost: its hypotheses times its
-    steps (the output limit as search.max_lengths computes it, raised to the `at_least` tokens a target
-    prefix and constraints need, plus EOS), at least MIN_STEPS_CHARGED."""
-    if length == 0:
-        return 0  # an empty line is answered without decoding
-    length = min(length, max_positions)  # the Translator truncates a longer line
-    limit = min(max(math.floor(search.max_len_a * length + search.max_len_b), at_least, 0), max_positions - 1)
-    rows = 1 if search.sampling else search.beam_size
-    return rows * max(limit + 1, MIN_STEPS_CHARGED)
 
 
 def summary(error: BaseException) -> str:
@@ -47,13 +30,11 @@ def summary(error: BaseException) -> str:
 class Job:
     """One request's sentences, waiting for the batcher; `result` resolves to their n-best lists."""
 
-    texts: list[str]
+    inputs: Inputs  # the request's texts as Translator.prepare_inputs made them (prefixes, constraints)
     search: SearchConfig
-    costs: list[int]  # decoder tokens per sentence (decoding_cost)
+    costs: list[int]  # decoder tokens per sentence (Inputs.costs)
     result: asyncio.Future[list[list[Translation]]]
     generator: torch.Generator | None = None  # seeded sampling: one for all the job's decoder calls
-    prefixes: list[str] | None = None  # /v1's target_prefix: the start of each translation ("" for none)
-    constraints: list[list[str]] | None = None  # /v1's constraints and glossary terms: phrases per text
     answers: dict[int, list[Translation]] = field(default_factory=dict)
 
     @property
@@ -64,8 +45,8 @@ class Job:
         if not self.search.scores:  # decoded beside a request that asked for them: not what this one asked
             translations = [replace(t, score=math.nan) for t in translations]
         self.answers[index] = translations
-        if len(self.answers) == len(self.texts) and not self.result.done():
-            self.result.set_result([self.answers[i] for i in range(len(self.texts))])
+        if len(self.answers) == len(self.inputs) and not self.result.done():
+            self.result.set_result([self.answers[i] for i in range(len(self.inputs))])
 
 
 @dataclass
@@ -96,28 +77,17 @@ class Batcher:
         self.own_executor = self.executor is None
         self.pool = self.executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
 
-    def costs(self, texts: list[str], search: SearchConfig, *, at_least: list[int] | None = None) -> list[int]:
-        """decoding_cost of each text, from the tokenizer's count of its tokens (`at_least`: the target
-        tokens each must hold, its prefix's and constraints')."""
-        max_positions = self.translator.model.config.max_positions
-        needed = at_least if at_least is not None else [0] * len(texts)
-        return [decoding_cost(len(ids), search, max_positions=max_positions, at_least=n)
-                for ids, n in zip(self.translator.tokenizer.encode_source(texts), needed, strict=True)]
-
-    def submit(self, texts: list[str], search: SearchConfig, *, costs: list[int] | None = None,
-               prefixes: list[str] | None = None,
-               constraints: list[list[str]] | None = None) -> asyncio.Future[list[list[Translation]]]:
-        """Queue the texts (with the start each translation must have, if `prefixes`); raises Busy when
-        the queue is full. No texts: answered at once (a job of none would never be taken)."""
-        if not texts:
+    def submit(self, inputs: Inputs, search: SearchConfig, *, costs: list[int]) -> asyncio.Future[list[list[Translation]]]:
+        """Queue the texts (`inputs`, as Translator.prepare_inputs made them, and what each costs); raises Busy
+        when the queue is full. No texts: answered at once (a job of none would never be taken)."""
+        if not len(inputs):
             done: asyncio.Future[list[list[Translation]]] = asyncio.get_running_loop().create_future()
             done.set_result([])
             return done
-        costs = self.costs(texts, search) if costs is None else costs
         generator = None
         if search.sampling and search.seed is not None:
             generator = torch.Generator(device=self.translator.device).manual_seed(search.seed)
-        job = Job(texts, search, costs, asyncio.get_running_loop().create_future(), generator, prefixes, constraints)
+        job = Job(inputs, search, costs, asyncio.get_running_loop().create_future(), generator)
         try:
             self.queue.put_nowait(job)
         except asyncio.QueueFull:
@@ -173,16 +143,12 @@ class Batcher:
         if not call:
             return
         jobs = list({id(job): job for job, _ in call}.values())
-        texts = [job.texts[i] for job, i in call]
-        prefixes = [job.prefixes[i] if job.prefixes else "" for job, i in call] if any(j.prefixes for j in jobs) else None
-        constraints = ([job.constraints[i] if job.constraints else [] for job, i in call]
-                       if any(j.constraints for j in jobs) else None)
+        inputs = Inputs.gathered((job.inputs, i) for job, i in call)
         search = replace(jobs[0].search, scores=any(j.search.scores for j in jobs))
         try:
             results = await asyncio.get_running_loop().run_in_executor(
-                self.pool, lambda: self.translator.translate_nbest(
-                    texts, search, max_tokens=self.max_tokens, generator=jobs[0].generator, prefixes=prefixes,
-                    constraints=constraints))
+                self.pool, lambda: self.translator.decode_inputs(inputs, search, max_tokens=self.max_tokens,
+                                                                 generator=jobs[0].generator))
         except Exception as error:  # noqa: BLE001  # every waiting request must hear of it
             if len(jobs) == 1:
                 if not jobs[0].result.done():
@@ -194,7 +160,7 @@ class Batcher:
                 await self._decode_call([(j, i) for j, i in call if j is job])
             return
         self.stats.batches += 1
-        self.stats.sentences += len(texts)
+        self.stats.sentences += len(inputs)
         for (job, i), translations in zip(call, results, strict=True):
             job.answer(i, translations)
 

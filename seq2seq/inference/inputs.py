@@ -1,0 +1,98 @@
+"""Texts made ready to decode, once: their source token ids (a line too long for the model cut, with a warning
+naming it), the target prefixes' ids, the constraints' phrases and ids (a glossary's terms among them), and what
+each costs to decode. `Translator.prepare_inputs` makes them and checks them (the one boundary: every refusal
+is a ValueError or TypeError naming the line); `Translator.decode_inputs` decodes them; the server charges a
+request's `costs` before it queues it and its batcher decodes several requests' inputs together (`gathered`),
+so a text is tokenised once however many checks it passes.
+"""
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from seq2seq.decoding.config import SearchConfig
+
+MIN_STEPS_CHARGED = 16
+"""The fewest decoder steps a sentence is charged (decoding_cost). Every hypothesis holds a vocabulary-wide row of
+scores (the logits and the search's temporaries over them) however short its output: about as much memory as 20
+cached target positions. Charged less, a client could ask for one-step outputs (max_len_b 0) of thousands of
+one-token sentences and hold that many rows at once; and a flood of them is refused by their count alone."""
+
+Phrases = tuple[list[str], list[list[int]]]
+"""One text's constraints: the phrases (deduplicated, their spaces made single) and each phrase's target ids."""
+
+
+def decoding_cost(length: int, search: SearchConfig, *, max_positions: int, at_least: int = 0) -> int:
+    """The decoder tokens one sentence of `length` source tokens may cost: its hypotheses times its steps (the
+    output limit as decoding/steps.py's max_lengths computes it, raised to the `at_least` tokens a target prefix
+    and constraints need, plus EOS), at least MIN_STEPS_CHARGED. 0 for a sentence with nothing to decode."""
+    if length == 0:
+        return 0  # an empty line is answered without decoding
+    length = min(length, max_positions)  # a longer line is truncated
+    limit = min(max(math.floor(search.max_len_a * length + search.max_len_b), at_least, 0), max_positions - 1)
+    rows = 1 if search.sampling else search.beam_size
+    return rows * max(limit + 1, MIN_STEPS_CHARGED)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    ids: list[list[int]]
+    """Per text its source ids, at most the model's max_positions; [] for a text with nothing to translate
+    (empty, or no text token: it translates to nothing, without decoding)."""
+    forced: list[list[int]] | None = None
+    """Per text its target prefix's ids (the start its translations must have), or None for no prefixes."""
+    phrases: list[Phrases] | None = None
+    """Per text its constraints (given, and a glossary's terms found in it), or None for no constraints."""
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def costs(self, search: SearchConfig, *, max_positions: int) -> list[int]:
+        """Each text's decoding_cost under `search`: its output limit raised to hold its prefix and phrases."""
+        return [decoding_cost(len(ids), search, max_positions=max_positions, at_least=self.at_least(i))
+                for i, ids in enumerate(self.ids)]
+
+    def at_least(self, i: int) -> int:
+        """The target tokens text i's translations must hold: its prefix's and its phrases'."""
+        forced = len(self.forced[i]) if self.forced is not None else 0
+        return forced + (sum(map(len, self.phrases[i][1])) if self.phrases is not None else 0)
+
+    @staticmethod
+    def gathered(parts: Iterable[tuple["Inputs", int]]) -> "Inputs":
+        """Text `i` of each (inputs, i), in order, as one Inputs: several requests' sentences in one decoder call
+        (a part without prefixes or constraints takes none: an empty prefix, no phrases)."""
+        chosen = list(parts)
+        with_prefixes = any(inputs.forced is not None for inputs, _ in chosen)
+        with_phrases = any(inputs.phrases is not None for inputs, _ in chosen)
+        none: Phrases = ([], [])
+        return Inputs(ids=[inputs.ids[i] for inputs, i in chosen],
+                      forced=[inputs.forced[i] if inputs.forced is not None else [] for inputs, i in chosen]
+                      if with_prefixes else None,
+                      phrases=[inputs.phrases[i] if inputs.phrases is not None else none for inputs, i in chosen]
+                      if with_phrases else None)
+
+
+def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:
+    """Any iterable of str as a list; a bare string (which would translate character by character) is refused.
+
+    A bad item is named by its index in the whole input (`first_line` is the first text's number).
+    """
+    if isinstance(texts, str | bytes):
+        raise TypeError("texts is a single string; pass a list of sentences, e.g. [text]")
+    lines = list(texts)
+    for i, text in enumerate(lines):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{first_line - 1 + i}] is a {type(text).__name__}, not a str")
+    return lines
+
+
+def as_constraint_lists(constraints: Iterable[Sequence[str]]) -> list[Sequence[str]]:
+    if isinstance(constraints, str | bytes):
+        raise TypeError("constraints is a single string; pass one list of phrases per text")
+    return list(constraints)
+
+
+def check_max_tokens(max_tokens: int) -> None:
+    """A ValueError unless `max_tokens` (a batch's budget of source tokens) is a positive whole number."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
