@@ -38,7 +38,8 @@ import torch
 from torch import Tensor, nn
 
 from seq2seq.decoding.config import SearchConfig
-from seq2seq.inference.translator import Translation, Translator
+from seq2seq.inference.documents import Translation
+from seq2seq.inference.translator import Translator
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.text.tokenizer import Tokenizer
 

@@ -20,8 +20,9 @@ import torch
 
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.decoding.config import SearchConfig
+from seq2seq.inference.documents import Translation
 from seq2seq.inference.preparation import resolve_device
-from seq2seq.inference.translator import DEFAULT_SEARCH, Translation, Translator
+from seq2seq.inference.translator import DEFAULT_SEARCH, Translator
 from seq2seq.model import ConfigError
 from seq2seq.model.compiled import CompileError
 from seq2seq.precision import PRECISIONS

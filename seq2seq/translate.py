@@ -42,7 +42,8 @@ from seq2seq.cli import (
     with_extras,
 )
 from seq2seq.decoding.config import SearchConfig
-from seq2seq.inference.translator import Translation, Translator, document_of, text_only
+from seq2seq.inference.documents import Translation, document_of, text_only
+from seq2seq.inference.translator import Translator
 from seq2seq.model.compiled import CompileError
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
 from seq2seq.text.glossary import Glossary, normal_term

@@ -16,7 +16,8 @@ from justhtml import Comment as JustComment
 from justhtml import Element, JustHTML, Template, Text
 
 from seq2seq.decoding.config import SearchConfig
-from seq2seq.inference.translator import Translation, Translator
+from seq2seq.inference.documents import Translation
+from seq2seq.inference.translator import Translator
 from seq2seq.text.markup import DOCUMENT, READABLE_ATTRIBUTES, HtmlDocument
 from seq2seq.text.sentences import sentence_spans
 

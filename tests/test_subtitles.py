@@ -13,7 +13,8 @@ import srt
 from bs4 import BeautifulSoup
 
 from seq2seq.decoding.config import SearchConfig
-from seq2seq.inference.translator import Translation, Translator
+from seq2seq.inference.documents import Translation
+from seq2seq.inference.translator import Translator
 from seq2seq.text.sentences import sentence_spans
 from seq2seq.text.subtitles import SHOWN, SrtDocument, wrap
 

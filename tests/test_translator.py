@@ -48,8 +48,9 @@ from seq2seq.decoding.beam import beam_search
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.decoding.sampling import greedy
 from seq2seq.inference import translator as translator_module
+from seq2seq.inference.documents import Translation
 from seq2seq.inference.pool import length_sorted_batches, shared_out
-from seq2seq.inference.translator import Translation, Translator, pad_batch
+from seq2seq.inference.translator import Translator, pad_batch
 from seq2seq.model import MultiHeadAttention, Transformer, TransformerConfig
 from seq2seq.model.compiled import CompiledDecoder, CompileError
 from seq2seq.model.numerics import Int8Linear, PackedLinear, RowInt8Linear

@@ -12,9 +12,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from seq2seq.inference.translator import (
-    Translation,
-)
+from seq2seq.inference.documents import Translation
 from seq2seq.serve.batcher import Busy, summary
 from seq2seq.serve.bodies import BadRequest
 from seq2seq.serve.documents import (

@@ -24,16 +24,10 @@ from starlette.routing import Route
 
 from seq2seq.cli import compiled_line
 from seq2seq.decoding.config import SearchConfig
+from seq2seq.inference.documents import EMPTY, Document, Translation, per_document, search_for
 from seq2seq.inference.inputs import MIN_STEPS_CHARGED
 from seq2seq.inference.pool import start_decoder_thread
-from seq2seq.inference.translator import (
-    EMPTY,
-    Document,
-    Translation,
-    Translator,
-    per_document,
-    search_for,
-)
+from seq2seq.inference.translator import Translator
 from seq2seq.model import ConfigError
 from seq2seq.serve.answers import answer_errors, translation_json
 from seq2seq.serve.batcher import Batcher

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from seq2seq.decoding.config import SearchConfig
+from seq2seq.inference.documents import Translation
 from seq2seq.inference.inputs import Inputs
-from seq2seq.inference.translator import Translation, Translator
+from seq2seq.inference.translator import Translator
 
 
 class Busy(Exception):

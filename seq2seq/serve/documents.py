@@ -11,7 +11,8 @@ import urllib.parse
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from seq2seq.inference.translator import Document, Translator, document_of
+from seq2seq.inference.documents import Document, document_of
+from seq2seq.inference.translator import Translator
 from seq2seq.serve.bodies import BadRequest, shown
 from seq2seq.text.markup import Splitter
 

@@ -38,7 +38,7 @@ Stack = tuple[int, ...]
 
 
 class Aligned(Protocol):
-    """What the placement needs of a sentence's translation (seq2seq.inference.translator.Translation has it)."""
+    """What the placement needs of a sentence's translation (seq2seq.inference.documents.Translation has it)."""
 
     @property
     def text(self) -> str: ...
