@@ -13,7 +13,7 @@ requests' p50 / p95 latency in each load and the hostile / normal ratio, what th
 got (by status), and the server's resident memory (VmRSS in /proc/<pid>/status, sampled every
 0.2 s): after warm-up, at the end of each phase, and its peak. Exits 1 if the p50 ratio is over 2,
 memory grew more than --max-growth-mb from the end of the first normal phase, or a hostile request
-got a 500. tests/test_server_soak.py runs a short version of it.
+got a 500. tests/serve/test_server_soak.py runs a short version of it.
 """
 
 import argparse

@@ -59,9 +59,9 @@ def an_avx2_machine_by_default(tmp_path_factory: pytest.TempPathFactory):
     by the rule (no bf16 units), outputs do not depend on the CPU, and no timing decides. The verdict
     cache goes to a folder of the session's (XDG_CACHE_HOME, inherited by subprocesses). A Translator
     packs its linear layers for oneDNN wherever this torch has oneDNN, as it does on most x86 CPUs
-    (tests/test_translator.py runs both kinds), instead of by this machine's timing, every row on oneDNN
-    (tests/test_translator.py runs fp32's few rows on torch's own linear too); and its bf16 attention at
-    one query a row keeps the matmuls (tests/test_attention.py and test_model.py run SDPA there too)."""
+    (tests/inference/test_translator.py runs both kinds), instead of by this machine's timing, every row on oneDNN
+    (tests/inference/test_translator.py runs fp32's few rows on torch's own linear too); and its bf16 attention at
+    one query a row keeps the matmuls (tests/model/test_attention.py and test_model.py run SDPA there too)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
         patch.setenv("TORCH_EXTENSIONS_DIR", str(run_root(tmp_path_factory) / "torch_extensions"))  # built once a run

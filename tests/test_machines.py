@@ -158,7 +158,7 @@ def translate_over_http(machine: str, checkpoint: Path, sentences: list[str], *a
 
 
 @pytest.mark.e2e  # (.ci/run; make test runs each shipped config's few updates below as the AVX2, AMX, AVX512-BF16
-# and ARM machines, and tests/test_translator.py, test_server.py the translation faces)
+# and ARM machines, and tests/inference/test_translator.py, test_server.py the translation faces)
 @pytest.mark.parametrize("machine", ["avx2", "amx"])
 def test_the_main_job_runs_end_to_end_whatever_auto_picks(machine: str, tmp_path: Path, machine_verdicts,
                                                            monkeypatch):

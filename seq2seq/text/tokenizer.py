@@ -120,7 +120,7 @@ class Tokenizer:
                 # "½" (45 lines of Multi30k), so decode(encode(x)) != x. Runs of spaces and leading or
                 # trailing spaces are still collapsed (remove_extra_whitespaces' default), which is the
                 # only change a round trip makes; all de/en lines of Multi30k with normal spacing
-                # round-trip exactly (tests/test_tokenizer.py).
+                # round-trip exactly (tests/text/test_tokenizer.py).
                 normalization_rule_name="identity",
                 # Characters outside the sample (a capped sample misses rare ones) become UTF-8 byte
                 # pieces instead of <unk>, so nothing in a test set decodes to "⁇".

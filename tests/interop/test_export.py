@@ -31,13 +31,13 @@ from near_ties import beam_near_ties, greedy_near_ties, reference_model
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
 from seq2seq.decoding.config import SearchConfig
+from seq2seq.export import main
 from seq2seq.inference.translator import Translator
 from seq2seq.interop.export import (
     ExportError,
     ctranslate2_refusal,
     export_ctranslate2,
     export_huggingface,
-    main,
 )
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.text.tokenizer import BOS_ID, EOS_ID, Tokenizer

@@ -59,7 +59,7 @@ from seq2seq.text.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.textio import Output
 from seq2seq.translate import format_nbest, main, one_line, read_lines, workers_of, write_translations
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 IDS = {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
 
 SENTENCES = [
@@ -528,10 +528,10 @@ def same_tokens(want: list[list[Translation]], got: list[list[Translation]], ref
 def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch):
     """Translator(compiled=True) in fp32: the searches run seq2seq/model/compiled.py's encoder, cross-attention
     projection and step over the model's unpacked linear layers and give the eager Translator's
-    tokens (tests/test_compiled.py decodes one sentence at a time, and more variants); `compile_decoding` compiles
+    tokens (tests/model/test_compiled.py decodes one sentence at a time, and more variants); `compile_decoding` compiles
     every kind of step at once, after which no search compiles another. A model with rotary
     positions is refused in one line, before anything compiles. (Compiled without timing inductor's GEMM
-    templates, which for this model took minutes, and with the step's call in Python: tests/test_compiled.py runs
+    templates, which for this model took minutes, and with the step's call in Python: tests/model/test_compiled.py runs
     both on tiny models.)"""
     sources = quick_to_compile(monkeypatch)
     base = Translator.from_checkpoint(trained, precision="fp32")
@@ -544,7 +544,7 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     compiling = compiled.compiling_seconds
     assert compiling > 0 and base.compiling_seconds == 0
     assert counters["stats"]["unique_graphs"] == graphs + 8  # the step's 4, encoder's 2, cross projection's 2
-    search = SearchConfig(beam_size=1)  # beam search's reorders: tests/test_compiled.py
+    search = SearchConfig(beam_size=1)  # beam search's reorders: tests/model/test_compiled.py
     want, got = base.translate_nbest(sources, search), compiled.translate_nbest(sources, search)
     same_tokens(want, got, reference_model(trained), base.tokenizer.encode_source(sources), "fp32")
     for search in (SearchConfig(beam_size=3), SearchConfig(beam_size=1), SearchConfig(beam_size=2, nbest=2)):
@@ -572,12 +572,12 @@ def compiled_int8_is_made_so(compiled: Translator, bf16_pays: bool) -> None:
 def test_a_compiled_int8_translator_is_row_int8_and_bf16_around_it_where_bf16_pays(trained: Path, bf16_pays: bool,
                                                                                   monkeypatch: pytest.MonkeyPatch):
     """make test's share of the next test (which compiles, in .ci/run): the Translator's int8 compiled model, made
-    without compiling anything (tests/test_compiled.py decodes with such models, compiled, on tiny ones)."""
+    without compiling anything (tests/model/test_compiled.py decodes with such models, compiled, on tiny ones)."""
     monkeypatch.setattr("seq2seq.inference.preparation.bf16_matmuls_pay", lambda device: bf16_pays)
     compiled_int8_is_made_so(Translator.from_checkpoint(trained, precision="int8", compiled=True, threads=1), bf16_pays)
 
 
-@pytest.mark.e2e  # (.ci/run: two compiles of a minute or more; make test: the test above, tests/test_compiled.py)
+@pytest.mark.e2e  # (.ci/run: two compiles of a minute or more; make test: the test above, tests/model/test_compiled.py)
 @pytest.mark.parametrize("bf16_pays", [False, True])
 def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch, bf16_pays: bool):
     """Translator(precision="int8", compiled=True): every linear layer RowInt8Linear (int8 activations a row each,

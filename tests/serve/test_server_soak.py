@@ -7,7 +7,7 @@ The latency ratio is the benchmark's to report (python bench/server_soak.py), no
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 from server_soak import percentile, soak  # noqa: E402
 

@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
 from conftest import sigterm_to_this_process
 from libretranslatepy import LibreTranslateAPI
 
@@ -33,40 +32,18 @@ from seq2seq.inference.translator import Translator
 from seq2seq.model.compiled import CompileError
 from seq2seq.text.glossary import Glossary
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 from server_soak import collect, start_attack  # noqa: E402
+from serving import SENTENCES, Running  # noqa: E402
 
 from seq2seq.inference.inputs import Inputs, decoding_cost  # noqa: E402
 from seq2seq.serve.app import create_app  # noqa: E402
 from seq2seq.serve.batcher import Batcher, Busy  # noqa: E402
-from seq2seq.serve.guards import AcceptErrors, uvicorn_config  # noqa: E402
+from seq2seq.serve.guards import AcceptErrors  # noqa: E402
 from seq2seq.serve.server import main  # noqa: E402
 
-SENTENCES = ["A dog runs across the meadow .", "Two men play football in the park .", "A woman reads a book .",
-             "The children sing .", "A man rides a bike in the city while it rains .", "People stand outside ."]
 SEARCH = SearchConfig(beam_size=3)
-
-
-class Running:
-    """A uvicorn server in a thread of this process, on a free loopback port; `options` for uvicorn_config."""
-
-    def __init__(self, app, **options):
-        self.socket = socket.socket()
-        self.socket.bind(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", **options))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -392,7 +369,7 @@ def test_a_compiled_translator_compiles_its_steps_on_a_decoder_thread_before_it_
         translator: Translator, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
     """A compiled translator given to create_app: every kind of decoding step is compiled before the server accepts
     a connection (a kind takes a minute or more to compile, past a request's --timeout), on a decoder thread, whose
-    intra-op thread count goes into the compiled code (Translator.compile_decoding: tests/test_translator.py; the
+    intra-op thread count goes into the compiled code (Translator.compile_decoding: tests/inference/test_translator.py; the
     server's main() compiles before uvicorn starts, the test below)."""
     compiled_on: list[tuple[str, int]] = []
 

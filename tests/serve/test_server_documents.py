@@ -16,10 +16,10 @@ from libretranslatepy import LibreTranslateAPI
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
 
-REPO = Path(__file__).resolve().parents[1]
-from test_markup import added, elements, live  # noqa: E402
-from test_markup import text as text_of  # noqa: E402
-from test_server import SENTENCES, Running  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+from browser_reading import added, elements, live  # noqa: E402
+from browser_reading import text as text_of  # noqa: E402
+from serving import SENTENCES, Running  # noqa: E402
 
 from seq2seq.serve.app import create_app  # noqa: E402
 from seq2seq.serve.bodies import BadRequest  # noqa: E402
