@@ -269,3 +269,30 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = shared_across_workers(tmp_path_factory, "export_run", train)
     return root / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread (the Translator's tests and its faces', `pytestmark`): on a small, busy machine two threads spinning on tiny matrices are ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(one_thread, request: pytest.FixtureRequest) -> Path:
+    """The short training run's best checkpoint (`tiny_run`), as a user would load it."""
+    # Asked for here, not as an argument (pytest would build the session fixture before one_thread):
+    # when this module is the first to need the training run, it trains with one thread, ~1 s
+    # instead of ~40 s on a busy two-core machine.
+    _, checkpoints = request.getfixturevalue("tiny_run")
+    return checkpoints / "best.ckpt"
+
+
+@pytest.fixture(scope="module")
+def translator(checkpoint: Path):
+    """`checkpoint`'s Translator (a module's own `translator` fixture, where it has one, takes its place)."""
+    from seq2seq.inference.translator import Translator
+
+    return Translator.from_checkpoint(checkpoint)
