@@ -29,6 +29,7 @@ from seq2seq.model.compiled import (
     int8_compiled,
     tracing_settings,
 )
+from seq2seq.model.layers import DecoderLayer, EncoderLayer
 from seq2seq.model.numerics import RowInt8Linear, for_inference
 
 BOS, EOS, PAD = 1, 2, 0
@@ -152,6 +153,32 @@ def test_each_step_gives_the_models_logits_and_keeps_them_through_reorders(varia
     assert state.length == eager_state.length == 12
     assert state.capacity >= 12
     assert graphs_compiled() >= before + 2  # several sentences; several with beams
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("attention_kernel", [True, False], ids=["kernel", "attention-written-out"])
+def test_the_compiled_encoder_and_step_follow_a_change_to_the_layers(monkeypatch: pytest.MonkeyPatch,
+                                                                   attention_kernel: bool):
+    """The compiled encoder and step call the model's own layers (EncoderLayer and DecoderLayer.forward, given the
+    step's attention and cache writer), not a copy of their arithmetic: a layer whose forward changes (its output
+    halved and shifted here) changes the compiled memory and logits as it changes the eager ones."""
+    model = tiny()
+    src = sources()
+    src_mask, tokens = src != PAD, torch.full((4, 1), BOS)
+    unchanged = model.decode(tokens, model.encode(src), src_mask, state=model.new_state())  # (R, 1, V)
+    for layer_type in (EncoderLayer, DecoderLayer):
+        def changed(self, x, *, original=layer_type.forward, **arguments):
+            return original(self, x, **arguments) * 0.5 + 0.25
+
+        monkeypatch.setattr(layer_type, "forward", changed)
+    compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False, attention_kernel=attention_kernel)
+    expected_memory = model.encode(src)
+    memory = compiled.encode(src)
+    torch.testing.assert_close(memory, expected_memory, atol=2e-5, rtol=1e-5)
+    expected = model.decode(tokens, expected_memory, src_mask, state=model.new_state())
+    got = compiled.decode(tokens, memory, src_mask, state=compiled.new_state())
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(expected, unchanged, atol=1e-2)  # (the change shows in the logits)
 
 
 @pytest.mark.parametrize("search", [SearchConfig(beam_size=1), SearchConfig(beam_size=3, nbest=2),

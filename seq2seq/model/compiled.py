@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq.model.attention import CACHE_GROWTH, fold_beams, unfold_beams
+from seq2seq.model.attention import CACHE_GROWTH, Attend, fold_beams, unfold_beams
 from seq2seq.model.config import TransformerConfig
 from seq2seq.model.kernels import KernelBuildError, decode_attention_op
-from seq2seq.model.layers import DecoderLayer, EncoderLayer
+from seq2seq.model.layers import CacheExtender, DecoderLayer
 from seq2seq.model.numerics import RowInt8Linear, replace_linears
 from seq2seq.model.transformer import Transformer, check_length
 
@@ -94,7 +94,7 @@ class CompiledState:
         return self
 
 
-def attend(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor) -> Tensor:
+def attend_masked(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(Dh)) v, masked, written out for inductor to fuse, where the step's attention kernel is not
     (a GPU; SDPA would be an opaque kernel): (B, H, Tq, Dh) from queries (B, H, Tq, Dh), keys and values (B, H, Tk,
     Dh), a boolean mask broadcastable to (B, H, Tq, Tk); every query sees a key."""
@@ -225,49 +225,75 @@ StepOutputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
 
 Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], StepOutputs]
 
-Attention = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+AttentionKernel = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """model/kernels.py's decode_attention: (queries (B, Q, H * Dh), keys and values (B, H, S, Dh), lengths (B,)) -> (B, Q,
 H * Dh), each row over its first lengths[b] positions."""
 
 
-def encoder_memory(model: Transformer, *, attention: Attention | None = None) -> Callable[[Tensor], Tensor]:
-    """memory(src (B, S)) -> (B, S, D), zero at padding: the model's encoder (Transformer._memory) with its
-    self-attention `attention` (the CPU's kernel, each sentence over its own length, the queries of all its positions
-    at once) where given: torch's SDPA on a CPU, at a decoding batch's dozens of positions a sentence, was a quarter of
-    the compiled encoder's time, the kernel ~30% less (README, "The step's attention, a kernel of our own")."""
-    if attention is None:
+def kernel_attend(kernel: AttentionKernel, *, lengths: Tensor) -> Attend:
+    """The layers' `attend` (model/attention.py) by the attention kernel: each row of keys n over its first lengths[n]
+    positions (lengths (N,)), the queries of its beams and positions at once. The queries go in, and the output comes
+    out, with the heads after the query, as the projections make them and the output projection takes them: no
+    copies around the kernel."""
+
+    def attend(queries: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        rows, heads, length, head_dim = queries.shape  # (R, H, T, Dh)
+        joined = queries.transpose(1, 2).reshape(keys.size(0), -1, heads * head_dim)  # (N, K * T, D)
+        return kernel(joined, keys, values, lengths).view(rows, length, -1)  # (R, T, D)
+
+    return attend
+
+
+def written_out_attend(*, mask: Tensor) -> Attend:
+    """The layers' `attend` (model/attention.py) written out (`attend_masked`) where the kernel is not: `mask`
+    broadcastable to (N, H, K * T, S), a sentence's K beams folded into its queries as MultiHeadAttention folds them."""
+
+    def attend(queries: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        rows, _, length, _ = queries.shape  # (R, H, T, Dh)
+        folded = fold_beams(queries, sentences=keys.size(0))  # (N, H, K * T, Dh)
+        out = unfold_beams(attend_masked(folded, keys, values, mask=mask), beams=rows // keys.size(0))  # (R, H, T, Dh)
+        return out.transpose(1, 2).reshape(rows, length, -1)  # (R, T, D)
+
+    return attend
+
+
+def cache_writer(keys: Tensor, values: Tensor, *, position: Tensor) -> CacheExtender:
+    """The layer's `extend_cache` over one layer's buffers, (R, H, capacity, Dh) each: the new keys and values (R, H,
+    1, Dh) written in place at `position` (a tensor, () long: no Python int for dynamo to specialise on), the whole
+    buffers returned (the attention sees the positions up to `position`)."""
+
+    def write(new_keys: Tensor, new_values: Tensor) -> tuple[Tensor, Tensor]:
+        keys[:, :, position.view(1)] = new_keys
+        values[:, :, position.view(1)] = new_values
+        return keys, values
+
+    return write
+
+
+def encoder_memory(model: Transformer, *, kernel: AttentionKernel | None = None) -> Callable[[Tensor], Tensor]:
+    """memory(src (B, S)) -> (B, S, D), zero at padding: the model's encoder (Transformer._memory) with the attention
+    kernel for its self-attention where given (each sentence over its own length): torch's SDPA on a CPU, at a decoding
+    batch's dozens of positions a sentence, was a quarter of the compiled encoder's time, the kernel ~30% less
+    (README, "The step's attention, a kernel of our own")."""
+    if kernel is None:
         return model._memory
-    encoder = model.encoder
-    layers = cast(list[EncoderLayer], list(encoder.layers))
-    pad_id = model.config.pad_id
 
     def memory(src: Tensor) -> Tensor:
-        batch, length = src.shape
-        padding = src == pad_id  # (B, S)
-        lengths = length - padding.sum(dim=-1)  # (B,): right-padded sources
-        x = encoder.embed(src)  # (B, S, D)
-        for layer in layers:
-            h = layer.self_attn_residual.before(x)
-            queries, keys, values = layer.self_attn.self_projections(h)  # (B, H, S, Dh) each
-            out = attention(queries.transpose(1, 2).reshape(batch, length, -1), keys, values, lengths)  # (B, S, D)
-            x = layer.self_attn_residual.after(x, layer.self_attn.out_proj(out))
-            x = layer.ffn_residual.after(x, layer.ffn(layer.ffn_residual.before(x)))
-        if encoder.final_norm is not None:
-            x = encoder.final_norm(x)
-        return x.masked_fill(padding[:, :, None], 0.0)
+        lengths = model.src_mask(src).sum(dim=-1)  # (B,): right-padded sources
+        return model._memory(src, attend=kernel_attend(kernel, lengths=lengths))
 
     return memory
 
 
-def decoder_step(model: Transformer, *, chunk: int, attention: Attention | None = None) -> Step:
+def decoder_step(model: Transformer, *, chunk: int, kernel: AttentionKernel | None = None) -> Step:
     """step(tokens (N, K), position () long, keys, values, cross_keys, cross_values, src_mask (N, S) bool) -> logits
     (R, V), their log-normaliser (R,), the maxima of their chunks (R, V // chunk) and their argmax (R,): `model`'s
-    decoder fed one token per row at `position`, writing that position's self-attention keys and values into keys[i]
-    and values[i] (R, H, capacity, Dh) in place and attending over positions up to `position`;
-    R = N * K rows, a sentence's K hypotheses adjacent (they share its cross keys/values, as MultiHeadAttention folds
-    them). Both attentions are `attention` (the CPU's kernel: each row over its own positions, the cross-attention's
-    over its source's length, src_mask being a right-padded batch's), else written out (`attend`, masked: a
-    sentence's padding and the cache's unwritten positions read).
+    decoder layers fed one token per row at `position`, each writing that position's self-attention keys and values
+    into keys[i] and values[i] (R, H, capacity, Dh) in place (`cache_writer`) and attending over positions up to
+    `position`; R = N * K rows, a sentence's K hypotheses adjacent (they share its cross keys/values, as
+    MultiHeadAttention folds them). Both attentions are the layers' with `kernel` in place of torch's (each row over
+    its own positions, the cross-attention's over its source's length, src_mask being a right-padded batch's), else
+    written out (`written_out_attend`, masked: a sentence's padding and the cache's unwritten positions read).
 
     The tokens come as (N, K), not (R,), so that the beams K are a size of their own and the rows their product:
     with K as rows // N, and the head size a symbol of the caches' shapes, every index of the cross-attention's
@@ -307,39 +333,18 @@ def decoder_step(model: Transformer, *, chunk: int, attention: Attention | None 
         table = positions(model.config.max_positions)  # (P, D)
         x = embed.tokens(tokens[:, None]) * embed.scale + table.index_select(0, position.view(1))  # (R, 1, D)
         x = embed.dropout(x)
-        if attention is not None:
-            self_lengths = (position + 1).view(1).expand(rows)  # (R,)
-            cross_lengths = src_mask.sum(dim=-1)  # (N,)
+        if kernel is not None:
+            self_attend = kernel_attend(kernel, lengths=(position + 1).view(1).expand(rows))  # (R,)
+            cross_attend = kernel_attend(kernel, lengths=src_mask.sum(dim=-1))  # (N,)
         else:
-            self_mask = (torch.arange(keys[0].size(2), device=x.device) <= position)[None, None, None, :]  # (1, 1, 1,
+            self_attend = written_out_attend(
+                mask=(torch.arange(keys[0].size(2), device=x.device) <= position)[None, None, None, :])  # (1, 1, 1,
             # capacity)
-            cross_mask = src_mask[:, None, None, :]  # (N, 1, 1, S)
+            cross_attend = written_out_attend(mask=src_mask[:, None, None, :])  # (N, 1, 1, S)
         for i, layer in enumerate(layers):
-            h = layer.self_attn_residual.before(x)
-            queries, new_keys, new_values = layer.self_attn.self_projections(h)  # (R, H, 1, Dh) each
-            keys[i][:, :, position.view(1)] = new_keys
-            values[i][:, :, position.view(1)] = new_values
-            if attention is not None:  # (queries and out with the heads after the query, as the projections make
-                # them and the output projection takes them: no copies around the kernel)
-                out = attention(queries.transpose(1, 2).reshape(rows, 1, -1), keys[i], values[i], self_lengths)  # (R,
-                # 1, D)
-            else:
-                out = attend(queries, keys[i], values[i], mask=self_mask).transpose(1, 2)
-            x = layer.self_attn_residual.after(x, layer.self_attn.out_proj(out.reshape(rows, 1, -1)))
-
-            h = layer.cross_attn_residual.before(x)
-            queries = layer.cross_attn.q_proj(h)  # (R, 1, D)
-            if attention is not None:
-                out = attention(queries.view(sentences, beams, -1), cross_keys[i], cross_values[i], cross_lengths)  # (N,
-                # K, D)
-            else:
-                folded = fold_beams(layer.cross_attn.split_heads(queries), sentences=sentences)  # (N, H, K, Dh)
-                out = unfold_beams(attend(folded, cross_keys[i], cross_values[i], mask=cross_mask), beams=beams)  # (R,
-                # H, 1, Dh)
-                out = out.transpose(1, 2)
-            x = layer.cross_attn_residual.after(x, layer.cross_attn.out_proj(out.reshape(rows, 1, -1)))
-
-            x = layer.ffn_residual.after(x, layer.ffn(layer.ffn_residual.before(x)))
+            x = layer(x, extend_cache=cache_writer(keys[i], values[i], position=position),
+                      cross_kv=(cross_keys[i], cross_values[i]), self_mask=None, cross_mask=None,
+                      self_attend=self_attend, cross_attend=cross_attend)  # (R, 1, D)
         if decoder.final_norm is not None:
             x = decoder.final_norm(x)
         logits = model.output_projection(x)[:, 0]  # (R, V)
@@ -636,10 +641,10 @@ class CompiledDecoder:
         """The compiled encoder and step, made on first use (in a call of a kind not yet compiled: one thread at a
         time, and a kernel that cannot be built a CompileError, `_calls`)."""
         if self._made is None:
-            attention = decode_attention_op() if self.attention_kernel else None
+            kernel = decode_attention_op() if self.attention_kernel else None
             self._made = Compiled(
-                encoder=compile_frozen(encoder_memory(self.model, attention=attention), backend=self._backend),
-                step=compile_frozen(decoder_step(self.model, chunk=self.chunk, attention=attention),
+                encoder=compile_frozen(encoder_memory(self.model, kernel=kernel), backend=self._backend),
+                step=compile_frozen(decoder_step(self.model, chunk=self.chunk, kernel=kernel),
                                     backend=self._backend))
         return self._made
 
