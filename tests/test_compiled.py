@@ -245,7 +245,7 @@ def test_the_step_s_argmax_by_chunks_is_torch_s_first_of_equal_maxima(dtype):
         logits = torch.randint(0, 4, (300, vocab), generator=generator).to(dtype)  # (R, V)
         logits[:100, 960:] = 4.0  # the maximum in the last chunk (whole at 1,024, partial at 1,000) only
         logits[100:150, [5, 999]] = 4.0  # tied with one in the first chunk
-        maxima = compiled_module.chunk_maxima(logits, chunk=64)
+        maxima = compiled_module.step_chunk_maxima(logits, chunk=64)
         assert torch.equal(argmax(logits, maxima=maxima, chunk=64), logits.argmax(dim=-1))
 
 
@@ -258,14 +258,15 @@ def test_the_step_s_normaliser_takes_its_maximum_from_the_chunk_maxima_and_the_l
     logits[1, 1640] = 40.0  # the best in the partial chunk
     logits[2, 5] = 40.0  # in the first chunk
     logits[3, :] = -1.0e4  # nothing likely (a finished row's logits)
-    maxima = compiled_module.chunk_maxima(logits, chunk=64)
+    maxima = compiled_module.step_chunk_maxima(logits, chunk=64)
     assert maxima.shape == (6, 25)
-    got = compiled_module.log_normalizer(logits, maxima=maxima, chunk=64)
-    assert torch.equal(got, compiled_module.log_normalizer(logits))
+    got = compiled_module.step_log_normalizer(logits, maxima=maxima, chunk=64)
+    assert torch.equal(got, compiled_module.step_log_normalizer(logits))
     torch.testing.assert_close(got, search_module.log_normalizer(logits), atol=1e-5, rtol=1e-6)
     whole = torch.randn(2, 1600)  # (no partial chunk)
-    assert torch.equal(compiled_module.log_normalizer(whole, maxima=compiled_module.chunk_maxima(whole, chunk=64),
-                                                      chunk=64), compiled_module.log_normalizer(whole))
+    maxima = compiled_module.step_chunk_maxima(whole, chunk=64)
+    assert torch.equal(compiled_module.step_log_normalizer(whole, maxima=maxima, chunk=64),
+                       compiled_module.step_log_normalizer(whole))
 
 
 def test_stateless_calls_are_the_models_own(pair):

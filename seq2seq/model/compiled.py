@@ -176,17 +176,19 @@ def real_positions(src_mask: Tensor) -> tuple[Tensor, Tensor]:
     return real, places.view(src_mask.shape)
 
 
-def chunk_maxima(logits: Tensor, *, chunk: int) -> Tensor:
+def step_chunk_maxima(logits: Tensor, *, chunk: int) -> Tensor:
     """logits (R, V) -> the maxima of each row's whole chunks of `chunk` columns (R, V // chunk) float32 (a last,
-    partial chunk left out): search.top_k_rows' bounds, computed in the step's generated code as the logits are
-    written (eager, on bf16 logits, a pass as slow as the output layer's matmul)."""
+    partial chunk left out): search.top_k_rows' bounds, search.chunk_maxima's numbers (a maximum is exact) written
+    for the step's generated code, which computes them as the logits are written, from logits of the decoder's dtype
+    (search's strides a contiguous float32 block eagerly: on bf16 logits, a pass as slow as the output layer's
+    matmul)."""
     rows, vocab = logits.shape
     body = vocab // chunk * chunk
     return logits[:, :body].float().reshape(rows, vocab // chunk, chunk).amax(dim=-1)
 
 
 def chunk_argmax(logits: Tensor, *, maxima: Tensor, chunk: int) -> Tensor:
-    """logits (R, V) and the maxima of their chunks (chunk_maxima's) -> each row's argmax (R,) long, the first of
+    """logits (R, V) and the maxima of their chunks (step_chunk_maxima's) -> each row's argmax (R,) long, the first of
     equal maxima, as torch.argmax gives it: the first chunk holding the row's maximum ranked alone, and the last,
     partial chunk, which wins only above it. Greedy search's pick made in the step's generated code, which a search
     of one hypothesis per sentence takes where its constraints did not lower the logit (search.greedy): eager, on
@@ -204,10 +206,11 @@ def chunk_argmax(logits: Tensor, *, maxima: Tensor, chunk: int) -> Tensor:
     return best
 
 
-def log_normalizer(logits: Tensor, *, maxima: Tensor | None = None, chunk: int = 0) -> Tensor:
-    """logits (R, V) -> log(sum(exp(logits))) (R,) float32, the row maximum subtracted first (search.log_normalizer's
-    numbers to float32's rounding, at a third of its time as generated code); the maximum taken from the maxima of
-    the chunks of `chunk` columns (R, V // chunk) where given, and the last, partial chunk's (a pass fewer)."""
+def step_log_normalizer(logits: Tensor, *, maxima: Tensor | None = None, chunk: int = 0) -> Tensor:
+    """logits (R, V) -> log(sum(exp(logits))) (R,) float32, the row maximum subtracted first: search.log_normalizer's
+    numbers to float32's rounding, written for the step's generated code (one fused pass, at a third of the time of
+    search's eager blocks of rows); the maximum taken from the maxima of the chunks of `chunk` columns (R, V // chunk)
+    where given, and the last, partial chunk's (a pass fewer)."""
     x = logits.float()
     if maxima is None:
         peak = x.amax(dim=-1, keepdim=True)  # (R, 1)
@@ -348,10 +351,10 @@ def decoder_step(model: Transformer, *, chunk: int, kernel: AttentionKernel | No
         if decoder.final_norm is not None:
             x = decoder.final_norm(x)
         logits = model.output_projection(x)[:, 0]  # (R, V)
-        maxima = chunk_maxima(logits, chunk=chunk) if logits.size(1) >= 4 * chunk else None  # (top_k_rows ranks
+        maxima = step_chunk_maxima(logits, chunk=chunk) if logits.size(1) >= 4 * chunk else None  # (top_k_rows ranks
         # fewer columns whole: no chunks); `beams > 1` is a guard on the sizes: the kinds of call are apart already
         if beams > 1:
-            return logits, log_normalizer(logits, maxima=maxima, chunk=chunk), maxima, None
+            return logits, step_log_normalizer(logits, maxima=maxima, chunk=chunk), maxima, None
         return logits, None, maxima, None if maxima is None else chunk_argmax(logits, maxima=maxima, chunk=chunk)
 
     return step
