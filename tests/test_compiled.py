@@ -27,8 +27,8 @@ from seq2seq.model.compiled import (
     bf16_around_int8,
     check_compilable,
     int8_compiled,
-    tracing_settings,
 )
+from seq2seq.model.inductor import tracing_settings
 from seq2seq.model.layers import DecoderLayer, EncoderLayer
 from seq2seq.model.numerics import RowInt8Linear, for_inference
 
