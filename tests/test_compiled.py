@@ -305,7 +305,8 @@ def test_the_compiled_encoder_gives_the_models_memory(pair):
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
         assert not got[src == PAD].any()
     assert graphs_compiled() == before
-    assert {kind for kind in compiled._kinds if kind[0] == "encoder"} == {("encoder", True), ("encoder", False)}
+    encoder_kinds = {kind for kind in compiled._kinds_compiled if kind[0] == "encoder"}
+    assert encoder_kinds == {("encoder", True), ("encoder", False)}
 
 
 def test_the_compiled_cross_projection_gives_every_layers_keys_and_values(pair):
@@ -336,7 +337,7 @@ def test_the_compiled_cross_projection_gives_every_layers_keys_and_values(pair):
                     torch.testing.assert_close(got[:, :, :length], want.masked_fill(~real, 0.0), atol=2e-5, rtol=1e-5)
                     assert not got[:, :, length:].any()
     assert graphs_compiled() == before
-    assert {kind for kind in compiled._kinds if kind[0] == "cross"} == {("cross", True), ("cross", False)}
+    assert {kind for kind in compiled._kinds_compiled if kind[0] == "cross"} == {("cross", True), ("cross", False)}
 
 
 @torch.inference_mode()
@@ -427,7 +428,7 @@ def test_decoder_threads_meeting_a_new_kind_compile_it_once_then_run_it_at_once(
             thread.start()
         for thread in threads:
             thread.join()
-    assert compiled._kinds and graphs_compiled() - before == len(compiled._kinds) == len(codes)
+    assert compiled._kinds_compiled and graphs_compiled() - before == len(compiled._kinds_compiled) == len(codes)
     assert all("py::gil_scoped_release" in code for code in codes)
     for i, src in enumerate(batches):
         expected = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
@@ -486,7 +487,8 @@ def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.Mon
 
     def decode(tgt_in, memory, src_mask, state=None):
         seen.append((tgt_in.size(0), memory.size(0), memory.size(1), bool(src_mask.all())))
-        compiled._kinds.add(("step", tgt_in.size(0) == 1, memory.size(0) == 1, tgt_in.size(0) > memory.size(0)))
+        compiled._kinds_compiled.add(("step", tgt_in.size(0) == 1, memory.size(0) == 1,
+                                      tgt_in.size(0) > memory.size(0)))
         return torch.zeros(tgt_in.size(0), 1, 48)
 
     def encoder(src):
@@ -494,7 +496,8 @@ def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.Mon
         return torch.zeros(*src.shape, 32)
 
     monkeypatch.setattr(compiled, "decode", decode)
-    monkeypatch.setattr(compiled, "_made", compiled_module.Compiled(encoder=encoder, step=decode))  # (the step unused)
+    monkeypatch.setattr(compiled, "_compiled_encoder_and_step",
+                        compiled_module.EncoderAndStep(encoder=encoder, step=decode))  # (the step unused)
     assert compiled.compile_kinds() == 6  # the encoder's two among them; `decode` mocked: no cross
     assert seen == [(1, 1, 16, True), (4, 1, 16, True), (64, 64, 16, True), (256, 64, 16, True)]
     assert encoded == [(1, 16, True), (1, 16, True), (64, 16, True), (64, 16, True)]
@@ -667,15 +670,15 @@ def test_tracing_settings_hold_only_inside_and_only_in_the_calling_thread():
 @torch.inference_mode()
 def test_a_call_of_a_compiled_kind_finding_no_graph_is_made_again_not_compiled_again():
     """Threads sharing a decoder now and then find none of its graphs fitting a call dynamo compiled one for
-    (compiled.CompiledDecoder._run): such a call of a compiled kind raises before the step runs and is made again
-    (here dynamo's failure stood in for, once), which finds the graph; the outputs are the eager model's."""
+    (compiled.CompiledDecoder._call_retrying): such a call of a compiled kind raises before the step runs and is made
+    again (here dynamo's failure stood in for, once), which finds the graph; the outputs are the eager model's."""
     from torch._dynamo.exc import RecompileError
 
     model, compiled = compiled_variant("post-sinusoidal-relu")
     search = SearchConfig(beam_size=1)
     src = sources(seed=8)[:2]
     decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)  # the kind compiled
-    made, failures = compiled._compiled(), [RecompileError("runtime guards failed")]
+    made, failures = compiled._encoder_and_step(), [RecompileError("runtime guards failed")]
 
     def failing_once(*inputs):
         if failures:
@@ -683,7 +686,7 @@ def test_a_call_of_a_compiled_kind_finding_no_graph_is_made_again_not_compiled_a
         return made.step(*inputs)
 
     before, retried = graphs_compiled(), compiled.retried
-    with mock.patch.object(compiled, "_made", dataclasses.replace(made, step=failing_once)):
+    with mock.patch.object(compiled, "_compiled_encoder_and_step", dataclasses.replace(made, step=failing_once)):
         got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
     expected = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
     agree(model, src, got, expected)
@@ -708,12 +711,12 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
     strided_mask = src_mask.t().contiguous().t()  # (N, S), column-major: the graph's guards fail on its strides
     inputs = (torch.full((2, 1), 7), torch.tensor(state.length), state.keys, state.values, state.cross_keys,
               state.cross_values, strided_mask)
-    step = compiled._compiled().step
+    step = compiled._encoder_and_step().step
     with tracing_settings(compiled=True), pytest.raises(RecompileError):
         step(*inputs)
     before, retried = graphs_compiled(), compiled.retried
     with tracing_settings(compiled=True):
-        got, *_ = compiled._run(step, *inputs)
+        got, *_ = compiled._call_retrying(step, *inputs)
     assert compiled.retried - retried == compiled_module.RETRIES
     assert graphs_compiled() == before + 1
     eager_state = model.new_state()
@@ -726,7 +729,7 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
 def test_decoder_threads_sharing_a_decoder_compile_nothing_more_once_each_kind_is_compiled():
     """Three threads decoding at once, every kind compiled first: no call compiles a graph again (dynamo found
     no graph fitting 6-11 calls in 300 searches and compiled one again for some, each taking a place of
-    RECOMPILE_LIMIT; _run makes them again), and every output is the eager model's."""
+    RECOMPILE_LIMIT; _call_retrying makes them again), and every output is the eager model's."""
     model, compiled = compiled_variant("post-sinusoidal-relu")
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)  # as decoder workers run (dynamo compiles a graph per thread count)

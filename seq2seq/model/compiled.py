@@ -44,8 +44,8 @@ from seq2seq.model.inductor import (
     QUIET,
     T,
     compile_frozen,
-    compiling,
     inductor_backend,
+    one_line_compile_errors,
     quiet_compile_warnings,
     tracing_settings,
 )
@@ -386,18 +386,19 @@ KIND_SOURCE_LENGTH = 16
 """Source tokens of `compile_kinds`' made-up sentences (the cross-attention's sizes at its first call, as above)."""
 
 RETRIES = 10
-"""Times a call whose kind has its graph is made again when dynamo finds none fitting it (`CompiledDecoder._run`):
-a failed guard check costs microseconds, a compile seconds (with three, the three-thread test in tests/test_compiled.py
-compiled a graph again now and then while the other core was busy)."""
+"""Times a call whose kind has its graph is made again when dynamo finds none fitting it
+(`CompiledDecoder._call_retrying`): a failed guard check costs microseconds, a compile seconds (with three, the
+three-thread test in tests/test_compiled.py compiled a graph again now and then while the other core was busy)."""
 
 
-def _call(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
+def _call_compiling(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
+    """A plain call of a compiled `function`: the first of its kind, which compiles it (`CompiledDecoder._call_policy`)."""
     return function(*inputs)
 
 
 @dataclass(frozen=True)
-class Compiled:
-    """CompiledDecoder's compiled encoder and step, made at the first compile (CompiledDecoder._compiled)."""
+class EncoderAndStep:
+    """CompiledDecoder's compiled encoder and step, made at the first compile (CompiledDecoder._encoder_and_step)."""
 
     encoder: Callable[[Tensor], Tensor]
     step: Callable[..., StepOutputs]
@@ -412,7 +413,7 @@ class CompiledDecoder:
     projects the memory for cross-attention, compiled). The first calls of each kind compile (tens of seconds;
     inductor keeps the code on disk for the next process), on the thread that first decodes, with its intra-op
     thread count built into the code (decoder threads meeting a new kind at once wait for the one compiling it,
-    `_kinds`; once it is compiled their steps run at once; a thread of another intra-op count compiles its own
+    `_kinds_compiled`; once it is compiled their steps run at once; a thread of another intra-op count compiles its own
     graphs, as dynamo guards on the count). On a CPU, `gemm_templates` off compiles faster to a slower step
     (GEMM_TEMPLATES), and `cpp_wrapper` off compiles faster to a step that holds the GIL while it runs
     (CPP_WRAPPER): both are for tests. The model's linear layers must be plain nn.Linear, fp32 or bf16, or
@@ -437,10 +438,11 @@ class CompiledDecoder:
         """Whether inductor's GEMM templates are timed against ATen's kernels (on a CPU)."""
         backend = inductor_backend({**QUIET, **(CPP_WRAPPER if cpp_wrapper and on_cpu else {}),
                                     **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})})
-        self._kinds: set[Kind] = set()  # compiled so far
-        self._compiling = threading.Lock()
+        self._kinds_compiled: set[Kind] = set()  # compiled so far
+        self.compile_lock = threading.Lock()
+        """Held around every call that compiles (`_under_compile_lock`): one thread compiles at a time."""
         self.retried = 0
-        """Calls made again because dynamo found no graph fitting them (`_run`): a tally for reading, not a lock."""
+        """Calls made again because dynamo found no graph fitting them (`_call_retrying`): a tally for reading."""
         self.compiling_seconds = 0.0
         """Seconds in calls that compiled (each kind's first, and a call compiled after its retries): a tally for
         reading. A process compiles every graph again, whatever inductor's disk cache holds (README, "A compiled
@@ -454,13 +456,14 @@ class CompiledDecoder:
         # The step, and the encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate
         # passes over a batch's activations, and fbgemm's int8 matmuls ran slower than the compiled ones (README, "The
         # encoder compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own). Both
-        # made at the first compile (_compiled), after the attention kernel is built, which may fail as compiling does.
-        self._made: Compiled | None = None
+        # made at the first compile (_encoder_and_step), after the attention kernel is built, which may fail as
+        # compiling does.
+        self._compiled_encoder_and_step: EncoderAndStep | None = None
         # And the memory's projection into the cross-attention keys and values, once a batch: eager, the int8
         # projection's quantising, its dequantising, the cast to the decoder's dtype and the copies into the heads'
         # layout were passes of their own over the batch's (N, S, layers * 2D) (README, "The cross-attention's keys
         # and values compiled").
-        self._cross = compile_frozen(cross_projection(model, dtype=self.dtype), backend=backend)
+        self._cross_projection = compile_frozen(cross_projection(model, dtype=self.dtype), backend=backend)
 
     def encode(self, src: Tensor) -> Tensor:
         """src (B, S) -> memory (B, S, D), as Transformer.encode gives it (by chunks of similar lengths), each chunk
@@ -473,8 +476,8 @@ class CompiledDecoder:
         # keys, and a source made outside inference mode (the Translator's) would not fit compile_kinds' graphs
         one_token = src.size(1) == 1  # padded to two, masked (a size of 1 would make graphs apart)
         src = F.pad(src, (0, 1), value=self.config.pad_id) if one_token else src.clone()  # (B, S)
-        with self._calls(("encoder", src.size(0) == 1)) as call:
-            memory = call(self._compiled().encoder, src)  # (B, S, D)
+        with self._call_policy(("encoder", src.size(0) == 1)) as call:
+            memory = call(self._encoder_and_step().encoder, src)  # (B, S, D)
         return memory[:, :1] if one_token else memory
 
     @staticmethod
@@ -526,13 +529,13 @@ class CompiledDecoder:
                                  "after a padded one")
             if one_token:
                 memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
-            with self._calls(("cross", sentences == 1)) as call:
-                projected = call(self._cross, memory, *real_positions(src_mask))  # [keys, values] of each layer,
-                # (N, H, S, Dh) each
+            with self._call_policy(("cross", sentences == 1)) as call:
+                projected = call(self._cross_projection, memory, *real_positions(src_mask))  # [keys, values] of
+                # each layer, (N, H, S, Dh) each
             state.cross_keys, state.cross_values = projected[0::2], projected[1::2]
         heads = self.config.num_heads
         outputs = []
-        with self._calls(("step", rows == 1, sentences == 1, rows > sentences)) as call:
+        with self._call_policy(("step", rows == 1, sentences == 1, rows > sentences)) as call:
             for t in range(length):
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
                               num_layers=self.config.num_decoder_layers, dtype=self.dtype, device=memory.device)
@@ -540,27 +543,27 @@ class CompiledDecoder:
                 tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
                 inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values,
                           src_mask)
-                outputs.append(call(self._compiled().step, *inputs))
+                outputs.append(call(self._encoder_and_step().step, *inputs))
                 state.length += 1
         return outputs
 
-    def _compiled(self) -> Compiled:
+    def _encoder_and_step(self) -> EncoderAndStep:
         """The compiled encoder and step, made on first use (in a call of a kind not yet compiled: one thread at a
-        time, and a kernel that cannot be built a CompileError, `_calls`)."""
-        if self._made is None:
+        time, and a kernel that cannot be built a CompileError, `_call_policy`)."""
+        if self._compiled_encoder_and_step is None:
             kernel = decode_attention_op() if self.attention_kernel else None
-            self._made = Compiled(
+            self._compiled_encoder_and_step = EncoderAndStep(
                 encoder=compile_frozen(encoder_memory(self.model, kernel=kernel), backend=self._backend),
                 step=compile_frozen(decoder_step(self.model, chunk=self.chunk, kernel=kernel),
                                     backend=self._backend))
-        return self._made
+        return self._compiled_encoder_and_step
 
     @torch.inference_mode()
     def compile_kinds(self) -> int:
         """Compile every kind of call now, on this thread (with its intra-op thread count, as the decoding threads
         would): a server does this before it answers, so that no request waits the minutes compiling takes. One
         step of each kind on made-up sentences of the sizes in KINDS; the number of kinds compiled (0 when all were)."""
-        compiled = len(self._kinds)
+        compiled = len(self._kinds_compiled)
         parameter = next(self.model.parameters())
         for sentences, beams in KINDS:
             length = min(KIND_SOURCE_LENGTH, self.config.max_positions)
@@ -568,18 +571,20 @@ class CompiledDecoder:
             memory = self.encode(src)  # (N, S, D)
             tgt_in = torch.zeros(sentences * beams, 1, dtype=torch.long, device=parameter.device)  # (R, 1)
             self.decode(tgt_in, memory, torch.ones_like(src, dtype=torch.bool), state=self.new_state())
-        return len(self._kinds) - compiled
+        return len(self._kinds_compiled) - compiled
 
     @contextmanager
-    def _calls(self, kind: Kind) -> Iterator[Callable[..., Any]]:
+    def _call_policy(self, kind: Kind) -> Iterator[Callable[..., Any]]:
         """Around calls of one kind, the policy in one place: yields how to call a compiled function (`call(function,
-        *inputs)`): `_run` once the kind has its graph; else a plain call, the first of its kind, which compiles it
-        (`_first_of_kind`). Inductor's failure to compile becomes a CompileError (`compiling`)."""
-        compiled = kind in self._kinds
-        with tracing_settings(compiled=compiled), nullcontext() if compiled else self._first_of_kind(kind), compiling():
-            yield self._run if compiled else _call
+        *inputs)`): `_call_retrying` once the kind has its graph; else `_call_compiling`, the first of its kind, which
+        compiles it (`_first_of_kind`). Inductor's failure to compile becomes a CompileError
+        (`one_line_compile_errors`)."""
+        compiled = kind in self._kinds_compiled
+        first = nullcontext() if compiled else self._first_of_kind(kind)
+        with tracing_settings(compiled=compiled), first, one_line_compile_errors():
+            yield self._call_retrying if compiled else _call_compiling
 
-    def _run(self, function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
+    def _call_retrying(self, function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
         """The compiled `function` (the step, the encoder, the cross projection), for a call whose kind has its graph.
         Threads sharing the decoder now and then find none of its graphs fitting such a call (dynamo's guards
         fail as one thread checks them while another decodes, and pass when checked again: "runtime guards
@@ -597,7 +602,7 @@ class CompiledDecoder:
             except RecompileError:
                 self.retried += 1
                 time.sleep(0)  # the GIL to the thread whose decoding upset the guards, before they are checked again
-        with self._compiling_alone(), tracing_settings(compiled=False):
+        with self._under_compile_lock(), tracing_settings(compiled=False):
             return function(*inputs)
 
     @contextmanager
@@ -605,15 +610,15 @@ class CompiledDecoder:
         """Around the first call of a kind (the graph dynamo compiles for it): one thread at a time, so that
         decoder threads meeting the kind at once compile it once (each would compile its own: dynamo looks
         for a graph before it takes its compile lock), the others waiting and then finding it."""
-        with self._compiling_alone():
+        with self._under_compile_lock():
             yield
-            self._kinds.add(kind)
+            self._kinds_compiled.add(kind)
 
     @contextmanager
-    def _compiling_alone(self) -> Iterator[None]:
-        """Around a call that compiles (a kind's first; one compiled after its retries, `_run`): one thread at a
-        time, inductor's TypedStorage warning hidden, its seconds counted in `compiling_seconds`."""
-        with self._compiling:
+    def _under_compile_lock(self) -> Iterator[None]:
+        """Around a call that compiles (a kind's first; one compiled after its retries, `_call_retrying`): one thread at
+        a time (`compile_lock`), inductor's TypedStorage warning hidden, its seconds counted in `compiling_seconds`."""
+        with self.compile_lock:
             quiet_compile_warnings()
             started = time.perf_counter()
             try:

@@ -54,7 +54,7 @@ def tracing_settings(*, compiled: bool = False) -> Iterator[None]:
     - no duck sizing: dynamo would give sizes equal at the first call one symbol (rows = heads, capacity =
       head size), and then specialise them to the model's constants (a graph for one shape of the cache);
     - with `compiled` (the call's kind has its graph), dynamo's `error_on_recompile`: a call that finds no graph
-      fitting raises RecompileError instead of compiling one (compiled.CompiledDecoder._run says why).
+      fitting raises RecompileError instead of compiling one (compiled.CompiledDecoder._call_retrying says why).
 
     torch's config settings are the setting thread's own (context variables): other threads, and this one
     after the call, keep theirs. ~10 us a step."""
@@ -82,7 +82,7 @@ class CompileError(RuntimeError):
 
 
 @contextmanager
-def compiling() -> Iterator[None]:
+def one_line_compile_errors() -> Iterator[None]:
     """Around a call that may compile: inductor's failure (pages of traceback) becomes a CompileError of one line, as
     does the attention kernel's (its build, at the step's first compile)."""
     from torch._dynamo.exc import BackendCompilerFailed
