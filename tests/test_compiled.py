@@ -18,7 +18,7 @@ from torch._inductor.graph import GraphLowering
 
 from seq2seq.decoding import search as search_module
 from seq2seq.decoding.search import SearchConfig, decode
-from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.model import Transformer, TransformerConfig, compiled_step
 from seq2seq.model import compiled as compiled_module
 from seq2seq.model.attention import CACHE_GROWTH
 from seq2seq.model.compiled import (
@@ -239,13 +239,13 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
 def test_the_step_s_argmax_by_chunks_is_torch_s_first_of_equal_maxima(dtype):
     """chunk_argmax, compiled by inductor as the step is, on logits full of ties (a few integers) and with the maximum
     in the last, partial chunk or tied with it: torch.argmax's column, the first of equal maxima, in every row."""
-    argmax = torch.compile(compiled_module.chunk_argmax, dynamic=True, fullgraph=True)
+    argmax = torch.compile(compiled_step.chunk_argmax, dynamic=True, fullgraph=True)
     generator = torch.Generator().manual_seed(0)
     for vocab in (1024, 1000):
         logits = torch.randint(0, 4, (300, vocab), generator=generator).to(dtype)  # (R, V)
         logits[:100, 960:] = 4.0  # the maximum in the last chunk (whole at 1,024, partial at 1,000) only
         logits[100:150, [5, 999]] = 4.0  # tied with one in the first chunk
-        maxima = compiled_module.step_chunk_maxima(logits, chunk=64)
+        maxima = compiled_step.step_chunk_maxima(logits, chunk=64)
         assert torch.equal(argmax(logits, maxima=maxima, chunk=64), logits.argmax(dim=-1))
 
 
@@ -258,15 +258,15 @@ def test_the_step_s_normaliser_takes_its_maximum_from_the_chunk_maxima_and_the_l
     logits[1, 1640] = 40.0  # the best in the partial chunk
     logits[2, 5] = 40.0  # in the first chunk
     logits[3, :] = -1.0e4  # nothing likely (a finished row's logits)
-    maxima = compiled_module.step_chunk_maxima(logits, chunk=64)
+    maxima = compiled_step.step_chunk_maxima(logits, chunk=64)
     assert maxima.shape == (6, 25)
-    got = compiled_module.step_log_normalizer(logits, maxima=maxima, chunk=64)
-    assert torch.equal(got, compiled_module.step_log_normalizer(logits))
+    got = compiled_step.step_log_normalizer(logits, maxima=maxima, chunk=64)
+    assert torch.equal(got, compiled_step.step_log_normalizer(logits))
     torch.testing.assert_close(got, search_module.log_normalizer(logits), atol=1e-5, rtol=1e-6)
     whole = torch.randn(2, 1600)  # (no partial chunk)
-    maxima = compiled_module.step_chunk_maxima(whole, chunk=64)
-    assert torch.equal(compiled_module.step_log_normalizer(whole, maxima=maxima, chunk=64),
-                       compiled_module.step_log_normalizer(whole))
+    maxima = compiled_step.step_chunk_maxima(whole, chunk=64)
+    assert torch.equal(compiled_step.step_log_normalizer(whole, maxima=maxima, chunk=64),
+                       compiled_step.step_log_normalizer(whole))
 
 
 def test_stateless_calls_are_the_models_own(pair):
@@ -325,7 +325,7 @@ def test_the_compiled_cross_projection_gives_every_layers_keys_and_values(pair):
         for src, memory in zip(cases, memories, strict=True):
             state = compiled.new_state()
             compiled.decode(torch.full((src.size(0), 1), BOS), memory, src != PAD, state=state)
-            expected = compiled_module.cross_keys_values(model, memory=memory)
+            expected = compiled_step.cross_keys_values(model, memory=memory)
             assert len(state.cross_keys) == len(state.cross_values) == len(expected) == 2
             real = (src != PAD)[:, None, :, None]  # (N, 1, S, 1)
             for keys, values, (expected_keys, expected_values) in zip(state.cross_keys, state.cross_values, expected,
@@ -350,19 +350,19 @@ def test_the_cross_projection_of_the_real_positions_is_the_padded_one_s_where_th
     src = sources()
     memory = model.encode(src)  # (N, S, D)
     mask = src != PAD
-    real, places = compiled_module.real_positions(mask)
+    real, places = compiled_step.real_positions(mask)
     assert real.tolist() == mask.reshape(-1).nonzero()[:, 0].tolist()
     assert places.shape == mask.shape and (places[~mask] == real.numel()).all()
     assert torch.equal(places[mask], torch.arange(real.numel()))
-    packed = compiled_module.cross_projection(model, dtype=torch.float32)(memory, real, places)
-    padded = [x for pair in compiled_module.cross_keys_values(model, memory=memory) for x in pair]
+    packed = compiled_step.cross_projection(model, dtype=torch.float32)(memory, real, places)
+    padded = [x for pair in compiled_step.cross_keys_values(model, memory=memory) for x in pair]
     assert len(packed) == len(padded) == 6
     for got, want in zip(packed, padded, strict=True):
         assert got.shape == want.shape and got.is_contiguous()
         assert torch.equal(got, want.masked_fill(~mask[:, None, :, None], 0.0))
     one = torch.tensor([[True, False]])
-    assert [x.tolist() for x in compiled_module.real_positions(one)] == [[0, 1], [[0, 1]]]
-    assert [x.tolist() for x in compiled_module.real_positions(one.repeat(2, 1))] == [[0, 2], [[0, 2], [1, 2]]]
+    assert [x.tolist() for x in compiled_step.real_positions(one)] == [[0, 1], [[0, 1]]]
+    assert [x.tolist() for x in compiled_step.real_positions(one.repeat(2, 1))] == [[0, 2], [[0, 2], [1, 2]]]
 
 
 def test_one_token_sources_reuse_the_graphs_of_longer_ones():
@@ -559,7 +559,7 @@ def test_every_layers_cross_keys_and_values_are_one_int8_projection_of_the_memor
     for layer in model.decoder.layers:
         layer.cross_attn.kv_proj.register_forward_hook(lambda *args: calls.append("layer"))
     memory = model.encode(sources())  # (N, S, D)
-    pairs = compiled_module.cross_keys_values(model, memory=memory)
+    pairs = compiled_step.cross_keys_values(model, memory=memory)
     assert calls == ["stacked"]
     assert len(pairs) == 3
     for layer, (keys, values) in zip(model.decoder.layers, pairs, strict=True):
@@ -568,7 +568,7 @@ def test_every_layers_cross_keys_and_values_are_one_int8_projection_of_the_memor
         assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
     model.decoder.cross_kv_proj = None  # (a model whose projections could not be stacked: layer by layer)
     calls.clear()
-    assert all(torch.equal(a, b) for got, expected in zip(compiled_module.cross_keys_values(model, memory=memory),
+    assert all(torch.equal(a, b) for got, expected in zip(compiled_step.cross_keys_values(model, memory=memory),
                                                           pairs, strict=True) for a, b in zip(got, expected, strict=True))
     assert calls == ["layer"] * 3
 

@@ -44,7 +44,7 @@ Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 """attend(queries (R, H, T, Dh), keys, values (N, H, S, Dh)) -> the heads' outputs joined, (R, T, H * Dh), before the
 output projection; N = R, or R / K for K beams a sentence, its rows adjacent: an attention given to
 `MultiHeadAttention.forward` (and the layers) in place of its own, which sees the positions it was made for (its own
-mask or lengths). The compiled decoding step's (model/compiled.py): its kernel, or the attention written out."""
+mask or lengths). The compiled decoding step's (model/compiled_step.py): its kernel, or the attention written out."""
 
 
 class MultiHeadAttention(nn.Module):

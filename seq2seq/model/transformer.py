@@ -307,7 +307,7 @@ class Transformer(nn.Module):
 
     def _memory(self, src: Tensor, *, attend: Attend | None = None) -> Tensor:
         """The encoder over (B, S) as one batch -> (B, S, D), zero at padding; its self-attention `attend` where given
-        (model/compiled.py's kernel; Encoder)."""
+        (model/compiled_step.py's kernel; Encoder)."""
         out = self.encoder(src, src_mask=padding_mask(src, pad_id=self.config.pad_id), attend=attend)
         return out.masked_fill((src == self.config.pad_id)[:, :, None], 0.0)
 
