@@ -126,7 +126,7 @@ class EncoderLayer(nn.Module):
         self.ffn_residual = Residual(config, alpha=alpha)
 
     def forward(
-        self, x: Tensor, *, mask: Tensor | None, position_bias: Tensor | None = None, rotary: Rotary | None = None,
+        self, x: Tensor, *, mask: Tensor, position_bias: Tensor | None = None, rotary: Rotary | None = None,
         attend: Attend | None = None,
     ) -> Tensor:
         # x: (B, S, D); mask: (B, 1, 1, S); attend: the self-attention's in place of the masked one (MultiHeadAttention)
