@@ -251,17 +251,17 @@ def decoder_step(model: Transformer, *, chunk: int, kernel: AttentionKernel | No
         table = positions(model.config.max_positions)  # (P, D)
         x = embed.tokens(tokens[:, None]) * embed.scale + table.index_select(0, position.view(1))  # (R, 1, D)
         x = embed.dropout(x)
+        cross_mask = src_mask[:, None, None, :]  # (N, 1, 1, S)
         if kernel is not None:
             self_attend = kernel_attend(kernel, lengths=(position + 1).view(1).expand(rows))  # (R,)
             cross_attend = kernel_attend(kernel, lengths=src_mask.sum(dim=-1))  # (N,)
         else:
-            self_attend = written_out_attend(
-                mask=(torch.arange(keys[0].size(2), device=x.device) <= position)[None, None, None, :])  # (1, 1, 1,
-            # capacity)
-            cross_attend = written_out_attend(mask=src_mask[:, None, None, :])  # (N, 1, 1, S)
+            cached = torch.arange(keys[0].size(2), device=x.device) <= position  # (capacity,)
+            self_attend = written_out_attend(mask=cached[None, None, None, :])  # (1, 1, 1, capacity)
+            cross_attend = written_out_attend(mask=cross_mask)
         for i, layer in enumerate(layers):
             x = layer(x, extend_cache=cache_writer(keys[i], values[i], position=position),
-                      cross_kv=(cross_keys[i], cross_values[i]), self_mask=None, cross_mask=None,
+                      cross_kv=(cross_keys[i], cross_values[i]), self_mask=None, cross_mask=cross_mask,
                       self_attend=self_attend, cross_attend=cross_attend)  # (R, 1, D)
         if decoder.final_norm is not None:
             x = decoder.final_norm(x)

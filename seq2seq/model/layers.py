@@ -155,7 +155,7 @@ class DecoderLayer(nn.Module):
         extend_cache: CacheExtender | None,
         cross_kv: tuple[Tensor, Tensor],
         self_mask: Tensor | None,
-        cross_mask: Tensor | None,
+        cross_mask: Tensor,
         position_bias: Tensor | None = None,
         rotary: Rotary | None = None,
         offset: int = 0,
