@@ -6,6 +6,7 @@ the kernel unchanged. Shapes broadcast to (B, H, Tq, Tk): a source padding mask 
 the decoder's causal-and-padding mask is (B, 1, T, T).
 """
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -37,6 +38,13 @@ def causal_mask(tokens: Tensor, *, pad_id: int, offset: int = 0) -> Tensor:
     else:
         is_real[:, 0] = True
     return causal[None, None] & is_real[:, None, None, :]
+
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""attend(queries (R, H, T, Dh), keys, values (N, H, S, Dh)) -> the heads' outputs joined, (R, T, H * Dh), before the
+output projection; N = R, or R / K for K beams a sentence, its rows adjacent: an attention given to
+`MultiHeadAttention.forward` (and the layers) in place of its own, which sees the positions it was made for (its own
+mask or lengths). The compiled decoding step's (model/compiled_step.py): its kernel, or the attention written out."""
 
 
 class MultiHeadAttention(nn.Module):
@@ -136,11 +144,17 @@ class MultiHeadAttention(nn.Module):
         rotary: Rotary | None = None,
         offset: int = 0,
         queries: Tensor | None = None,
+        attend: Attend | None = None,
     ) -> Tensor:
         # x: (B, Tq, D); keys, values: (B, H, Tk, Dh); mask: bool, broadcastable to (B, H, Tq, Tk);
-        # queries: x's, (B, H, Tq, Dh), where the caller projected them (self_projections; the alignments' weights)
+        # queries: x's, (B, H, Tq, Dh), where the caller projected them (self_projections; the alignments' weights);
+        # attend: the attention in place of the masked one below (`mask` unused; no relative positions)
         if queries is None:
             queries = self.split_heads(self.q_proj(x))  # (R, H, Tq, Dh)
+        if attend is not None:
+            if position_bias is not None or rotary is not None:
+                raise ValueError("an attention given in place of the model's own takes no relative positions")
+            return self.out_proj(attend(queries, keys, values))  # (R, Tq, D)
         rows, _, length, _ = queries.shape
         sentences = keys.size(0)
         beams = rows // sentences if sentences else 1

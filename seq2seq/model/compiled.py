@@ -1,20 +1,14 @@
-"""The decoder's one-token step written for torch.compile, over a cache of fixed shape; and the encoder compiled.
+"""The compiled decoder: the model's encoder, cross-attention projection and one-token decoding step compiled by
+torch.compile (model/compiled_step.py's functions), and what runs them between calls.
 
 At a few rows a decoding step is mostly overhead between kernels: each eager op and each linear layer's
 oneDNN call costs more than its arithmetic (README, "A compiled decoding step"). Compiled, the step is
 one function of generated code in which the matmuls' micro-kernels (inductor's CPP GEMM templates: AMX
-or AVX-512 on a CPU) sit among the fused element-wise work. For dynamo to trace it once and replay it,
-the step has no Python state and no branch on the data: the decoding cache is one buffer per layer,
-(R, H, capacity, Dh), written in place at a position given as a tensor, and every length is a symbolic
-size (`dynamic=True`), so a growing cache, changing rows and sources of any length reuse the graphs
-compiled for them: one per kind of call (one row; one sentence's beams; several sentences; several with beams).
-The encoder is the model's own, compiled as it is (one graph for one sentence, one for several), and so is the
-projection of its memory into every layer's cross-attention keys and values.
-
-The arithmetic is the model's own modules (norms, residual placements, projections, feed-forward), so
-the compiled step computes what `Transformer.decode` computes, to the kernels' rounding. Relative (T5)
-and rotary positions act inside self-attention at positions given as Python ints: they are not written
-out here, and a model that uses them is refused (`check_compilable`).
+or AVX-512 on a CPU) sit among the fused element-wise work. The decoding cache is one buffer per layer,
+(R, H, capacity, Dh) (CompiledState), grown here between steps and written in place by the step, so that
+a growing cache, changing rows and sources of any length reuse the graphs compiled for them: one per kind
+of call (one row; one sentence's beams; several sentences; several with beams). Which kinds are compiled,
+one thread at a time, and the calls made again where dynamo finds no graph are CompiledDecoder's.
 
     src (N, S) ──compiled encoder──► memory (N, S, D)
     memory ──compiled cross keys/values, once──► CompiledState ◄── reorder (beams, finished sentences)
@@ -27,35 +21,43 @@ from __future__ import annotations
 import copy
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq.model.attention import CACHE_GROWTH, fold_beams, unfold_beams
-from seq2seq.model.config import TransformerConfig
-from seq2seq.model.kernels import KernelBuildError, decode_attention_op
-from seq2seq.model.layers import DecoderLayer, EncoderLayer
+from seq2seq.model.attention import CACHE_GROWTH
+from seq2seq.model.compiled_step import (
+    StepOutputs,
+    check_compilable,
+    cross_projection,
+    decoder_step,
+    encoder_memory,
+    real_positions,
+)
+from seq2seq.model.inductor import (
+    CPP_WRAPPER,
+    GEMM_TEMPLATES,
+    QUIET,
+    T,
+    compile_frozen,
+    inductor_backend,
+    one_line_compile_errors,
+    quiet_compile_warnings,
+    tracing_settings,
+)
+from seq2seq.model.inductor import CompileError as CompileError  # (its users import it from here)
+from seq2seq.model.kernels import decode_attention_op
 from seq2seq.model.numerics import RowInt8Linear, replace_linears
 from seq2seq.model.transformer import Transformer, check_length
 
-COMPILABLE_POSITIONS = ("sinusoidal", "learned")
-
-
-def check_compilable(config: TransformerConfig) -> None:
-    """ValueError, one line, for a model the compiled step does not write out."""
-    if config.positions not in COMPILABLE_POSITIONS:
-        raise ValueError(f"compiled decoding covers absolute positions ({', '.join(COMPILABLE_POSITIONS)}); this "
-                         f"model's are {config.positions!r}: decode without compile")
-
 
 class CompiledState:
-    """What the compiled step keeps between steps (search.py's DecoderState protocol): per decoder layer the
+    """What the compiled step keeps between steps (decoding/config.py's DecoderState protocol): per decoder layer the
     self-attention keys and values, (R, H, capacity, Dh) each, positions from `length` on zero (not attended), and the
     cross-attention keys and values, (N, H, S, Dh), one row per sentence."""
 
@@ -94,14 +96,6 @@ class CompiledState:
         return self
 
 
-def attend(queries: Tensor, keys: Tensor, values: Tensor, *, mask: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(Dh)) v, masked, written out for inductor to fuse, where the step's attention kernel is not
-    (a GPU; SDPA would be an opaque kernel): (B, H, Tq, Dh) from queries (B, H, Tq, Dh), keys and values (B, H, Tk,
-    Dh), a boolean mask broadcastable to (B, H, Tq, Tk); every query sees a key."""
-    scores = torch.matmul(queries, keys.transpose(-1, -2)) * queries.size(-1) ** -0.5  # (B, H, Tq, Tk)
-    return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), values)
-
-
 def int8_compiled(model: Transformer) -> Transformer:
     """`model` (float32; in place) with every linear layer RowInt8Linear (the decoder's cross-attention projections
     stacked first): the compiled encoder's and step's int8, whose oneDNN op inductor compiles to its int8 micro-kernels
@@ -131,322 +125,9 @@ def bf16_around_int8(model: Transformer) -> Transformer:
     return model
 
 
-def cross_keys_values(model: Transformer, *, memory: Tensor, places: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
-    """memory (N, S, D) -> each decoder layer's cross-attention keys and values (N, H, S, Dh), contiguous (read at
-    every step): from the model's stacked projection (Transformer.stack_cross_projections), else layer by layer.
-
-    With `places` (N, S) long, `memory` is the real source positions' alone, (T, D), and places[n, s] the row of it
-    at sentence n's position s, T at padding, whose keys and values are zeros (masked; finite, as the attention's
-    zero weights times them must be): padding is not projected."""
-    layers = cast(list[DecoderLayer], list(model.decoder.layers))
-    stacked = model.decoder.cross_kv_proj
-    projected = [stacked(memory)] if stacked is not None else [layer.cross_attn.kv_proj(memory) for layer in layers]
-    if places is not None:  # (T, C) -> (N, S, C): a zero row appended for the padding to take
-        projected = [F.pad(kv, (0, 0, 0, 1))[places] for kv in projected]
-    if stacked is not None:
-        projected = list(projected[0].chunk(len(layers), dim=-1))  # (N, S, 2D) each
-    pairs = [layer.cross_attn.split_keys_values(kv) for layer, kv in zip(layers, projected, strict=True)]
-    return [(keys.contiguous(), values.contiguous()) for keys, values in pairs]
-
-
-def cross_projection(model: Transformer, *, dtype: torch.dtype) -> Callable[[Tensor, Tensor, Tensor], list[Tensor]]:
-    """project(memory (N, S, D), real (T,), places (N, S)) -> [keys, values] of each decoder layer in turn, (N, H, S,
-    Dh) each in `dtype` (the decoder's): cross_keys_values over the memory's real positions alone, the flat indices
-    `real` of memory.view(N * S, D) (the rows of cross_keys_values' `places`), written for torch.compile (a flat list
-    out; the rows gathered and taken to `dtype` inside, in the pass that quantises them where the projection is int8).
-    A batch's sources are padded to its longest, and a batch of sentences of many lengths is largely padding, which
-    the projection's matmul, its epilogue and the copies into the heads' layout would work through (README, "The
-    cross-attention projects real positions only; greedy's argmax in the step")."""
-
-    def project(memory: Tensor, real: Tensor, places: Tensor) -> list[Tensor]:
-        tokens = memory.reshape(-1, memory.size(-1)).index_select(0, real).to(dtype)  # (T, D)
-        return [x for pair in cross_keys_values(model, memory=tokens, places=places) for x in pair]
-
-    return project
-
-
-def real_positions(src_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """src_mask (N, S) -> cross_projection's `real` (T,), the flat indices of the real positions, and `places` (N, S),
-    each position's index in `real`, T at padding. Fewer than two real positions (one one-token sentence, its mask
-    padded to two) take the padding in too: a size of 1 would be a graph apart."""
-    flat = src_mask.reshape(-1)
-    real = flat.nonzero()[:, 0] if int(flat.sum()) >= 2 else torch.arange(flat.numel(), device=flat.device)
-    places = torch.full_like(flat, real.numel(), dtype=torch.long).index_copy_(
-        0, real, torch.arange(real.numel(), device=flat.device))
-    return real, places.view(src_mask.shape)
-
-
-def chunk_maxima(logits: Tensor, *, chunk: int) -> Tensor:
-    """logits (R, V) -> the maxima of each row's whole chunks of `chunk` columns (R, V // chunk) float32 (a last,
-    partial chunk left out): search.top_k_rows' bounds, computed in the step's generated code as the logits are
-    written (eager, on bf16 logits, a pass as slow as the output layer's matmul)."""
-    rows, vocab = logits.shape
-    body = vocab // chunk * chunk
-    return logits[:, :body].float().reshape(rows, vocab // chunk, chunk).amax(dim=-1)
-
-
-def chunk_argmax(logits: Tensor, *, maxima: Tensor, chunk: int) -> Tensor:
-    """logits (R, V) and the maxima of their chunks (chunk_maxima's) -> each row's argmax (R,) long, the first of
-    equal maxima, as torch.argmax gives it: the first chunk holding the row's maximum ranked alone, and the last,
-    partial chunk, which wins only above it. Greedy search's pick made in the step's generated code, which a search
-    of one hypothesis per sentence takes where its constraints did not lower the logit (search.greedy): eager, on
-    the logits the step returns, ranking them was the search's largest work between two steps."""
-    vocab = logits.size(1)
-    first = maxima.argmax(dim=-1)  # (R,)
-    columns = first[:, None] * chunk + torch.arange(chunk, device=logits.device)  # (R, chunk)
-    values = logits.gather(1, columns)  # (R, chunk)
-    best = first * chunk + values.argmax(dim=-1)  # (R,)
-    body = maxima.size(1) * chunk
-    if body < vocab:
-        rest = logits[:, body:]  # (R, V - body)
-        above = rest.amax(dim=-1) > values.amax(dim=-1)  # (R,)
-        best = torch.where(above, body + rest.argmax(dim=-1), best)
-    return best
-
-
-def log_normalizer(logits: Tensor, *, maxima: Tensor | None = None, chunk: int = 0) -> Tensor:
-    """logits (R, V) -> log(sum(exp(logits))) (R,) float32, the row maximum subtracted first (search.log_normalizer's
-    numbers to float32's rounding, at a third of its time as generated code); the maximum taken from the maxima of
-    the chunks of `chunk` columns (R, V // chunk) where given, and the last, partial chunk's (a pass fewer)."""
-    x = logits.float()
-    if maxima is None:
-        peak = x.amax(dim=-1, keepdim=True)  # (R, 1)
-    else:
-        peak = maxima.amax(dim=-1, keepdim=True)
-        body = maxima.size(1) * chunk
-        if body < x.size(1):
-            peak = torch.maximum(peak, x[:, body:].amax(dim=-1, keepdim=True))
-    return (x - peak).exp().sum(dim=-1).log() + peak[:, 0]
-
-
-StepOutputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
-"""The compiled step's logits (R, V), their log-normaliser (R,), their chunk maxima (R, V // chunk) and their argmax
-(R,): search.StepDecoder's decode_step's."""
-
-Step = Callable[[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], Tensor], StepOutputs]
-
-Attention = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-"""model/kernels.py's decode_attention: (queries (B, Q, H * Dh), keys and values (B, H, S, Dh), lengths (B,)) -> (B, Q,
-H * Dh), each row over its first lengths[b] positions."""
-
-
-def encoder_memory(model: Transformer, *, attention: Attention | None = None) -> Callable[[Tensor], Tensor]:
-    """memory(src (B, S)) -> (B, S, D), zero at padding: the model's encoder (Transformer._memory) with its
-    self-attention `attention` (the CPU's kernel, each sentence over its own length, the queries of all its positions
-    at once) where given: torch's SDPA on a CPU, at a decoding batch's dozens of positions a sentence, was a quarter of
-    the compiled encoder's time, the kernel ~30% less (README, "The step's attention, a kernel of our own")."""
-    if attention is None:
-        return model._memory
-    encoder = model.encoder
-    layers = cast(list[EncoderLayer], list(encoder.layers))
-    pad_id = model.config.pad_id
-
-    def memory(src: Tensor) -> Tensor:
-        batch, length = src.shape
-        padding = src == pad_id  # (B, S)
-        lengths = length - padding.sum(dim=-1)  # (B,): right-padded sources
-        x = encoder.embed(src)  # (B, S, D)
-        for layer in layers:
-            h = layer.self_attn_residual.before(x)
-            queries, keys, values = layer.self_attn.self_projections(h)  # (B, H, S, Dh) each
-            out = attention(queries.transpose(1, 2).reshape(batch, length, -1), keys, values, lengths)  # (B, S, D)
-            x = layer.self_attn_residual.after(x, layer.self_attn.out_proj(out))
-            x = layer.ffn_residual.after(x, layer.ffn(layer.ffn_residual.before(x)))
-        if encoder.final_norm is not None:
-            x = encoder.final_norm(x)
-        return x.masked_fill(padding[:, :, None], 0.0)
-
-    return memory
-
-
-def decoder_step(model: Transformer, *, chunk: int, attention: Attention | None = None) -> Step:
-    """step(tokens (N, K), position () long, keys, values, cross_keys, cross_values, src_mask (N, S) bool) -> logits
-    (R, V), their log-normaliser (R,), the maxima of their chunks (R, V // chunk) and their argmax (R,): `model`'s
-    decoder fed one token per row at `position`, writing that position's self-attention keys and values into keys[i]
-    and values[i] (R, H, capacity, Dh) in place and attending over positions up to `position`;
-    R = N * K rows, a sentence's K hypotheses adjacent (they share its cross keys/values, as MultiHeadAttention folds
-    them). Both attentions are `attention` (the CPU's kernel: each row over its own positions, the cross-attention's
-    over its source's length, src_mask being a right-padded batch's), else written out (`attend`, masked: a
-    sentence's padding and the cache's unwritten positions read).
-
-    The tokens come as (N, K), not (R,), so that the beams K are a size of their own and the rows their product:
-    with K as rows // N, and the head size a symbol of the caches' shapes, every index of the cross-attention's
-    folding and of the quantising after it held floor divisions of symbols, which inductor compiled to a scalar
-    loop, a quarter of int8 beam search's time (README, "Beams a size of their own").
-
-    The normaliser is computed where the search always takes it, with beams (K > 1), and is None without: greedy
-    search without scores takes none, and the few rows of one hypothesis per sentence are left to the search. The
-    argmax is computed where greedy search takes it, without beams (K = 1), from the chunk maxima (None without)."""
-    check_compilable(model.config)
-    decoder = model.decoder
-    layers = cast(list[DecoderLayer], list(decoder.layers))
-    embed = decoder.embed
-    positions = embed.positions
-    assert positions is not None  # absolute positions (check_compilable)
-
-    heads = model.config.num_heads
-    head_dim = model.config.d_model // heads
-
-    def step(tokens: Tensor, position: Tensor, keys: list[Tensor], values: list[Tensor], cross_keys: list[Tensor],
-             cross_values: list[Tensor], src_mask: Tensor) -> StepOutputs:
-        sentences, beams = tokens.shape
-        rows = sentences * beams
-        tokens = tokens.reshape(rows)
-        for cache in (*keys, *values, *cross_keys, *cross_values):  # (heads and head size constants, as the
-            # projections' views make them)
-            torch._check(cache.size(1) == heads)
-            torch._check(cache.size(3) == head_dim)
-        for cache in (*keys, *values):  # (every layer's cache of one shape, the cross keys' and values' of another:
-            # sizes told equal are one symbol, and the attention kernel, an operator inductor hands each whole tensor,
-            # would otherwise have every cache's sizes passed to the graph apart, ~5 us each a step)
-            torch._check(cache.size(0) == rows)
-            torch._check(cache.size(2) == keys[0].size(2))
-        for cache in (*cross_keys, *cross_values):
-            torch._check(cache.size(0) == sentences)
-            torch._check(cache.size(2) == src_mask.size(1))
-        table = positions(model.config.max_positions)  # (P, D)
-        x = embed.tokens(tokens[:, None]) * embed.scale + table.index_select(0, position.view(1))  # (R, 1, D)
-        x = embed.dropout(x)
-        if attention is not None:
-            self_lengths = (position + 1).view(1).expand(rows)  # (R,)
-            cross_lengths = src_mask.sum(dim=-1)  # (N,)
-        else:
-            self_mask = (torch.arange(keys[0].size(2), device=x.device) <= position)[None, None, None, :]  # (1, 1, 1,
-            # capacity)
-            cross_mask = src_mask[:, None, None, :]  # (N, 1, 1, S)
-        for i, layer in enumerate(layers):
-            h = layer.self_attn_residual.before(x)
-            queries, new_keys, new_values = layer.self_attn.self_projections(h)  # (R, H, 1, Dh) each
-            keys[i][:, :, position.view(1)] = new_keys
-            values[i][:, :, position.view(1)] = new_values
-            if attention is not None:  # (queries and out with the heads after the query, as the projections make
-                # them and the output projection takes them: no copies around the kernel)
-                out = attention(queries.transpose(1, 2).reshape(rows, 1, -1), keys[i], values[i], self_lengths)  # (R,
-                # 1, D)
-            else:
-                out = attend(queries, keys[i], values[i], mask=self_mask).transpose(1, 2)
-            x = layer.self_attn_residual.after(x, layer.self_attn.out_proj(out.reshape(rows, 1, -1)))
-
-            h = layer.cross_attn_residual.before(x)
-            queries = layer.cross_attn.q_proj(h)  # (R, 1, D)
-            if attention is not None:
-                out = attention(queries.view(sentences, beams, -1), cross_keys[i], cross_values[i], cross_lengths)  # (N,
-                # K, D)
-            else:
-                folded = fold_beams(layer.cross_attn.split_heads(queries), sentences=sentences)  # (N, H, K, Dh)
-                out = unfold_beams(attend(folded, cross_keys[i], cross_values[i], mask=cross_mask), beams=beams)  # (R,
-                # H, 1, Dh)
-                out = out.transpose(1, 2)
-            x = layer.cross_attn_residual.after(x, layer.cross_attn.out_proj(out.reshape(rows, 1, -1)))
-
-            x = layer.ffn_residual.after(x, layer.ffn(layer.ffn_residual.before(x)))
-        if decoder.final_norm is not None:
-            x = decoder.final_norm(x)
-        logits = model.output_projection(x)[:, 0]  # (R, V)
-        maxima = chunk_maxima(logits, chunk=chunk) if logits.size(1) >= 4 * chunk else None  # (top_k_rows ranks
-        # fewer columns whole: no chunks); `beams > 1` is a guard on the sizes: the kinds of call are apart already
-        if beams > 1:
-            return logits, log_normalizer(logits, maxima=maxima, chunk=chunk), maxima, None
-        return logits, None, maxima, None if maxima is None else chunk_argmax(logits, maxima=maxima, chunk=chunk)
-
-    return step
-
-
-QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
-"""Inductor's tables of its matmul timings not printed (a translation's output would drown in them)."""
-
-GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-"""On a CPU, each matmul of the step chosen by timing inductor's CPP GEMM templates against ATen's kernels: at one
-row the templates' micro-kernels (AMX or AVX-512), among the fused work, run a step ~2.5x faster than the eager
-step's oneDNN calls (README, "A compiled decoding step"); compiling takes several times longer."""
-
-
-CPP_WRAPPER = {"cpp_wrapper": True}
-"""On a CPU, the step's call (the sequence of its kernels) generated as C++ too, not Python: the C++ call releases
-the GIL while it runs (inductor's Python call runs the kernels holding it), so decoder workers sharing a decoder run
-their steps at once instead of in turns (two workers' bulk greedy 1.39x one, from 1.09x; README, "A compiled
-decoding step")."""
-
-
-def inductor_backend(options: dict[str, object]) -> Callable[[torch.fx.GraphModule, list[Tensor]], Callable[..., object]]:
-    """torch.compile's backend: inductor with `options` set while it compiles (and only then: set for the process
-    they would change every other compiled function's)."""
-    from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx
-
-    def compile_with_options(graph: torch.fx.GraphModule, inputs: list[Tensor]) -> Callable[..., object]:
-        with config.patch(options):
-            return cast(Callable[..., object], compile_fx(graph, inputs))
-
-    return compile_with_options
-
-
-@contextmanager
-def tracing_settings(*, compiled: bool = False) -> Iterator[None]:
-    """What dynamo must see whenever it traces the step, set around each call (it traces on a call whose guards
-    fail, and reads these then, before any backend runs), as they were after:
-
-    - inductor's `freezing`: the weights become constants of the compiled code, which inductor packs once for
-      its GEMM templates (as inputs, the step ran 2x slower);
-    - no duck sizing: dynamo would give sizes equal at the first call one symbol (rows = heads, capacity =
-      head size), and then specialise them to the model's constants (a graph for one shape of the cache);
-    - with `compiled` (the call's kind has its graph), dynamo's `error_on_recompile`: a call that finds no graph
-      fitting raises RecompileError instead of compiling one (CompiledDecoder._run says why).
-
-    torch's config settings are the setting thread's own (context variables): other threads, and this one
-    after the call, keep theirs. ~10 us a step."""
-    from torch._dynamo import config as dynamo
-    from torch._inductor import config as inductor
-    from torch.fx.experimental import _config as shapes
-
-    before = inductor.freezing, shapes.use_duck_shape, dynamo.error_on_recompile
-    inductor.freezing, shapes.use_duck_shape, dynamo.error_on_recompile = True, False, compiled
-    try:
-        yield
-    finally:
-        inductor.freezing, shapes.use_duck_shape, dynamo.error_on_recompile = before
-
-
 Kind = tuple[str | bool, ...]
 """A kind of call with a graph of its own: ("encoder", one sentence), ("cross", one sentence) or ("step", one row, one
 sentence, beams)."""
-
-T = TypeVar("T")
-
-RECOMPILE_LIMIT = 16
-"""Graphs one CompiledDecoder may compile for each of its three compiled functions: a search makes up to four kinds
-of step (one row; several rows of one sentence, beams; several sentences, one row each; several sentences with beams)
-and two each of encoder call and cross-attention projection (one sentence; several), each compiled once
-(`CompiledDecoder._first_of_kind`); the rest is room for a specialisation not foreseen."""
-
-
-class CompileError(RuntimeError):
-    """The step could not be compiled (no working C++ compiler, say): one line naming inductor's reason."""
-
-
-@contextmanager
-def compiling() -> Iterator[None]:
-    """Around a call that may compile: inductor's failure (pages of traceback) becomes a CompileError of one line, as
-    does the attention kernel's (its build, at the step's first compile)."""
-    from torch._dynamo.exc import BackendCompilerFailed
-
-    try:
-        yield
-    except BackendCompilerFailed as error:
-        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        raise CompileError(f"the decoding step could not be compiled ({reason})") from None
-    except KernelBuildError as error:
-        raise CompileError(str(error)) from None
-
-
-def quiet_compile_warnings() -> None:
-    """Before a compile: inductor's own use of torch's deprecated TypedStorage (its GEMM templates' timing, torch 2.13)
-    warns, and the CLIs would show it as a `warning:` line nobody can act on. Put first among the filters each time,
-    ahead of any the program set since (the CLIs show every UserWarning, cli.one_line_warnings); only that warning,
-    only from inductor's code."""
-    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
-                            module=r"torch\._inductor\.")
-
 
 KINDS = ((1, 1), (1, 4), (BULK_SENTENCES := 64, 1), (BULK_SENTENCES, 4))
 """(sentences, beams) of `compile_kinds`' one step of each kind: one row; one sentence's beams; several sentences;
@@ -459,40 +140,26 @@ KIND_SOURCE_LENGTH = 16
 """Source tokens of `compile_kinds`' made-up sentences (the cross-attention's sizes at its first call, as above)."""
 
 RETRIES = 10
-"""Times a call whose kind has its graph is made again when dynamo finds none fitting it (`CompiledDecoder._run`):
-a failed guard check costs microseconds, a compile seconds (with three, the three-thread test in tests/test_compiled.py
-compiled a graph again now and then while the other core was busy)."""
+"""Times a call whose kind has its graph is made again when dynamo finds none fitting it
+(`CompiledDecoder._call_retrying`): a failed guard check costs microseconds, a compile seconds (with three, the
+three-thread test in tests/model/test_compiled.py compiled a graph again now and then while the other core was busy)."""
 
 
-def compile_frozen(function: Callable[..., T], *, backend: Callable[..., object]) -> Callable[..., T]:
-    """`function` compiled as CompiledDecoder compiles its three: sizes symbolic (`dynamic`), one graph or an error
-    (`fullgraph`), its graphs apart from other compiled functions' (`isolate_recompiles`), at most RECOMPILE_LIMIT.
-
-    Its calls check no guards on the model's modules: the model may not change once compiled (CompiledDecoder), its
-    weights and module attributes are constants of the code, and a change to them is not seen (the code compiled
-    before runs on). Dynamo guards every submodule's type, hooks, flags and parameters (~1,000 guards for a small
-    model), checked at each call, a step's share of greedy search that counts at few rows (README, "Dynamo's guards
-    on the frozen model skipped"). The guards on the inputs (dtypes, devices, sizes) and on the global state (grad
-    mode, autocast), which tell the kinds of call apart and keep a call off a graph that does not fit it, stay."""
-    return cast(Callable[..., T], torch.compile(  # type: ignore[call-overload]  # (torch's overloads lack the last two)
-        function, dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
-        recompile_limit=RECOMPILE_LIMIT, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))
-
-
-def _call(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
+def _call_compiling(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
+    """A plain call of a compiled `function`: the first of its kind, which compiles it (`CompiledDecoder._call_policy`)."""
     return function(*inputs)
 
 
 @dataclass(frozen=True)
-class Compiled:
-    """CompiledDecoder's compiled encoder and step, made at the first compile (CompiledDecoder._compiled)."""
+class EncoderAndStep:
+    """CompiledDecoder's compiled encoder and step, made at the first compile (CompiledDecoder._encoder_and_step)."""
 
     encoder: Callable[[Tensor], Tensor]
     step: Callable[..., StepOutputs]
 
 
 class CompiledDecoder:
-    """A Transformer whose encoder, cross-attention projection and decoding step run compiled: search.py's
+    """A Transformer whose encoder, cross-attention projection and decoding step run compiled: seq2seq/decoding's
     EncoderDecoder, for `search.decode`.
 
     `encode` runs the compiled encoder; a stateless `decode` (teacher-forced scoring, alignments) is the model's
@@ -500,7 +167,7 @@ class CompiledDecoder:
     projects the memory for cross-attention, compiled). The first calls of each kind compile (tens of seconds;
     inductor keeps the code on disk for the next process), on the thread that first decodes, with its intra-op
     thread count built into the code (decoder threads meeting a new kind at once wait for the one compiling it,
-    `_kinds`; once it is compiled their steps run at once; a thread of another intra-op count compiles its own
+    `_kinds_compiled`; once it is compiled their steps run at once; a thread of another intra-op count compiles its own
     graphs, as dynamo guards on the count). On a CPU, `gemm_templates` off compiles faster to a slower step
     (GEMM_TEMPLATES), and `cpp_wrapper` off compiles faster to a step that holds the GIL while it runs
     (CPP_WRAPPER): both are for tests. The model's linear layers must be plain nn.Linear, fp32 or bf16, or
@@ -525,10 +192,11 @@ class CompiledDecoder:
         """Whether inductor's GEMM templates are timed against ATen's kernels (on a CPU)."""
         backend = inductor_backend({**QUIET, **(CPP_WRAPPER if cpp_wrapper and on_cpu else {}),
                                     **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})})
-        self._kinds: set[Kind] = set()  # compiled so far
-        self._compiling = threading.Lock()
+        self._kinds_compiled: set[Kind] = set()  # compiled so far
+        self.compile_lock = threading.Lock()
+        """Held around every call that compiles (`_under_compile_lock`): one thread compiles at a time."""
         self.retried = 0
-        """Calls made again because dynamo found no graph fitting them (`_run`): a tally for reading, not a lock."""
+        """Calls made again because dynamo found no graph fitting them (`_call_retrying`): a tally for reading."""
         self.compiling_seconds = 0.0
         """Seconds in calls that compiled (each kind's first, and a call compiled after its retries): a tally for
         reading. A process compiles every graph again, whatever inductor's disk cache holds (README, "A compiled
@@ -542,13 +210,14 @@ class CompiledDecoder:
         # The step, and the encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate
         # passes over a batch's activations, and fbgemm's int8 matmuls ran slower than the compiled ones (README, "The
         # encoder compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own). Both
-        # made at the first compile (_compiled), after the attention kernel is built, which may fail as compiling does.
-        self._made: Compiled | None = None
+        # made at the first compile (_encoder_and_step), after the attention kernel is built, which may fail as
+        # compiling does.
+        self._compiled_encoder_and_step: EncoderAndStep | None = None
         # And the memory's projection into the cross-attention keys and values, once a batch: eager, the int8
         # projection's quantising, its dequantising, the cast to the decoder's dtype and the copies into the heads'
         # layout were passes of their own over the batch's (N, S, layers * 2D) (README, "The cross-attention's keys
         # and values compiled").
-        self._cross = compile_frozen(cross_projection(model, dtype=self.dtype), backend=backend)
+        self._cross_projection = compile_frozen(cross_projection(model, dtype=self.dtype), backend=backend)
 
     def encode(self, src: Tensor) -> Tensor:
         """src (B, S) -> memory (B, S, D), as Transformer.encode gives it (by chunks of similar lengths), each chunk
@@ -561,8 +230,8 @@ class CompiledDecoder:
         # keys, and a source made outside inference mode (the Translator's) would not fit compile_kinds' graphs
         one_token = src.size(1) == 1  # padded to two, masked (a size of 1 would make graphs apart)
         src = F.pad(src, (0, 1), value=self.config.pad_id) if one_token else src.clone()  # (B, S)
-        with self._calls(("encoder", src.size(0) == 1)) as call:
-            memory = call(self._compiled().encoder, src)  # (B, S, D)
+        with self._call_policy(("encoder", src.size(0) == 1)) as call:
+            memory = call(self._encoder_and_step().encoder, src)  # (B, S, D)
         return memory[:, :1] if one_token else memory
 
     @staticmethod
@@ -614,13 +283,13 @@ class CompiledDecoder:
                                  "after a padded one")
             if one_token:
                 memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
-            with self._calls(("cross", sentences == 1)) as call:
-                projected = call(self._cross, memory, *real_positions(src_mask))  # [keys, values] of each layer,
-                # (N, H, S, Dh) each
+            with self._call_policy(("cross", sentences == 1)) as call:
+                projected = call(self._cross_projection, memory, *real_positions(src_mask))  # [keys, values] of
+                # each layer, (N, H, S, Dh) each
             state.cross_keys, state.cross_values = projected[0::2], projected[1::2]
         heads = self.config.num_heads
         outputs = []
-        with self._calls(("step", rows == 1, sentences == 1, rows > sentences)) as call:
+        with self._call_policy(("step", rows == 1, sentences == 1, rows > sentences)) as call:
             for t in range(length):
                 state.reserve(rows=rows, heads=heads, head_dim=self.config.d_model // heads,
                               num_layers=self.config.num_decoder_layers, dtype=self.dtype, device=memory.device)
@@ -628,27 +297,27 @@ class CompiledDecoder:
                 tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
                 inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values,
                           src_mask)
-                outputs.append(call(self._compiled().step, *inputs))
+                outputs.append(call(self._encoder_and_step().step, *inputs))
                 state.length += 1
         return outputs
 
-    def _compiled(self) -> Compiled:
+    def _encoder_and_step(self) -> EncoderAndStep:
         """The compiled encoder and step, made on first use (in a call of a kind not yet compiled: one thread at a
-        time, and a kernel that cannot be built a CompileError, `_calls`)."""
-        if self._made is None:
-            attention = decode_attention_op() if self.attention_kernel else None
-            self._made = Compiled(
-                encoder=compile_frozen(encoder_memory(self.model, attention=attention), backend=self._backend),
-                step=compile_frozen(decoder_step(self.model, chunk=self.chunk, attention=attention),
+        time, and a kernel that cannot be built a CompileError, `_call_policy`)."""
+        if self._compiled_encoder_and_step is None:
+            kernel = decode_attention_op() if self.attention_kernel else None
+            self._compiled_encoder_and_step = EncoderAndStep(
+                encoder=compile_frozen(encoder_memory(self.model, kernel=kernel), backend=self._backend),
+                step=compile_frozen(decoder_step(self.model, chunk=self.chunk, kernel=kernel),
                                     backend=self._backend))
-        return self._made
+        return self._compiled_encoder_and_step
 
     @torch.inference_mode()
     def compile_kinds(self) -> int:
         """Compile every kind of call now, on this thread (with its intra-op thread count, as the decoding threads
         would): a server does this before it answers, so that no request waits the minutes compiling takes. One
         step of each kind on made-up sentences of the sizes in KINDS; the number of kinds compiled (0 when all were)."""
-        compiled = len(self._kinds)
+        compiled = len(self._kinds_compiled)
         parameter = next(self.model.parameters())
         for sentences, beams in KINDS:
             length = min(KIND_SOURCE_LENGTH, self.config.max_positions)
@@ -656,18 +325,20 @@ class CompiledDecoder:
             memory = self.encode(src)  # (N, S, D)
             tgt_in = torch.zeros(sentences * beams, 1, dtype=torch.long, device=parameter.device)  # (R, 1)
             self.decode(tgt_in, memory, torch.ones_like(src, dtype=torch.bool), state=self.new_state())
-        return len(self._kinds) - compiled
+        return len(self._kinds_compiled) - compiled
 
     @contextmanager
-    def _calls(self, kind: Kind) -> Iterator[Callable[..., Any]]:
+    def _call_policy(self, kind: Kind) -> Iterator[Callable[..., Any]]:
         """Around calls of one kind, the policy in one place: yields how to call a compiled function (`call(function,
-        *inputs)`): `_run` once the kind has its graph; else a plain call, the first of its kind, which compiles it
-        (`_first_of_kind`). Inductor's failure to compile becomes a CompileError (`compiling`)."""
-        compiled = kind in self._kinds
-        with tracing_settings(compiled=compiled), nullcontext() if compiled else self._first_of_kind(kind), compiling():
-            yield self._run if compiled else _call
+        *inputs)`): `_call_retrying` once the kind has its graph; else `_call_compiling`, the first of its kind, which
+        compiles it (`_first_of_kind`). Inductor's failure to compile becomes a CompileError
+        (`one_line_compile_errors`)."""
+        compiled = kind in self._kinds_compiled
+        first = nullcontext() if compiled else self._first_of_kind(kind)
+        with tracing_settings(compiled=compiled), first, one_line_compile_errors():
+            yield self._call_retrying if compiled else _call_compiling
 
-    def _run(self, function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
+    def _call_retrying(self, function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
         """The compiled `function` (the step, the encoder, the cross projection), for a call whose kind has its graph.
         Threads sharing the decoder now and then find none of its graphs fitting such a call (dynamo's guards
         fail as one thread checks them while another decodes, and pass when checked again: "runtime guards
@@ -685,7 +356,7 @@ class CompiledDecoder:
             except RecompileError:
                 self.retried += 1
                 time.sleep(0)  # the GIL to the thread whose decoding upset the guards, before they are checked again
-        with self._compiling_alone(), tracing_settings(compiled=False):
+        with self._under_compile_lock(), tracing_settings(compiled=False):
             return function(*inputs)
 
     @contextmanager
@@ -693,15 +364,15 @@ class CompiledDecoder:
         """Around the first call of a kind (the graph dynamo compiles for it): one thread at a time, so that
         decoder threads meeting the kind at once compile it once (each would compile its own: dynamo looks
         for a graph before it takes its compile lock), the others waiting and then finding it."""
-        with self._compiling_alone():
+        with self._under_compile_lock():
             yield
-            self._kinds.add(kind)
+            self._kinds_compiled.add(kind)
 
     @contextmanager
-    def _compiling_alone(self) -> Iterator[None]:
-        """Around a call that compiles (a kind's first; one compiled after its retries, `_run`): one thread at a
-        time, inductor's TypedStorage warning hidden, its seconds counted in `compiling_seconds`."""
-        with self._compiling:
+    def _under_compile_lock(self) -> Iterator[None]:
+        """Around a call that compiles (a kind's first; one compiled after its retries, `_call_retrying`): one thread at
+        a time (`compile_lock`), inductor's TypedStorage warning hidden, its seconds counted in `compiling_seconds`."""
+        with self.compile_lock:
             quiet_compile_warnings()
             started = time.perf_counter()
             try:

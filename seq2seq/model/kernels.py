@@ -2,7 +2,7 @@
 (decode_attention.cpp), and its reference.
 
 A decoding step attends with one query per row (a few with beams) over the cross-attention's keys and values and the
-self-attention cache. Written out for inductor (compiled.attend) the scores' reduction over the head size summed
+self-attention cache. Written out for inductor (compiled_step.attend_masked) the scores' reduction over the head size summed
 each position's vector across its lanes on its own (11 ns a row, head and position on a Zen 5 core, 2.5x the time
 reading the keys and values from its caches takes), and the padding of a batch's shorter sources was read and
 masked: the two attentions were ~16% of a bulk greedy run on one core, more than its feed-forward matmuls. torch's
@@ -13,7 +13,7 @@ source), and takes each row's length, so that it reads its real positions only.
 It is built on first use with torch.utils.cpp_extension (the C++ compiler inductor needs already, and ninja), once
 per process and kept on disk for the next (TORCH_EXTENSIONS_DIR), for the instruction set torch's own CPU kernels
 use on this machine (or one named: the tests run each). The compiled step calls it as an operator, which inductor's
-C++ wrapper calls through the dispatcher without the GIL (compiled.CPP_WRAPPER).
+C++ wrapper calls through the dispatcher without the GIL (inductor.CPP_WRAPPER).
 """
 
 from __future__ import annotations

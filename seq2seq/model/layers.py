@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq.model.attention import MultiHeadAttention
+from seq2seq.model.attention import Attend, MultiHeadAttention
 from seq2seq.model.config import TransformerConfig
 from seq2seq.model.numerics import PackedLinear
 from seq2seq.model.positions import Rotary
@@ -126,13 +126,14 @@ class EncoderLayer(nn.Module):
         self.ffn_residual = Residual(config, alpha=alpha)
 
     def forward(
-        self, x: Tensor, *, mask: Tensor, position_bias: Tensor | None = None, rotary: Rotary | None = None
+        self, x: Tensor, *, mask: Tensor, position_bias: Tensor | None = None, rotary: Rotary | None = None,
+        attend: Attend | None = None,
     ) -> Tensor:
-        # x: (B, S, D); mask: (B, 1, 1, S)
+        # x: (B, S, D); mask: (B, 1, 1, S); attend: the self-attention's in place of the masked one (MultiHeadAttention)
         h = self.self_attn_residual.before(x)
         queries, keys, values = self.self_attn.self_projections(h, rotary=rotary)
         h = self.self_attn(h, queries=queries, keys=keys, values=values, mask=mask, position_bias=position_bias,
-                           rotary=rotary)
+                           rotary=rotary, attend=attend)
         x = self.self_attn_residual.after(x, h)
         return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))
 
@@ -159,21 +160,26 @@ class DecoderLayer(nn.Module):
         rotary: Rotary | None = None,
         offset: int = 0,
         cross_weights: list[Tensor] | None = None,
+        self_attend: Attend | None = None,
+        cross_attend: Attend | None = None,
     ) -> Tensor:
         """One layer over the new target positions offset..offset+T-1.
 
         x: (R, T, D); extend_cache: stores these positions' self-attention keys/values after the
-        cached ones of positions 0..offset-1 and returns them all (None: no cache, offset 0);
+        cached ones of positions 0..offset-1 and returns them all (None: no cache, offset 0), in a
+        DecoderState or, in the compiled step, a cache of fixed shape written at a tensor position;
         cross_kv: the projected source, (N, H, S, Dh) each, N = R or R / beams (see MultiHeadAttention);
         cross_weights: where to append the cross-attention's probabilities, (R, H, T, S) (MultiHeadAttention.weights;
-        one memory row per target row), for reading where each target position looked.
+        one memory row per target row), for reading where each target position looked;
+        self_attend, cross_attend: the attentions in place of the masked ones (MultiHeadAttention; the compiled
+        step's kernel), the masks then unused.
         """
         h = self.self_attn_residual.before(x)
         queries, keys, values = self.self_attn.self_projections(h, rotary=rotary, offset=offset)  # (R, H, T, Dh)
         if extend_cache is not None:
             keys, values = extend_cache(keys, values)  # (R, H, offset+T, Dh); nothing before offset recomputed
         h = self.self_attn(h, queries=queries, keys=keys, values=values, mask=self_mask, position_bias=position_bias,
-                           rotary=rotary, offset=offset)
+                           rotary=rotary, offset=offset, attend=self_attend)
         x = self.self_attn_residual.after(x, h)
 
         h = self.cross_attn_residual.before(x)
@@ -181,7 +187,8 @@ class DecoderLayer(nn.Module):
         if cross_weights is not None:  # the queries projected once, for the weights and the attention
             cross_queries = self.cross_attn.split_heads(self.cross_attn.q_proj(h))  # (R, H, T, Dh)
             cross_weights.append(self.cross_attn.weights(cross_queries, keys=cross_kv[0], mask=cross_mask))
-        h = self.cross_attn(h, queries=cross_queries, keys=cross_kv[0], values=cross_kv[1], mask=cross_mask)
+        h = self.cross_attn(h, queries=cross_queries, keys=cross_kv[0], values=cross_kv[1], mask=cross_mask,
+                            attend=cross_attend)
         x = self.cross_attn_residual.after(x, h)
 
         return self.ffn_residual.after(x, self.ffn(self.ffn_residual.before(x)))

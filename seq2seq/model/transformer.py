@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from seq2seq.model.attention import (
+    Attend,
     DecoderState,
     MultiHeadAttention,
     attends_by_matmul,
@@ -106,12 +107,12 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config, alpha=alpha) for _ in range(config.num_encoder_layers))
         self.final_norm = make_norm(config) if config.norm_placement in ("pre", "sandwich") else None
 
-    def forward(self, src: Tensor, *, src_mask: Tensor) -> Tensor:
-        # src: (B, S); src_mask: (B, 1, 1, S)
+    def forward(self, src: Tensor, *, src_mask: Tensor, attend: Attend | None = None) -> Tensor:
+        # src: (B, S); src_mask: (B, 1, 1, S); attend: the self-attention's in place of the masked one (EncoderLayer)
         x = self.embed(src)  # (B, S, D)
         bias = self.relative_bias(src.size(1), src.size(1)) if self.relative_bias is not None else None
         for layer in self.layers:
-            x = layer(x, mask=src_mask, position_bias=bias, rotary=self.rotary)
+            x = layer(x, mask=src_mask, position_bias=bias, rotary=self.rotary, attend=attend)
         return self.final_norm(x) if self.final_norm is not None else x
 
 
@@ -304,9 +305,10 @@ class Transformer(nn.Module):
         assert memory is not None
         return memory
 
-    def _memory(self, src: Tensor) -> Tensor:
-        """The encoder over (B, S) as one batch -> (B, S, D), zero at padding."""
-        out = self.encoder(src, src_mask=padding_mask(src, pad_id=self.config.pad_id))
+    def _memory(self, src: Tensor, *, attend: Attend | None = None) -> Tensor:
+        """The encoder over (B, S) as one batch -> (B, S, D), zero at padding; its self-attention `attend` where given
+        (model/compiled_step.py's kernel; Encoder)."""
+        out = self.encoder(src, src_mask=padding_mask(src, pad_id=self.config.pad_id), attend=attend)
         return out.masked_fill((src == self.config.pad_id)[:, :, None], 0.0)
 
     @property

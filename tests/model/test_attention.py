@@ -83,6 +83,32 @@ def test_attention_matches_float64_reference(kind):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_an_attention_given_in_place_of_the_model_s_own_sees_the_queries_keys_and_values_and_is_projected_out():
+    """MultiHeadAttention.forward with `attend` (the compiled step's kernel, model/compiled_step.py): the function gets
+    the projected queries and the keys and values, its mask its own, and its joined heads go through the output
+    projection; one spelling the masked attention gives that attention's output, and relative positions are refused
+    (the function would not apply them)."""
+    attention = random_attention()
+    torch.manual_seed(2)
+    x, memory = torch.randn(3, 4, 24), torch.randn(3, 5, 24)
+    tokens = torch.randint(4, 20, (3, 5))
+    tokens[1, 3:] = 0
+    mask = padding_mask(tokens, pad_id=0)  # (B, 1, 1, S)
+    keys, values = attention.keys_values(memory)
+    seen = []
+
+    def attend(queries, keys, values):  # (B, H, T, Dh), (B, H, S, Dh) each
+        seen.append((queries.shape, keys.shape, values.shape))
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+        return out.transpose(1, 2).reshape(3, 4, 24)
+
+    got = attention(x, keys=keys, values=values, mask=None, attend=attend)
+    assert seen == [((3, 3, 4, 8), (3, 3, 5, 8), (3, 3, 5, 8))]
+    torch.testing.assert_close(got, attention(x, keys=keys, values=values, mask=mask), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="no relative positions"):
+        attention(x, keys=keys, values=values, mask=None, attend=attend, position_bias=torch.zeros(1, 3, 4, 5))
+
+
 def test_mask_convention():
     tokens = torch.tensor([[5, 6, 0], [7, 0, 0]])
     assert padding_mask(tokens, pad_id=0)[:, 0, 0].tolist() == [[True, True, False], [True, False, False]]

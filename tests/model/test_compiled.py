@@ -19,7 +19,7 @@ from torch._inductor.graph import GraphLowering
 from seq2seq.decoding import ranking as search_module  # the eager ranking functions
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.decoding.search import decode
-from seq2seq.model import Transformer, TransformerConfig
+from seq2seq.model import Transformer, TransformerConfig, compiled_step
 from seq2seq.model import compiled as compiled_module
 from seq2seq.model.attention import CACHE_GROWTH
 from seq2seq.model.compiled import (
@@ -28,8 +28,9 @@ from seq2seq.model.compiled import (
     bf16_around_int8,
     check_compilable,
     int8_compiled,
-    tracing_settings,
 )
+from seq2seq.model.inductor import tracing_settings
+from seq2seq.model.layers import DecoderLayer, EncoderLayer
 from seq2seq.model.numerics import RowInt8Linear, for_inference
 
 BOS, EOS, PAD = 1, 2, 0
@@ -155,6 +156,32 @@ def test_each_step_gives_the_models_logits_and_keeps_them_through_reorders(varia
     assert graphs_compiled() >= before + 2  # several sentences; several with beams
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("attention_kernel", [True, False], ids=["kernel", "attention-written-out"])
+def test_the_compiled_encoder_and_step_follow_a_change_to_the_layers(monkeypatch: pytest.MonkeyPatch,
+                                                                   attention_kernel: bool):
+    """The compiled encoder and step call the model's own layers (EncoderLayer and DecoderLayer.forward, given the
+    step's attention and cache writer), not a copy of their arithmetic: a layer whose forward changes (its output
+    halved and shifted here) changes the compiled memory and logits as it changes the eager ones."""
+    model = tiny()
+    src = sources()
+    src_mask, tokens = src != PAD, torch.full((4, 1), BOS)
+    unchanged = model.decode(tokens, model.encode(src), src_mask, state=model.new_state())  # (R, 1, V)
+    for layer_type in (EncoderLayer, DecoderLayer):
+        def changed(self, x, *, original=layer_type.forward, **arguments):
+            return original(self, x, **arguments) * 0.5 + 0.25
+
+        monkeypatch.setattr(layer_type, "forward", changed)
+    compiled = CompiledDecoder(model, gemm_templates=False, cpp_wrapper=False, attention_kernel=attention_kernel)
+    expected_memory = model.encode(src)
+    memory = compiled.encode(src)
+    torch.testing.assert_close(memory, expected_memory, atol=2e-5, rtol=1e-5)
+    expected = model.decode(tokens, expected_memory, src_mask, state=model.new_state())
+    got = compiled.decode(tokens, memory, src_mask, state=compiled.new_state())
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(expected, unchanged, atol=1e-2)  # (the change shows in the logits)
+
+
 @pytest.mark.parametrize("search", [SearchConfig(beam_size=1), SearchConfig(beam_size=3, nbest=2),
                                     SearchConfig(beam_size=1, min_len=3, no_repeat_ngram_size=2)],
                          ids=["greedy", "beam3-nbest2", "greedy-constrained"])
@@ -213,13 +240,13 @@ def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute
 def test_the_step_s_argmax_by_chunks_is_torch_s_first_of_equal_maxima(dtype):
     """chunk_argmax, compiled by inductor as the step is, on logits full of ties (a few integers) and with the maximum
     in the last, partial chunk or tied with it: torch.argmax's column, the first of equal maxima, in every row."""
-    argmax = torch.compile(compiled_module.chunk_argmax, dynamic=True, fullgraph=True)
+    argmax = torch.compile(compiled_step.chunk_argmax, dynamic=True, fullgraph=True)
     generator = torch.Generator().manual_seed(0)
     for vocab in (1024, 1000):
         logits = torch.randint(0, 4, (300, vocab), generator=generator).to(dtype)  # (R, V)
         logits[:100, 960:] = 4.0  # the maximum in the last chunk (whole at 1,024, partial at 1,000) only
         logits[100:150, [5, 999]] = 4.0  # tied with one in the first chunk
-        maxima = compiled_module.chunk_maxima(logits, chunk=64)
+        maxima = compiled_step.step_chunk_maxima(logits, chunk=64)
         assert torch.equal(argmax(logits, maxima=maxima, chunk=64), logits.argmax(dim=-1))
 
 
@@ -232,14 +259,15 @@ def test_the_step_s_normaliser_takes_its_maximum_from_the_chunk_maxima_and_the_l
     logits[1, 1640] = 40.0  # the best in the partial chunk
     logits[2, 5] = 40.0  # in the first chunk
     logits[3, :] = -1.0e4  # nothing likely (a finished row's logits)
-    maxima = compiled_module.chunk_maxima(logits, chunk=64)
+    maxima = compiled_step.step_chunk_maxima(logits, chunk=64)
     assert maxima.shape == (6, 25)
-    got = compiled_module.log_normalizer(logits, maxima=maxima, chunk=64)
-    assert torch.equal(got, compiled_module.log_normalizer(logits))
+    got = compiled_step.step_log_normalizer(logits, maxima=maxima, chunk=64)
+    assert torch.equal(got, compiled_step.step_log_normalizer(logits))
     torch.testing.assert_close(got, search_module.log_normalizer(logits), atol=1e-5, rtol=1e-6)
     whole = torch.randn(2, 1600)  # (no partial chunk)
-    assert torch.equal(compiled_module.log_normalizer(whole, maxima=compiled_module.chunk_maxima(whole, chunk=64),
-                                                      chunk=64), compiled_module.log_normalizer(whole))
+    maxima = compiled_step.step_chunk_maxima(whole, chunk=64)
+    assert torch.equal(compiled_step.step_log_normalizer(whole, maxima=maxima, chunk=64),
+                       compiled_step.step_log_normalizer(whole))
 
 
 def test_stateless_calls_are_the_models_own(pair):
@@ -278,7 +306,8 @@ def test_the_compiled_encoder_gives_the_models_memory(pair):
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
         assert not got[src == PAD].any()
     assert graphs_compiled() == before
-    assert {kind for kind in compiled._kinds if kind[0] == "encoder"} == {("encoder", True), ("encoder", False)}
+    encoder_kinds = {kind for kind in compiled._kinds_compiled if kind[0] == "encoder"}
+    assert encoder_kinds == {("encoder", True), ("encoder", False)}
 
 
 def test_the_compiled_cross_projection_gives_every_layers_keys_and_values(pair):
@@ -297,7 +326,7 @@ def test_the_compiled_cross_projection_gives_every_layers_keys_and_values(pair):
         for src, memory in zip(cases, memories, strict=True):
             state = compiled.new_state()
             compiled.decode(torch.full((src.size(0), 1), BOS), memory, src != PAD, state=state)
-            expected = compiled_module.cross_keys_values(model, memory=memory)
+            expected = compiled_step.cross_keys_values(model, memory=memory)
             assert len(state.cross_keys) == len(state.cross_values) == len(expected) == 2
             real = (src != PAD)[:, None, :, None]  # (N, 1, S, 1)
             for keys, values, (expected_keys, expected_values) in zip(state.cross_keys, state.cross_values, expected,
@@ -309,7 +338,7 @@ def test_the_compiled_cross_projection_gives_every_layers_keys_and_values(pair):
                     torch.testing.assert_close(got[:, :, :length], want.masked_fill(~real, 0.0), atol=2e-5, rtol=1e-5)
                     assert not got[:, :, length:].any()
     assert graphs_compiled() == before
-    assert {kind for kind in compiled._kinds if kind[0] == "cross"} == {("cross", True), ("cross", False)}
+    assert {kind for kind in compiled._kinds_compiled if kind[0] == "cross"} == {("cross", True), ("cross", False)}
 
 
 @torch.inference_mode()
@@ -322,19 +351,19 @@ def test_the_cross_projection_of_the_real_positions_is_the_padded_one_s_where_th
     src = sources()
     memory = model.encode(src)  # (N, S, D)
     mask = src != PAD
-    real, places = compiled_module.real_positions(mask)
+    real, places = compiled_step.real_positions(mask)
     assert real.tolist() == mask.reshape(-1).nonzero()[:, 0].tolist()
     assert places.shape == mask.shape and (places[~mask] == real.numel()).all()
     assert torch.equal(places[mask], torch.arange(real.numel()))
-    packed = compiled_module.cross_projection(model, dtype=torch.float32)(memory, real, places)
-    padded = [x for pair in compiled_module.cross_keys_values(model, memory=memory) for x in pair]
+    packed = compiled_step.cross_projection(model, dtype=torch.float32)(memory, real, places)
+    padded = [x for pair in compiled_step.cross_keys_values(model, memory=memory) for x in pair]
     assert len(packed) == len(padded) == 6
     for got, want in zip(packed, padded, strict=True):
         assert got.shape == want.shape and got.is_contiguous()
         assert torch.equal(got, want.masked_fill(~mask[:, None, :, None], 0.0))
     one = torch.tensor([[True, False]])
-    assert [x.tolist() for x in compiled_module.real_positions(one)] == [[0, 1], [[0, 1]]]
-    assert [x.tolist() for x in compiled_module.real_positions(one.repeat(2, 1))] == [[0, 2], [[0, 2], [1, 2]]]
+    assert [x.tolist() for x in compiled_step.real_positions(one)] == [[0, 1], [[0, 1]]]
+    assert [x.tolist() for x in compiled_step.real_positions(one.repeat(2, 1))] == [[0, 2], [[0, 2], [1, 2]]]
 
 
 def test_one_token_sources_reuse_the_graphs_of_longer_ones():
@@ -400,7 +429,7 @@ def test_decoder_threads_meeting_a_new_kind_compile_it_once_then_run_it_at_once(
             thread.start()
         for thread in threads:
             thread.join()
-    assert compiled._kinds and graphs_compiled() - before == len(compiled._kinds) == len(codes)
+    assert compiled._kinds_compiled and graphs_compiled() - before == len(compiled._kinds_compiled) == len(codes)
     assert all("py::gil_scoped_release" in code for code in codes)
     for i, src in enumerate(batches):
         expected = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
@@ -459,7 +488,8 @@ def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.Mon
 
     def decode(tgt_in, memory, src_mask, state=None):
         seen.append((tgt_in.size(0), memory.size(0), memory.size(1), bool(src_mask.all())))
-        compiled._kinds.add(("step", tgt_in.size(0) == 1, memory.size(0) == 1, tgt_in.size(0) > memory.size(0)))
+        compiled._kinds_compiled.add(("step", tgt_in.size(0) == 1, memory.size(0) == 1,
+                                      tgt_in.size(0) > memory.size(0)))
         return torch.zeros(tgt_in.size(0), 1, 48)
 
     def encoder(src):
@@ -467,7 +497,8 @@ def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.Mon
         return torch.zeros(*src.shape, 32)
 
     monkeypatch.setattr(compiled, "decode", decode)
-    monkeypatch.setattr(compiled, "_made", compiled_module.Compiled(encoder=encoder, step=decode))  # (the step unused)
+    monkeypatch.setattr(compiled, "_compiled_encoder_and_step",
+                        compiled_module.EncoderAndStep(encoder=encoder, step=decode))  # (the step unused)
     assert compiled.compile_kinds() == 6  # the encoder's two among them; `decode` mocked: no cross
     assert seen == [(1, 1, 16, True), (4, 1, 16, True), (64, 64, 16, True), (256, 64, 16, True)]
     assert encoded == [(1, 16, True), (1, 16, True), (64, 16, True), (64, 16, True)]
@@ -529,7 +560,7 @@ def test_every_layers_cross_keys_and_values_are_one_int8_projection_of_the_memor
     for layer in model.decoder.layers:
         layer.cross_attn.kv_proj.register_forward_hook(lambda *args: calls.append("layer"))
     memory = model.encode(sources())  # (N, S, D)
-    pairs = compiled_module.cross_keys_values(model, memory=memory)
+    pairs = compiled_step.cross_keys_values(model, memory=memory)
     assert calls == ["stacked"]
     assert len(pairs) == 3
     for layer, (keys, values) in zip(model.decoder.layers, pairs, strict=True):
@@ -538,7 +569,7 @@ def test_every_layers_cross_keys_and_values_are_one_int8_projection_of_the_memor
         assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
     model.decoder.cross_kv_proj = None  # (a model whose projections could not be stacked: layer by layer)
     calls.clear()
-    assert all(torch.equal(a, b) for got, expected in zip(compiled_module.cross_keys_values(model, memory=memory),
+    assert all(torch.equal(a, b) for got, expected in zip(compiled_step.cross_keys_values(model, memory=memory),
                                                           pairs, strict=True) for a, b in zip(got, expected, strict=True))
     assert calls == ["layer"] * 3
 
@@ -640,15 +671,15 @@ def test_tracing_settings_hold_only_inside_and_only_in_the_calling_thread():
 @torch.inference_mode()
 def test_a_call_of_a_compiled_kind_finding_no_graph_is_made_again_not_compiled_again():
     """Threads sharing a decoder now and then find none of its graphs fitting a call dynamo compiled one for
-    (compiled.CompiledDecoder._run): such a call of a compiled kind raises before the step runs and is made again
-    (here dynamo's failure stood in for, once), which finds the graph; the outputs are the eager model's."""
+    (compiled.CompiledDecoder._call_retrying): such a call of a compiled kind raises before the step runs and is made
+    again (here dynamo's failure stood in for, once), which finds the graph; the outputs are the eager model's."""
     from torch._dynamo.exc import RecompileError
 
     model, compiled = compiled_variant("post-sinusoidal-relu")
     search = SearchConfig(beam_size=1)
     src = sources(seed=8)[:2]
     decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)  # the kind compiled
-    made, failures = compiled._compiled(), [RecompileError("runtime guards failed")]
+    made, failures = compiled._encoder_and_step(), [RecompileError("runtime guards failed")]
 
     def failing_once(*inputs):
         if failures:
@@ -656,7 +687,7 @@ def test_a_call_of_a_compiled_kind_finding_no_graph_is_made_again_not_compiled_a
         return made.step(*inputs)
 
     before, retried = graphs_compiled(), compiled.retried
-    with mock.patch.object(compiled, "_made", dataclasses.replace(made, step=failing_once)):
+    with mock.patch.object(compiled, "_compiled_encoder_and_step", dataclasses.replace(made, step=failing_once)):
         got = decode(compiled, src, search, bos=BOS, eos=EOS, pad=PAD)
     expected = decode(model, src, search, bos=BOS, eos=EOS, pad=PAD)
     agree(model, src, got, expected)
@@ -681,12 +712,12 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
     strided_mask = src_mask.t().contiguous().t()  # (N, S), column-major: the graph's guards fail on its strides
     inputs = (torch.full((2, 1), 7), torch.tensor(state.length), state.keys, state.values, state.cross_keys,
               state.cross_values, strided_mask)
-    step = compiled._compiled().step
+    step = compiled._encoder_and_step().step
     with tracing_settings(compiled=True), pytest.raises(RecompileError):
         step(*inputs)
     before, retried = graphs_compiled(), compiled.retried
     with tracing_settings(compiled=True):
-        got, *_ = compiled._run(step, *inputs)
+        got, *_ = compiled._call_retrying(step, *inputs)
     assert compiled.retried - retried == compiled_module.RETRIES
     assert graphs_compiled() == before + 1
     eager_state = model.new_state()
@@ -699,7 +730,7 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
 def test_decoder_threads_sharing_a_decoder_compile_nothing_more_once_each_kind_is_compiled():
     """Three threads decoding at once, every kind compiled first: no call compiles a graph again (dynamo found
     no graph fitting 6-11 calls in 300 searches and compiled one again for some, each taking a place of
-    RECOMPILE_LIMIT; _run makes them again), and every output is the eager model's."""
+    RECOMPILE_LIMIT; _call_retrying makes them again), and every output is the eager model's."""
     model, compiled = compiled_variant("post-sinusoidal-relu")
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)  # as decoder workers run (dynamo compiles a graph per thread count)
