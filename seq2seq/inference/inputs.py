@@ -7,10 +7,12 @@ so a text is tokenised once however many checks it passes.
 """
 
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from seq2seq.decoding.config import SearchConfig
+from seq2seq.text.tokenizer import Tokenizer
 
 MIN_STEPS_CHARGED = 16
 """The fewest decoder steps a sentence is charged (decoding_cost). Every hypothesis holds a vocabulary-wide row of
@@ -96,3 +98,56 @@ def check_max_tokens(max_tokens: int) -> None:
     """A ValueError unless `max_tokens` (a batch's budget of source tokens) is a positive whole number."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive number of tokens, got {max_tokens!r}")
+
+
+def prefix_ids(prefixes: Iterable[str], count: int, *, tokenizer: Tokenizer, max_positions: int,
+               first_line: int) -> list[list[int]]:
+    """The target prefixes' ids, one list per line; a ValueError naming the line of one too long to force."""
+    prefixes = as_lines(prefixes, first_line=first_line)
+    if len(prefixes) != count:
+        raise ValueError(f"{len(prefixes)} target prefixes for {count} texts: give one per text (\"\" for none)")
+    ids = tokenizer.encode_target([prefix.strip() for prefix in prefixes])
+    limit = max_positions - 1  # the decoder reads BOS + at most this many tokens
+    for i, prefix in enumerate(ids):
+        if len(prefix) > limit:
+            raise ValueError(f"the target prefix of line {first_line + i} has {len(prefix)} tokens, more than "
+                             f"the model writes ({limit}: max_positions - 1); shorten it")
+    return ids
+
+
+def constraint_ids(constraints: Iterable[Sequence[str]], count: int, *, forced: list[list[int]] | None,
+                   tokenizer: Tokenizer, max_positions: int, first_line: int) -> list[Phrases]:
+    """Per line, its phrases (deduplicated) and their ids; a ValueError naming the line of an empty
+    phrase, or of phrases (and prefix) that together exceed what the model writes."""
+    lines = as_constraint_lists(constraints)
+    if len(lines) != count:
+        raise ValueError(f"{len(lines)} constraint lists for {count} texts: give one per text ([] for none)")
+    limit = max_positions - 1
+    out = []
+    for i, phrases in enumerate(lines):
+        if isinstance(phrases, str | bytes) or not all(isinstance(p, str) for p in phrases):
+            raise TypeError(f"the constraints of line {first_line + i} must be a list of strings (phrases)")
+        texts = list(dict.fromkeys(" ".join(p.split()) for p in phrases))
+        if any(not text for text in texts):
+            raise ValueError(f"line {first_line + i} has an empty constraint: every phrase needs some text")
+        ids = tokenizer.encode_target(texts)
+        total = sum(map(len, ids)) + (len(forced[i]) if forced is not None else 0)
+        if total > limit:
+            raise ValueError(f"the constraints of line {first_line + i} take {total} tokens, more than the model "
+                             f"writes ({limit}: max_positions - 1); shorten or drop some")
+        out.append((texts, ids))
+    return out
+
+
+def truncated(ids: list[list[int]], *, numbers: Sequence[int], tokenizer: Tokenizer, max_positions: int) -> list[list[int]]:
+    """`ids` with each source longer than the model reads cut to `max_positions`, with a warning naming its line."""
+    limit = max_positions
+    for i, sentence in enumerate(ids):
+        if len(sentence) > limit:
+            warnings.warn(
+                f"input line {numbers[i]} has {len(sentence)} tokens, more than the model's max_positions "
+                f"({limit}); translating its first {limit} tokens only",
+                stacklevel=3,
+            )
+            ids[i] = tokenizer.cut_source(sentence, limit)
+    return ids

@@ -33,7 +33,15 @@ from seq2seq.decoding.constraints import holds
 from seq2seq.decoding.scoring import Forced, force_decode
 from seq2seq.decoding.search import decode
 from seq2seq.inference.documents import EMPTY, Document, Translation, per_document, search_for, text_only
-from seq2seq.inference.inputs import Inputs, as_constraint_lists, as_lines, check_max_tokens
+from seq2seq.inference.inputs import (
+    Inputs,
+    as_constraint_lists,
+    as_lines,
+    check_max_tokens,
+    constraint_ids,
+    prefix_ids,
+    truncated,
+)
 from seq2seq.inference.pool import DecoderPool, length_sorted_batches
 from seq2seq.inference.preparation import prepare, warn_of_workers_off_the_cpu
 from seq2seq.model import Transformer
@@ -214,16 +222,20 @@ class Translator:
         if search.sampling and (constraints is not None or glossary):
             raise ValueError("constraints and glossaries need a search (beam_size >= 1), not sampling")
         glossary = as_glossary(glossary) if glossary else None  # a Mapping compiled once for all the lines
-        forced = self._prefix_ids(prefixes, len(lines), first_line=first_line) if prefixes is not None else None
+        tokenizer, max_positions = self.tokenizer, self.model.config.max_positions
+        forced = (prefix_ids(prefixes, len(lines), first_line=first_line, tokenizer=tokenizer, max_positions=max_positions)
+                  if prefixes is not None else None)
         if glossary:
             found = [glossary.terms_in(text) for text in lines]
             given = as_constraint_lists(constraints) if constraints is not None else [[] for _ in lines]
             # (lists of another length than the texts are left as given: constraint_ids says so)
             constraints = [[*g, *t] for g, t in zip(given, found, strict=True)] if len(given) == len(found) else given
-        phrases = (self.constraint_ids(constraints, len(lines), forced=forced, first_line=first_line)
+        phrases = (constraint_ids(constraints, len(lines), forced=forced, first_line=first_line, tokenizer=tokenizer,
+                                  max_positions=max_positions)
                    if constraints is not None else None)
         numbers = line_numbers if line_numbers is not None else range(first_line, first_line + len(lines))
-        ids = self._truncate(self.tokenizer.encode_source([text.strip() for text in lines]), numbers=numbers)
+        ids = truncated(tokenizer.encode_source([text.strip() for text in lines]), numbers=numbers, tokenizer=tokenizer,
+                        max_positions=max_positions)
         # Without text tokens (a Marian source keeps its eos; a normalising model may encode text to nothing)
         for i, (text, sentence) in enumerate(zip(lines, ids, strict=True)):
             if not text.strip() or self.tokenizer.source_tokens(sentence) <= 0:
@@ -382,19 +394,6 @@ class Translator:
                 scored[i] = f
         return scored
 
-    def _prefix_ids(self, prefixes: Iterable[str], count: int, *, first_line: int) -> list[list[int]]:
-        """The target prefixes' ids, one list per line; a ValueError naming the line of one too long to force."""
-        prefixes = as_lines(prefixes, first_line=first_line)
-        if len(prefixes) != count:
-            raise ValueError(f"{len(prefixes)} target prefixes for {count} texts: give one per text (\"\" for none)")
-        ids = self.tokenizer.encode_target([prefix.strip() for prefix in prefixes])
-        limit = self.model.config.max_positions - 1  # the decoder reads BOS + at most this many tokens
-        for i, prefix in enumerate(ids):
-            if len(prefix) > limit:
-                raise ValueError(f"the target prefix of line {first_line + i} has {len(prefix)} tokens, more than "
-                                 f"the model writes ({limit}: max_positions - 1); shorten it")
-        return ids
-
     def continuing_ids(self) -> frozenset[int]:
         """The pieces that continue a word (text/glossary.py's `continues_word`), specials excepted: what may not follow a
         placed constraint. Computed once."""
@@ -404,29 +403,6 @@ class Translator:
             self._continuing = frozenset(i for i, piece in enumerate(tokenizer.pieces())
                                          if continues_word(piece) and i not in specials)
         return self._continuing
-
-    def constraint_ids(self, constraints: Iterable[Sequence[str]], count: int, *, forced: list[list[int]] | None,
-                        first_line: int) -> list[tuple[list[str], list[list[int]]]]:
-        """Per line, its phrases (deduplicated) and their ids; a ValueError naming the line of an empty
-        phrase, or of phrases (and prefix) that together exceed what the model writes."""
-        lines = as_constraint_lists(constraints)
-        if len(lines) != count:
-            raise ValueError(f"{len(lines)} constraint lists for {count} texts: give one per text ([] for none)")
-        limit = self.model.config.max_positions - 1
-        out = []
-        for i, phrases in enumerate(lines):
-            if isinstance(phrases, str | bytes) or not all(isinstance(p, str) for p in phrases):
-                raise TypeError(f"the constraints of line {first_line + i} must be a list of strings (phrases)")
-            texts = list(dict.fromkeys(" ".join(p.split()) for p in phrases))
-            if any(not text for text in texts):
-                raise ValueError(f"line {first_line + i} has an empty constraint: every phrase needs some text")
-            ids = self.tokenizer.encode_target(texts)
-            total = sum(map(len, ids)) + (len(forced[i]) if forced is not None else 0)
-            if total > limit:
-                raise ValueError(f"the constraints of line {first_line + i} take {total} tokens, more than the model "
-                                 f"writes ({limit}: max_positions - 1); shorten or drop some")
-            out.append((texts, ids))
-        return out
 
     def _generator(self, search: SearchConfig) -> torch.Generator:
         assert search.seed is not None
@@ -454,17 +430,7 @@ class Translator:
         return sorted({(source_words[p], target_words[j]) for j, p in enumerate(hyp.source_positions)
                        if p < len(source_words) and target_words[j] < words})
 
-    def _truncate(self, ids: list[list[int]], *, numbers: Sequence[int]) -> list[list[int]]:
-        limit = self.model.config.max_positions
-        for i, sentence in enumerate(ids):
-            if len(sentence) > limit:
-                warnings.warn(
-                    f"input line {numbers[i]} has {len(sentence)} tokens, more than the model's max_positions "
-                    f"({limit}); translating its first {limit} tokens only",
-                    stacklevel=3,
-                )
-                ids[i] = self.tokenizer.cut_source(sentence, limit)
-        return ids
+
 
 
 def pad_batch(sentences: list[list[int]], *, pad: int, device: torch.device) -> torch.Tensor:
