@@ -48,7 +48,8 @@ from seq2seq.decoding.config import SearchConfig
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_matmuls, device_name, tune_process_memory
 from seq2seq.text.tokenizer import PAD_ID, Tokenizer
-from seq2seq.training.data import DataError, TranslationDataModule, os_reason
+from seq2seq.training.corpus import DataError, os_reason
+from seq2seq.training.data import TranslationDataModule
 from seq2seq.training.module import TrainingDiverged, TranslationModule, check_hyperparameters
 from seq2seq.training.pretrained import fine_tuning_config, load_pretrained
 from seq2seq.training.schedule import NO_END, max_time_timer
