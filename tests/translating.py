@@ -11,7 +11,7 @@ import output_checks
 
 from seq2seq.translate import main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 SENTENCES = [
