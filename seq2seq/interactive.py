@@ -1,6 +1,7 @@
 """Interactive translation: load a checkpoint once, translate each line as it is typed.
 
-    python serve/translate.py --checkpoint checkpoints/multi30k/best.ckpt [--beam 5] [--nbest 3]
+    python -m seq2seq.interactive --checkpoint checkpoints/multi30k/best.ckpt [--beam 5] [--nbest 3]
+    python serve/translate.py ...   # the same, from a clone
 
 Shows a prompt on a terminal; with piped stdin it prints one translation per input line, flushed
 at once, so another program can drive it line by line (with --nbest N: N lines

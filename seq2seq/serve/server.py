@@ -1,7 +1,7 @@
 """HTTP translation server: LibreTranslate's API, with requests batched together as they arrive.
 
-    python serve/server.py --checkpoint checkpoints/multi30k/best.ckpt --port 5000 [--beam-size 5]
-    python serve/server.py --checkpoint de-en.ckpt --checkpoint fr-en.ckpt ...   # one per language pair
+    python -m seq2seq.serve --checkpoint checkpoints/multi30k/best.ckpt --port 5000 [--beam-size 5]
+    python -m seq2seq.serve --checkpoint de-en.ckpt --checkpoint fr-en.ckpt ...   # one per language pair
     curl -s localhost:5000/translate -H 'Content-Type: application/json' \
          -d '{"q": "Ein Hund läuft.", "source": "de", "target": "en"}'
     {"translatedText":"A dog is running."}
