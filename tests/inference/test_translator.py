@@ -403,6 +403,8 @@ def same_tokens(want: list[list[Translation]], got: list[list[Translation]], ref
             assert g[0].score == pytest.approx(w[0].score, abs=tolerance)
 
 
+@pytest.mark.e2e  # (.ci/run: eight graphs compiled, a minute or more; make test: tests/model/test_compiled.py's
+#  steps and searches, and test_compile_decoding_compiles_on_a_daemon_thread_of_the_decoder_threads_count)
 def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch):
     """Translator(compiled=True) in fp32: the searches run seq2seq/model/compiled.py's encoder, cross-attention
     projection and step over the model's unpacked linear layers and give the eager Translator's
