@@ -78,6 +78,11 @@ class SearchConfig:
             raise ConfigError(unknown[0], f"is not a SearchConfig field (known: {', '.join(sorted(names))})")
         return cls(**values)
 
+    @property
+    def hypotheses(self) -> int:
+        """The decoder rows a sentence takes: the beam; one for greedy search and sampling."""
+        return 1 if self.sampling else self.beam_size
+
     def check_model(self, *, vocab_size: int, max_positions: int) -> None:
         """What the search asks of the model it runs on: beam search ranks 2 * beam_size candidates among the
         first step's vocabulary, and no output is longer than max_positions - 1 tokens (the decoder reads BOS

@@ -32,8 +32,7 @@ def decoding_cost(length: int, search: SearchConfig, *, max_positions: int, at_l
         return 0  # an empty line is answered without decoding
     length = min(length, max_positions)  # a longer line is truncated
     limit = min(max(math.floor(search.max_len_a * length + search.max_len_b), at_least, 0), max_positions - 1)
-    rows = 1 if search.sampling else search.beam_size
-    return rows * max(limit + 1, MIN_STEPS_CHARGED)
+    return search.hypotheses * max(limit + 1, MIN_STEPS_CHARGED)
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,7 @@ class Translator:
                     for i, sentence_hyps in zip(batch, nbest, strict=True)]
 
         batches = length_sorted_batches(ids, max_tokens=max_tokens)
-        yield from self.pool.decode(translate_batch, batches, rows=1 if search.sampling else search.beam_size,
+        yield from self.pool.decode(translate_batch, batches, rows=search.hypotheses,
                                     work=[len(sentence) for sentence in ids], in_order=generator is not None)
 
     @property

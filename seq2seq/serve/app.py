@@ -150,13 +150,12 @@ class Server:
         if not search.sampling and search.beam_size > self.max_beam_size:
             raise BadRequest(f"beam_size {search.beam_size} is more than this server's limit of {self.max_beam_size} "
                              "(--max-beam-size); ask for a smaller beam")
-        rows = 1 if search.sampling else search.beam_size
-        sentences = sum(1 for text in texts if text)
-        if sentences * rows * MIN_STEPS_CHARGED > self.max_request_tokens:
-            raise self.over_budget(sentences * rows * MIN_STEPS_CHARGED, sentences, rows,
-                                   f"at least {MIN_STEPS_CHARGED}")
+        floor = sum(1 for text in texts if text) * search.hypotheses * MIN_STEPS_CHARGED
+        if floor > self.max_request_tokens:
+            raise self.over_budget(floor, texts, search, f"at least {MIN_STEPS_CHARGED}")
 
-    def over_budget(self, tokens: int, sentences: int, rows: int, steps: str) -> BadRequest:
+    def over_budget(self, tokens: int, texts: list[str], search: SearchConfig, steps: str) -> BadRequest:
+        sentences, rows = sum(1 for text in texts if text), search.hypotheses
         return BadRequest(
             f"this request may decode {tokens} tokens ({sentences} sentences x {rows} hypotheses x {steps} steps), "
             f"more than this server's limit of {self.max_request_tokens} per request (--max-request-tokens); send "
@@ -173,8 +172,7 @@ class Server:
             raise BadRequest(str(error).replace("line ", "q item ", 1)) from None
         costs = inputs.costs(search, max_positions=model.translator.model.config.max_positions)
         if sum(costs) > self.max_request_tokens:
-            rows = 1 if search.sampling else search.beam_size
-            raise self.over_budget(sum(costs), sum(1 for text in texts if text), rows, f"up to {max(costs) // rows}")
+            raise self.over_budget(sum(costs), texts, search, f"up to {max(costs) // search.hypotheses}")
         return model.batcher.submit(inputs, search, costs=costs)
 
     async def wait(self, request: Request, futures: list[asyncio.Future[list[list[Translation]]]]) -> list[list[list[Translation]]]:
