@@ -7,16 +7,15 @@ what the wheel holds, not how pip resolves torch (the README's set-up and CI's i
 import os
 import signal
 import site
-import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
+from serving import start_process
 
 REPO = Path(__file__).resolve().parents[1]
 FACES = ["fit", "translate", "score", "average", "export", "convert", "interactive", "serve"]
@@ -78,23 +77,10 @@ def test_the_installed_package_translates_a_file(installed: Path, trained: Path,
 
 
 def test_the_installed_package_serves(installed: Path, trained: Path, tmp_path: Path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    process = subprocess.Popen([str(installed), "-m", "seq2seq.serve", "--checkpoint", str(trained), "--port",
-                                str(port), "--precision", "fp32", "--threads", "1"], cwd=tmp_path, env=env,
-                               stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    process, url, _ = start_process([str(installed), "-m", "seq2seq.serve"], trained, timeout=120, cwd=tmp_path,
+                                    env=env, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and process.poll() is None, "the installed server did not start"
-                time.sleep(0.2)
         reply = httpx.post(url + "/translate", json={"q": "a man is walking .", "source": "en", "target": "de"},
                            timeout=60)
         assert reply.status_code == 200

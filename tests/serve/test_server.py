@@ -35,7 +35,7 @@ from seq2seq.text.glossary import Glossary
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 from server_soak import collect, start_attack  # noqa: E402
-from serving import SENTENCES, Running  # noqa: E402
+from serving import SENTENCES, Running, start_process  # noqa: E402
 
 from seq2seq.inference.inputs import Inputs, decoding_cost  # noqa: E402
 from seq2seq.serve.app import create_app  # noqa: E402
@@ -488,25 +488,8 @@ def test_a_device_this_machine_lacks_is_one_usage_error_before_loading(device: s
 
 
 def start_server(trained: Path, *flags: str, **popen: Any) -> tuple[subprocess.Popen, str, int]:
-    """serve/server.py in a process of its own on a free loopback port (fp32, one thread), once its
-    /health answers: the process, its URL and its port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, str(REPO / "serve/server.py"), "--checkpoint", str(trained), "--port", str(port),
-               "--precision", "fp32", "--threads", "1", *flags]
-    process = subprocess.Popen(command, cwd=REPO, **popen)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return process, url, port
-        except httpx.TransportError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                raise AssertionError("the server did not start") from None
-            time.sleep(0.1)
+    """serve/server.py in a process of its own (serving.start_process): the process, its URL and its port."""
+    return start_process([sys.executable, str(REPO / "serve/server.py")], trained, *flags, cwd=REPO, **popen)
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(trained: Path):
