@@ -7,8 +7,7 @@ kind of step a search makes (`compile_decoding`; timed and printed: tens of seco
 inductor's disk cache). Then, for each beam, the test
 sentences one at a time, the two Translators in turns (which goes first alternates), and per engine the median
 seconds a sentence, the median of the per-sentence ratios, and how many outputs are the same; then all the
-sentences at once, eager / compiled / compiled / eager. Run by hand, not in CI (README, "A compiled decoding
-step").
+sentences at once, eager / compiled / compiled / eager. Run by hand, not in CI (docs/results/compiled-decoding.md).
 """
 
 import argparse

@@ -7,7 +7,7 @@ translates the Multi30k test sentences at once, twice; the second run is timed b
 methods and the cache's: the encoder, the compiled step (its kernels and dynamo's call), `decode` around it (the
 step's Python: the position, the cache's room, the cross keys once a sentence), the cache's reorders and growth.
 What is left of the whole is the search's own eager work between steps (normaliser, top-k, bookkeeping) and the
-tokenizer. Run by hand, not in CI (README, "A compiled decoding step").
+tokenizer. Run by hand, not in CI (docs/results/compiled-decoding.md).
 """
 
 import argparse

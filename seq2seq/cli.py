@@ -58,8 +58,8 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--workers", type=int, default=None,
-                        help="batches decoded at once, each on a thread of its own (default: one per core on the CPU, as "
-                             "measured fastest, README: Decoding against CTranslate2; one on a GPU)")
+                        help="batches decoded at once, each on a thread of its own (default: one per core on the CPU; "
+                             "one on a GPU: docs/performance/threads.md#workers)")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of each worker (default: the cores over the workers: 1 on the CPU, "
                              "all of them for a GPU's one worker)")
@@ -67,11 +67,11 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: bf16 where bf16 matmuls are fast here (AMX, AVX512-BF16, a GPU from Ampere on), else fp32; "
                              "int8 (CPU): quantised linear layers, faster, outputs differ slightly (default: auto)")
     parser.add_argument("--compile", action="store_true",
-                        help="run the decoding steps compiled (torch.compile): one sentence 1.3-2x faster on a CPU, after "
-                             "tens of seconds compiling each kind of step at first use (the server and the interactive "
-                             "tool compile them all before their first sentence); any precision (int8: its int8 matmuls compiled "
-                             "into the step), absolute positions "
-                             "(README: A compiled decoding step)")
+                        help="run the decoding steps compiled (torch.compile): faster at a few rows on a CPU, "
+                             "after compiling each kind of step at its first use, in every run (the server and the "
+                             "interactive tool compile them all before their first sentence); any precision (int8: "
+                             "its int8 matmuls compiled into the step), absolute positions "
+                             "(docs/performance/compiled-decoding.md)")
 
 
 def flag_message(error: ConfigError) -> str:
@@ -112,10 +112,9 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Se
 def parallelism(args: argparse.Namespace) -> tuple[int, int]:
     """(workers, intra-op threads each) from --workers and --threads over the cores this process has
     (torch's thread count: OMP_NUM_THREADS, or the cores). Neither given: one worker per core, each on
-    one thread, the fastest measured for many sentences (README: Decoding against CTranslate2); one
-    given: the other fills the cores. On a GPU (any --device but cpu) the default is one worker: the
-    workers' threads share one device and each waits on the others' kernels at every step (README: On
-    an NVIDIA H100, where 2 and 4 workers ran 0.08-0.7x one)."""
+    one thread, the fastest configuration for many sentences; one given: the other fills the cores. On a
+    GPU (any --device but cpu) the default is one worker: the workers' threads share one device and each
+    waits on the others' kernels at every step (docs/performance/threads.md#workers)."""
     cores = torch.get_num_threads()
     if args.workers is None and torch.device(args.device).type != "cpu":
         return 1, args.threads or cores
@@ -148,9 +147,9 @@ def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *
 def compile_before_answering(translator: Translator, *, threads: int | None = None, face: str) -> None:
     """--compile in a tool that answers as sentences come (the server, serve/translate.py): every kind of decoding
     step compiled before the first sentence (Translator.compile_decoding, for decoder threads of `threads`), with a
-    line before (a kind compiles for a minute or more, silently) and after. A step that cannot be compiled is one
-    line and an exit, as is Ctrl-C (130) or SIGTERM (143) while it compiles; `face` names what is not started ("the
-    server")."""
+    line before (compiling is long and silent: docs/performance/compiled-decoding.md#cost) and after. A step that
+    cannot be compiled is one line and an exit, as is Ctrl-C (130) or SIGTERM (143) while it compiles; `face` names
+    what is not started ("the server")."""
     if not translator.compiled:
         return
     pair = f"{translator.src_lang}→{translator.tgt_lang}"
@@ -249,7 +248,7 @@ def _terminated(_number: int, _frame: object) -> None:
 def interruption(error: KeyboardInterrupt) -> tuple[str, int]:
     """How a face names a stop and the exit status it ends with: Ctrl-C ("interrupted", 130); SIGTERM ("stopped by
     SIGTERM", 143). Called once the face's output is cut to whole lines, it also gives SIGTERM back to Python's
-    default: the exit may still wait for a decoder thread's batch, or its compile (a minute), and a second SIGTERM
+    default: the exit may still wait for a decoder thread's batch, or its compile, and a second SIGTERM
     then ends the process at once, as a second Ctrl-C does."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return ("stopped by SIGTERM", 143) if isinstance(error, Terminated) else ("interrupted", 130)

@@ -8,8 +8,8 @@ import os
 # Linux) spins 300,000 times before it sleeps. When another program takes a core, the spinning
 # thread burns the time its preempted partner needs, at each of the thousands of operations of a
 # step, and training loses far more than the share of the machine taken. A short spin keeps that
-# share and costs little alone; never spinning (OMP_WAIT_POLICY=PASSIVE) keeps it too but costs a
-# fifth alone (bench/train_load.py; the README has the numbers). Read when the OpenMP runtime
+# share and costs little alone; never spinning (OMP_WAIT_POLICY=PASSIVE) keeps it too but costs more
+# alone (docs/performance/threads.md#spin; bench/train_load.py measures it). Read when the OpenMP runtime
 # loads, so before torch is imported; a wait policy or spin count the user set is kept.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -32,7 +32,7 @@ from seq2seq.textio import MAX_LINE_BYTES, utf8_stdout
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="interactive translation")
+    parser = argparse.ArgumentParser(prog="python -m seq2seq.interactive", description="interactive translation")
     parser.add_argument("--checkpoint", required=True, help="a .ckpt written by python -m seq2seq.fit")
     add_search_arguments(parser)
     args = parser.parse_args(argv)

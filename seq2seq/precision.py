@@ -154,12 +154,12 @@ FewRowsLayers = tuple[list[torch.nn.Linear], list[PackedLinear]]  # one shape's 
 
 def few_rows_on_torch(device: torch.device, precision: str, *, in_features: int, out_features: int) -> int:
     """How many rows (0 to 15) a packed float32 linear layer of this shape runs faster on torch's own linear
-    (MKL) than on oneDNN's: oneDNN's call costs ~25 us at one row, most of it describing the matmul anew, where
-    MKL's costs ~8, while MKL's small-row GEMM loses to oneDNN's as rows and widths grow. Timed once per machine
-    and shape at each of FEW_ROWS in turn, on one thread (a decoding worker's), up to the first where torch's own
-    is not MARGIN times faster; the rows up to the last count that was (numerics.PackedLinear.
-    run_few_rows_on_torch). 0 off a CPU and for bf16 (torch's bf16 linear is no faster than oneDNN's at a few
-    rows) and int8."""
+    (MKL) than on oneDNN's: oneDNN's call describes the matmul anew, which at one row costs more than MKL's whole
+    call, while MKL's small-row GEMM loses to oneDNN's as rows and widths grow
+    (docs/performance/kernels.md#few-rows). Timed once per machine and shape at each of FEW_ROWS in turn, on one
+    thread (a decoding worker's), up to the first where torch's own is not MARGIN times faster; the rows up to the
+    last count that was (numerics.PackedLinear.run_few_rows_on_torch). 0 off a CPU and for bf16 (torch's bf16
+    linear is no faster than oneDNN's at a few rows) and int8."""
     if device.type != "cpu" or precision != "fp32" or not torch.backends.mkldnn.is_available():
         return 0
     layers: list[FewRowsLayers] = []  # made once, if anything is timed
@@ -183,8 +183,8 @@ def few_rows_on_torch(device: torch.device, precision: str, *, in_features: int,
 def one_query_sdpa(device: torch.device, precision: str) -> Verdict:
     """Whether a bf16 decoding step with one query per row of keys attends faster by torch's SDPA than by
     two batched matmuls (attention.attend_by_matmul, the default): timed once per machine at a step's
-    shapes, SDPA chosen only MARGIN times faster (`Verdict.pays`: SDPA). On a Zen 5 the
-    matmuls won, on a Xeon with AMX SDPA did (README, "Kernels, chosen by measuring the machine")."""
+    shapes, SDPA chosen only MARGIN times faster (`Verdict.pays`: SDPA). Which wins differs by CPU
+    (docs/performance/kernels.md#attention)."""
     if device.type != "cpu" or precision != "bf16":
         return Verdict(False, f"the choice is for bf16 on a CPU, not {precision} on {device.type}")
     return timed_verdict("attention-one-query-bf16", _fastest_one_query_attention, what="SDPA at one query a row",
@@ -339,7 +339,8 @@ def _few_rows_layers(*, in_features: int, out_features: int) -> FewRowsLayers:
 
 def _fastest_few_rows(torch_own: bool, *, rows: int, layers: FewRowsLayers) -> float:
     """Seconds of a pass through `layers` (plain, packed) at `rows` rows on torch's own linear or oneDNN's packed
-    one, on one thread: each timing runs as many passes as take ~5 ms, so that one slow call decides less."""
+    one, on one thread: each timing runs as many passes as fill a few milliseconds (at most 256), so that one
+    slow call decides less."""
     modules: list[torch.nn.Module] = list(layers[0]) if torch_own else list(layers[1])
     x = torch.randn(rows, layers[0][0].in_features)
 
@@ -362,7 +363,7 @@ def _fastest_one_query_attention(sdpa: bool) -> float:
     the cache's filled positions (a strided view), or the matmuls over its whole capacity, masked. On one
     thread, as a decoding worker mostly runs (one batch a core is the fastest configuration measured):
     the matmuls split over two threads where SDPA's one-query kernel gains little, so the two threads'
-    verdict would hold for fewer setups (README, "Kernels, chosen by measuring the machine")."""
+    verdict would hold for fewer setups (docs/performance/kernels.md#attention)."""
     rows, heads, filled, capacity, head_dim = 256, 4, 30, 32, 64
     queries = torch.randn(rows, heads, 1, head_dim).bfloat16()
     keys, values = (torch.randn(rows, heads, capacity, head_dim).bfloat16() for _ in range(2))
@@ -395,16 +396,16 @@ def _fastest_attention(dtype: torch.dtype, *, dropout: bool) -> float:
 
 # Kernels oneDNN keeps compiled, one per matmul shape (its default: 1,024). A training step runs a few dozen
 # shapes, and the next step others (batch shapes vary, by design: token budgets), so the cache mostly holds
-# kernels never used again; each holds megabytes. With 1,024 the RSS of bf16 training grew by ~16 MB a
-# step, and the steps slowed as it filled (README, Results). 64 keeps every shape of one step (the layers of
-# a stack share them), which is all that training reuses.
+# kernels never used again; each holds megabytes. With 1,024 the memory of bf16 training grows step by
+# step, and the steps slow as it fills (docs/performance/kernels.md#cache). 64 keeps every shape of one step
+# (the layers of a stack share them), which is all that training reuses.
 KERNEL_CACHE_CAPACITY = 64
 
 # Translation reuses more: its packed linear layers run at rounded row counts (numerics.padded_rows), which
 # every batch meets again as its sentences finish, a kernel per count for each of a model's few weight
-# shapes. 64 held about ten counts' kernels, fewer than one batch passes through, so every batch compiled
-# its own again (README, "Row counts rounded, compiled kernels kept"); 512 holds what a file's batches share,
-# but for beam search's attention matmuls, whose shapes are not rounded (the README has what they evict).
+# shapes. 64 hold about ten counts' kernels, fewer than one batch passes through, so every batch would compile
+# its own again; 512 hold what a file's batches share, but for beam search's attention matmuls, whose shapes
+# are not rounded and still evict some (docs/performance/kernels.md#cache).
 DECODING_KERNEL_CACHE_CAPACITY = 512
 
 
@@ -423,8 +424,8 @@ def keep_freed_memory() -> bool:
 
     A decoding or training step allocates and frees tensors of tens of MB (the logits of every
     hypothesis, a loss chunk's, activations); glibc serves large blocks from a fresh mmap and unmaps
-    them when freed, so the next step page-faults all of it in again (README, Results, has what that
-    cost). With mmap off, blocks come from the heap and are reused; the process keeps its peak memory.
+    them when freed, so the next step page-faults all of it in again (docs/performance/kernels.md#memory).
+    With mmap off, blocks come from the heap and are reused; the process keeps its peak memory.
     False where the C library is not glibc (nothing changed).
     """
     try:

@@ -54,7 +54,7 @@ def test_demo_trains_to_a_high_bleu_within_five_minutes(tmp_path: Path):
         str(config),
         "--trainer.enable_progress_bar=false",
         # To a BLEU criterion under a step cap, not by the clock: how many updates 4 minutes buy
-        # depends on the CPU and on what else runs (the 5-minute budget is the README's, measured).
+        # depends on the CPU and on what else runs (the 5-minute budget is the README's).
         "--trainer.max_time=null",
         "--trainer.max_steps=1300",  # over 4x the ~300 updates BLEU 60 takes
         "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",

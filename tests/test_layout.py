@@ -1,4 +1,4 @@
-"""The rules of the layout (README, "Layout"), checked over the source, so that the change that breaks one fails
+"""The rules of the layout (docs/architecture.md#rules), checked over the source, so that the change that breaks one fails
 here: every import of seq2seq/ and serve/ read with `ast` (those inside functions included), and every
 assignment to an attribute."""
 

@@ -16,18 +16,17 @@ NORMALIZER_CHUNK_BYTES = 2**18
 """`log_normalizer` on CPU works through the rows in blocks of about this many float32 bytes: each block is
 read from the logits once and its five passes (max, subtract, clamp, exp, sum) run in the core's cache,
 where the whole (R, V) at once (3,000 rows of beam search are 96 MB) would stream through memory five times
-(README, "Kernels, chosen by measuring the machine": the measurement that chose it)."""
+(docs/performance/kernels.md#normalizer)."""
 
 TOP_K_CHUNK = 64
-"""`top_k_rows` ranks a row's columns in chunks of this many (README, "Kernels, chosen by measuring the
-machine")."""
+"""`top_k_rows` ranks a row's columns in chunks of this many (docs/performance/kernels.md#top-k)."""
 
 
 def log_normalizer(logits: Tensor) -> Tensor:
     """(R, V) -> (R,) log(sum(exp(logits))) in float32, as log_softmax computes it (max subtracted first),
     for logits of any float dtype (float64 is computed in float32 too).
 
-    `amax` is vectorised where `max` and `logsumexp` are not (on CPU they run ~8x slower here); `exp_`
+    `amax` is vectorised where `max` and `logsumexp` are not (on CPU they run far slower here); `exp_`
     avoids the slow path of torch's exp on the vanishing probabilities of a confident model. Blocks change
     no number: torch reduces each row of a block of two rows or more whole, in one thread, as it does in the
     whole tensor, so no block has one row (torch splits a lone long row's sum across threads).
@@ -45,7 +44,7 @@ def normalizer_and_bounds(logits: Tensor, *, chunk: int = TOP_K_CHUNK) -> tuple[
     """`log_normalizer(logits)`, the same numbers, and every row's chunk maxima (R, V // chunk) float32 (a last,
     partial chunk left out): taken from the normaliser's float32 blocks while they are in cache, whose row
     maximum is the maximum of these (and of the partial chunk), so that `top_k_rows` need not read the
-    logits whole once more to find them (README, "Kernels, chosen by measuring the machine")."""
+    logits whole once more to find them (docs/performance/kernels.md#top-k)."""
     rows, vocab = logits.shape
     chunks = vocab // chunk
     normalizer = torch.empty(rows, device=logits.device)
@@ -113,7 +112,7 @@ def top_k_rows(x: Tensor, k: int, *, chunk: int = TOP_K_CHUNK, bounds: Tensor | 
     elif bounds.shape != (rows, body // chunk):
         raise ValueError(f"bounds {tuple(bounds.shape)} are not the chunk maxima of {rows} rows of {vocab} in "
                          f"chunks of {chunk}")
-    elif k == 1:  # (a max and an amax: faster than torch's topk on a CPU, README "Dynamo's guards on the frozen...")
+    elif k == 1:  # (a max and an amax: faster than torch's topk on a CPU, docs/performance/kernels.md#top-k)
         best = bounds.max(dim=-1, keepdim=True).indices  # (R, 1): the chunk to rank
         left_out = bounds.scatter(1, best, -math.inf).amax(dim=-1)  # (R,): the largest bound left out (a tie too)
     else:
@@ -207,8 +206,8 @@ def beam_candidates(scores: Tensor, logits: Tensor, normalizer: Tensor, bounds: 
     chunks whose bounds rank first (and every beam's last, partial chunk: always read) is at least every bound
     left out, those are the sentence's best: only they are read and ranked. top_k_rows ranks each row's 2K
     best chunks, then 2K tokens of each row, then beam_step 2K of the K * 2K: three top-k passes over K times
-    as many rows, the larger part of a beam search step's own work at a few hundred sentences (README,
-    "Candidates by the sentence"). A sentence is proven where its count-th total is at least
+    as many rows, the larger part of a beam search step's own work at a few hundred sentences
+    (docs/performance/compiled-decoding.md#search-in-step). A sentence is proven where its count-th total is at least
     the largest bound left out (a tie with a chunk left out keeps the token read: the totals are the same); not
     where a constraint lowered logits the bounds of the chunks read were taken from (the caller ranks those
     sentences again, exactly). Of equal totals, other tokens may be kept than beam_step keeps."""

@@ -170,13 +170,14 @@ def shared_out(batches: list[list[int]], *, workers: int, rows: int, work: Seque
     leaves the busiest worker no more than BALANCE times its share of the whole work (else the k that leaves it
     the least). So an input of fewer batches than workers is cut for the idle workers, and so is one of two
     batches of unequal work for two workers: 500 Multi30k sentences make one batch of long sentences and one of
-    short ones, which left one of two workers idle for a third of the run (README, "Every core"). Batches that
+    short ones, which would leave one of two workers idle for much of the run (docs/performance/threads.md#parts).
+    Batches that
     already keep the busiest worker within BALANCE of its share stay whole (the 3 batches of 1,000 Multi30k
     sentences for two workers).
 
     Parts rather than a lone batch on several threads: a decoding step's parallel regions are too small
     to share, two batches are not. Below PART_ROWS a part no longer pays for the Python its steps run,
-    which the workers take turns at (the GIL): measured in the README, "Every core".
+    which the workers take turns at (the GIL; docs/performance/threads.md#parts).
     """
 
     def cut(k: int) -> list[list[int]]:

@@ -88,7 +88,7 @@ class Translator:
         `compiled`: the searches' decoding steps run compiled (seq2seq/model/compiled.py), faster at a few rows on
         a CPU, where the eager step is mostly per-call overhead; the first batches of each kind (one row, several
         rows, beams) wait while it compiles (`compile_decoding` compiles them all first)."""
-        torch.set_flush_denormal(True)  # denormal floats run ~100x slower on x86 CPUs (see training/module.py)
+        torch.set_flush_denormal(True)  # denormal floats run far slower on x86 CPUs (docs/performance/precision.md)
         prepared = prepare(model, device=device, precision=precision, compiled=compiled)
         self.model, self.decoding = prepared.model, prepared.decoding
         self.device, self.precision, self.compiled = prepared.device, prepared.precision, prepared.compiled
@@ -119,10 +119,10 @@ class Translator:
         """With `compiled`, every kind of decoding step compiled now (seq2seq/model/compiled.py), for decoder threads
         of `threads` intra-op threads (default: its workers' threads; with no threads of its own, the caller's
         thread, with its count): what a tool that answers sentences as they come does first, so that none waits
-        the minute or more a kind takes to compile. Dynamo compiles a graph per thread count, so the kinds compile
-        on a thread of that count, a daemon thread: Ctrl-C in the caller ends the process at once (a pool's thread
-        is waited for at exit, the compiling's minutes). The number of kinds compiled (0 without `compiled`, or
-        when all were); CompileError (one line) when inductor cannot compile."""
+        while a kind compiles (docs/performance/compiled-decoding.md#cost). Dynamo compiles a graph per thread
+        count, so the kinds compile on a thread of that count, a daemon thread: Ctrl-C in the caller ends the
+        process at once (a pool's thread is waited for at exit, however long the compiling). The number of kinds
+        compiled (0 without `compiled`, or when all were); CompileError (one line) when inductor cannot compile."""
         decoding = self.decoding
         if not isinstance(decoding, CompiledDecoder):
             return 0

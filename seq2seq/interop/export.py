@@ -6,7 +6,7 @@
 The checkpoint is read and checked by checkpoint.py; CTranslate2's own `Converter` writes the model
 from a `TransformerSpec` that `_load` fills (no hand-written binary files). The folder gets the
 sentencepiece model too (`source.spm`, `target.spm`: the same joint model), so that
-`ctranslate2.Translator` + `sentencepiece` translate with it alone (README).
+`ctranslate2.Translator` + `sentencepiece` translate with it alone (docs/interop.md).
 
 The output folder: an export is written into a new folder beside `--output` and renamed into place
 only once it is whole, so a failure leaves `--output` as it was. It is checked first by the policy

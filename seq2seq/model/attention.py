@@ -88,7 +88,7 @@ class MultiHeadAttention(nn.Module):
     def fuse_projections(self) -> None:
         """Self-attention for inference: q_proj and kv_proj replaced by one qkv_proj, their weights stacked,
         so that `self_projections` takes one matmul where it took two. At one row a step the call costs
-        more than its arithmetic (bf16 on oneDNN: README, "Kernels, chosen by measuring the machine"), and
+        more than its arithmetic (docs/performance/kernels.md#fused-projections), and
         the numbers are the same: each output is the same dot product. Again, or on projections already
         converted for inference (packed, int8): nothing to do."""
         q_proj, kv_proj = self.q_proj, self.kv_proj
@@ -206,9 +206,9 @@ class MultiHeadAttention(nn.Module):
 
 MATMUL_ATTENTION_MATRICES = 64
 """A bf16 decoding step on CPU (one query per row, beams folded) attends by `attend_by_matmul` rather
-than SDPA from this many (sentence, head) matrices on: where torch's bf16 SDPA kernel for CPU is slow
-(on a Zen 5 from about 16 sentences of 4 heads two batched matmuls win; at one query a row the machine
-decides, per model: MultiHeadAttention.one_query_by_matmul). float32 keeps SDPA: there the two are even, and its
+than SDPA from this many (sentence, head) matrices on, where torch's bf16 SDPA kernel for CPU is the slower
+(at one query a row the machine decides, per model: MultiHeadAttention.one_query_by_matmul;
+docs/performance/kernels.md#attention). float32 keeps SDPA: there the two are even, and its
 outputs stay what they were."""
 
 

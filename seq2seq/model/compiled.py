@@ -2,7 +2,7 @@
 torch.compile (model/compiled_step.py's functions), and what runs them between calls.
 
 At a few rows a decoding step is mostly overhead between kernels: each eager op and each linear layer's
-oneDNN call costs more than its arithmetic (README, "A compiled decoding step"). Compiled, the step is
+oneDNN call costs more than its arithmetic (docs/performance/compiled-decoding.md). Compiled, the step is
 one function of generated code in which the matmuls' micro-kernels (inductor's CPP GEMM templates: AMX
 or AVX-512 on a CPU) sit among the fused element-wise work. The decoding cache is one buffer per layer,
 (R, H, capacity, Dh) (CompiledState), grown here between steps and written in place by the step, so that
@@ -109,8 +109,9 @@ def bf16_around_int8(model: Transformer) -> Transformer:
     embedding, positions and norms, so that the compiled step's activations, cache, attention and logits are bf16
     around the int8 matmuls (RowInt8Linear takes bf16 and gives bf16, computing in float32), as CTranslate2's
     int8_bfloat16. Where bf16 pays on the CPU this halves the bytes the step moves besides the weights: the cache
-    read by the attention and copied by beam reorders, the cross-attention's batched matmuls, the logits (README,
-    "int8 with bf16 around it"). A token embedding the encoder shares is copied first (the encoder stays float32)."""
+    read by the attention and copied by beam reorders, the cross-attention's batched matmuls, the logits
+    (docs/performance/compiled-decoding.md#bf16-around-int8). A token embedding the encoder shares is copied first
+    (the encoder stays float32)."""
     decoder = model.decoder
     if any(decoder.embed.tokens is module for module in model.encoder.modules()):
         decoder.embed.tokens = copy.deepcopy(decoder.embed.tokens)
@@ -132,17 +133,18 @@ sentence, beams)."""
 KINDS = ((1, 1), (1, 4), (BULK_SENTENCES := 64, 1), (BULK_SENTENCES, 4))
 """(sentences, beams) of `compile_kinds`' one step of each kind: one row; one sentence's beams; several sentences;
 several with beams. inductor times its GEMM templates at the sizes of a graph's first call and keeps what it chose
-for every size: the several-sentence kinds first called at 2 sentences chose kernels that ran the Multi30k model's
-bf16 step at half the speed in bulk (beam 5: 951 against 2,039 tgt tok/s at 64 sentences) and at 0.6x in batches
-of 8 (README, "A compiled decoding step"); the translate CLI, which compiles at its first batch, chose well."""
+for every size, so the kinds of several sentences are first called at a real batch's size: kernels chosen at two
+sentences run bulk decoding far slower (docs/performance/compiled-decoding.md#kinds). The translate CLI, which
+compiles each kind at its first real batch, chooses at real sizes too."""
 
 KIND_SOURCE_LENGTH = 16
 """Source tokens of `compile_kinds`' made-up sentences (the cross-attention's sizes at its first call, as above)."""
 
 RETRIES = 10
 """Times a call whose kind has its graph is made again when dynamo finds none fitting it
-(`CompiledDecoder._call_retrying`): a failed guard check costs microseconds, a compile seconds (with three, the
-three-thread test in tests/model/test_compiled.py compiled a graph again now and then while the other core was busy)."""
+(`CompiledDecoder._call_retrying`): a failed guard check costs far less than a compile (with three, the three-thread
+test in tests/model/test_compiled.py compiled a graph again now and then while the other core was busy;
+docs/performance/compiled-decoding.md#guards)."""
 
 
 def _call_compiling(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
@@ -164,8 +166,8 @@ class CompiledDecoder:
 
     `encode` runs the compiled encoder; a stateless `decode` (teacher-forced scoring, alignments) is the model's
     own, eager; a decode with a state (from `new_state`) runs the compiled step once per fed token (its first
-    projects the memory for cross-attention, compiled). The first calls of each kind compile (tens of seconds;
-    inductor keeps the code on disk for the next process), on the thread that first decodes, with its intra-op
+    projects the memory for cross-attention, compiled). The first calls of each kind compile (in every process:
+    docs/performance/compiled-decoding.md#cost), on the thread that first decodes, with its intra-op
     thread count built into the code (decoder threads meeting a new kind at once wait for the one compiling it,
     `_kinds_compiled`; once it is compiled their steps run at once; a thread of another intra-op count compiles its own
     graphs, as dynamo guards on the count). On a CPU, `gemm_templates` off compiles faster to a slower step
@@ -199,24 +201,25 @@ class CompiledDecoder:
         """Calls made again because dynamo found no graph fitting them (`_call_retrying`): a tally for reading."""
         self.compiling_seconds = 0.0
         """Seconds in calls that compiled (each kind's first, and a call compiled after its retries): a tally for
-        reading. A process compiles every graph again, whatever inductor's disk cache holds (README, "A compiled
-        decoding step"), so a short run is mostly this."""
+        reading. A process compiles every graph again, whatever inductor's disk cache holds
+        (docs/performance/compiled-decoding.md#cost), so a short run is mostly this."""
         # One graph per kind of call (one row or several, one sentence or several, beams or not), each
         # decoder's apart from other decoders' (all share the step's code): a graph break or more graphs
         # than RECOMPILE_LIMIT is an error, not a silent fall back to the eager step.
         self.attention_kernel = attention_kernel and on_cpu
         """Whether the step attends with model/kernels.py's kernel (on a CPU), not the attention written out."""
         self._backend = backend
-        # The step, and the encoder too: eager, its norms, residuals and (int8) activation quantising ran as separate
-        # passes over a batch's activations, and fbgemm's int8 matmuls ran slower than the compiled ones (README, "The
-        # encoder compiled too"). Two kinds: one sentence, several (dynamo makes a size of 1 a graph of its own). Both
+        # The step, and the encoder too: eager, its norms, residuals and (int8) activation quantising are separate
+        # passes over a batch's activations, where compiled they are fused around the int8 micro-kernels
+        # (docs/performance/compiled-decoding.md#what). Two kinds: one sentence, several (dynamo makes a size of 1 a
+        # graph of its own). Both
         # made at the first compile (_encoder_and_step), after the attention kernel is built, which may fail as
         # compiling does.
         self._compiled_encoder_and_step: EncoderAndStep | None = None
         # And the memory's projection into the cross-attention keys and values, once a batch: eager, the int8
         # projection's quantising, its dequantising, the cast to the decoder's dtype and the copies into the heads'
-        # layout were passes of their own over the batch's (N, S, layers * 2D) (README, "The cross-attention's keys
-        # and values compiled").
+        # layout are passes of their own over the batch's (N, S, layers * 2D)
+        # (docs/performance/compiled-decoding.md#cross-projection).
         self._cross_projection = compile_frozen(cross_projection(model, dtype=self.dtype), backend=backend)
 
     def encode(self, src: Tensor) -> Tensor:
@@ -315,7 +318,7 @@ class CompiledDecoder:
     @torch.inference_mode()
     def compile_kinds(self) -> int:
         """Compile every kind of call now, on this thread (with its intra-op thread count, as the decoding threads
-        would): a server does this before it answers, so that no request waits the minutes compiling takes. One
+        would): a server does this before it answers, so that no request waits while a kind compiles. One
         step of each kind on made-up sentences of the sizes in KINDS; the number of kinds compiled (0 when all were)."""
         compiled = len(self._kinds_compiled)
         parameter = next(self.model.parameters())
@@ -342,9 +345,9 @@ class CompiledDecoder:
         """The compiled `function` (the step, the encoder, the cross projection), for a call whose kind has its graph.
         Threads sharing the decoder now and then find none of its graphs fitting such a call (dynamo's guards
         fail as one thread checks them while another decodes, and pass when checked again: "runtime guards
-        failed even though they passed during recompilation-reason analysis", torch 2.13; 6-11 calls in 300
-        searches by three threads), and dynamo would compile the graph again: seconds on a decoder thread, and a
-        place of RECOMPILE_LIMIT, past which every call fails. Such a call raises instead (`error_on_recompile`,
+        failed even though they passed during recompilation-reason analysis"), and dynamo would compile the graph
+        again: a long wait on a decoder thread, and a place of RECOMPILE_LIMIT, past which every call fails
+        (docs/performance/compiled-decoding.md#guards). Such a call raises instead (`error_on_recompile`,
         tracing_settings), before the step has run or written the cache, and is made again, which finds the
         graph; one that finds none RETRIES times over is a call the kind's graph does not cover, compiled as a
         new kind's first call is."""

@@ -62,8 +62,8 @@ def cross_projection(model: Transformer, *, dtype: torch.dtype) -> Callable[[Ten
     `real` of memory.view(N * S, D) (the rows of cross_keys_values' `places`), written for torch.compile (a flat list
     out; the rows gathered and taken to `dtype` inside, in the pass that quantises them where the projection is int8).
     A batch's sources are padded to its longest, and a batch of sentences of many lengths is largely padding, which
-    the projection's matmul, its epilogue and the copies into the heads' layout would work through (README, "The
-    cross-attention projects real positions only; greedy's argmax in the step")."""
+    the projection's matmul, its epilogue and the copies into the heads' layout would work through
+    (docs/performance/compiled-decoding.md#cross-projection)."""
 
     def project(memory: Tensor, real: Tensor, places: Tensor) -> list[Tensor]:
         tokens = memory.reshape(-1, memory.size(-1)).index_select(0, real).to(dtype)  # (T, D)
@@ -115,9 +115,10 @@ def chunk_argmax(logits: Tensor, *, maxima: Tensor, chunk: int) -> Tensor:
 
 def step_log_normalizer(logits: Tensor, *, maxima: Tensor | None = None, chunk: int = 0) -> Tensor:
     """logits (R, V) -> log(sum(exp(logits))) (R,) float32, the row maximum subtracted first: decoding/ranking.py's log_normalizer's
-    numbers to float32's rounding, written for the step's generated code (one fused pass, at a third of the time of
-    search's eager blocks of rows); the maximum taken from the maxima of the chunks of `chunk` columns (R, V // chunk)
-    where given, and the last, partial chunk's (a pass fewer)."""
+    numbers to float32's rounding, written for the step's generated code (one fused pass, where search's eager
+    blocks of rows make five; docs/performance/compiled-decoding.md#search-in-step); the maximum taken from the
+    maxima of the chunks of `chunk` columns (R, V // chunk) where given, and the last, partial chunk's (a pass
+    fewer)."""
     x = logits.float()
     if maxima is None:
         peak = x.amax(dim=-1, keepdim=True)  # (R, 1)
@@ -190,9 +191,8 @@ def cache_writer(keys: Tensor, values: Tensor, *, position: Tensor) -> CacheExte
 
 def encoder_memory(model: Transformer, *, kernel: AttentionKernel | None = None) -> Callable[[Tensor], Tensor]:
     """memory(src (B, S)) -> (B, S, D), zero at padding: the model's encoder (Transformer._memory) with the attention
-    kernel for its self-attention where given (each sentence over its own length): torch's SDPA on a CPU, at a decoding
-    batch's dozens of positions a sentence, was a quarter of the compiled encoder's time, the kernel ~30% less
-    (README, "The step's attention, a kernel of our own")."""
+    kernel for its self-attention where given (each sentence over its own length), in place of torch's SDPA on a CPU
+    (docs/performance/compiled-decoding.md#attention-kernel)."""
     if kernel is None:
         return model._memory
 
@@ -215,8 +215,8 @@ def decoder_step(model: Transformer, *, chunk: int, kernel: AttentionKernel | No
 
     The tokens come as (N, K), not (R,), so that the beams K are a size of their own and the rows their product:
     with K as rows // N, and the head size a symbol of the caches' shapes, every index of the cross-attention's
-    folding and of the quantising after it held floor divisions of symbols, which inductor compiled to a scalar
-    loop, a quarter of int8 beam search's time (README, "Beams a size of their own").
+    folding and of the quantising after it would hold floor divisions of symbols, which inductor compiles to a scalar
+    loop (docs/performance/compiled-decoding.md#dynamic-shapes).
 
     The normaliser is computed where the search always takes it, with beams (K > 1), and is None without: greedy
     search without scores takes none, and the few rows of one hypothesis per sentence are left to the search. The
@@ -242,7 +242,7 @@ def decoder_step(model: Transformer, *, chunk: int, kernel: AttentionKernel | No
             torch._check(cache.size(3) == head_dim)
         for cache in (*keys, *values):  # (every layer's cache of one shape, the cross keys' and values' of another:
             # sizes told equal are one symbol, and the attention kernel, an operator inductor hands each whole tensor,
-            # would otherwise have every cache's sizes passed to the graph apart, ~5 us each a step)
+            # would otherwise have every cache's sizes passed to the graph apart, each a tensor made at every step)
             torch._check(cache.size(0) == rows)
             torch._check(cache.size(2) == keys[0].size(2))
         for cache in (*cross_keys, *cross_values):

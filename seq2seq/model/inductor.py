@@ -19,16 +19,16 @@ QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats
 """Inductor's tables of its matmul timings not printed (a translation's output would drown in them)."""
 
 GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-"""On a CPU, each matmul of the step chosen by timing inductor's CPP GEMM templates against ATen's kernels: at one
-row the templates' micro-kernels (AMX or AVX-512), among the fused work, run a step ~2.5x faster than the eager
-step's oneDNN calls (README, "A compiled decoding step"); compiling takes several times longer."""
+"""On a CPU, each matmul of the step chosen by timing inductor's CPP GEMM templates against ATen's kernels: the
+templates' micro-kernels (AMX or AVX-512) sit among the fused work, where the eager step makes a oneDNN call per
+layer, which at a few rows costs more than its arithmetic (docs/performance/compiled-decoding.md#gemm-templates);
+compiling takes several times longer."""
 
 
 CPP_WRAPPER = {"cpp_wrapper": True}
 """On a CPU, the step's call (the sequence of its kernels) generated as C++ too, not Python: the C++ call releases
 the GIL while it runs (inductor's Python call runs the kernels holding it), so decoder workers sharing a decoder run
-their steps at once instead of in turns (two workers' bulk greedy 1.39x one, from 1.09x; README, "A compiled
-decoding step")."""
+their steps at once instead of in turns (docs/performance/compiled-decoding.md#cpp-wrapper)."""
 
 
 def inductor_backend(options: dict[str, object]) -> Callable[[torch.fx.GraphModule, list[Tensor]], Callable[..., object]]:
@@ -50,14 +50,14 @@ def tracing_settings(*, compiled: bool = False) -> Iterator[None]:
     fail, and reads these then, before any backend runs), as they were after:
 
     - inductor's `freezing`: the weights become constants of the compiled code, which inductor packs once for
-      its GEMM templates (as inputs, the step ran 2x slower);
+      its GEMM templates (as inputs, the step runs much slower; docs/performance/compiled-decoding.md#freezing);
     - no duck sizing: dynamo would give sizes equal at the first call one symbol (rows = heads, capacity =
       head size), and then specialise them to the model's constants (a graph for one shape of the cache);
     - with `compiled` (the call's kind has its graph), dynamo's `error_on_recompile`: a call that finds no graph
       fitting raises RecompileError instead of compiling one (compiled.CompiledDecoder._call_retrying says why).
 
     torch's config settings are the setting thread's own (context variables): other threads, and this one
-    after the call, keep theirs. ~10 us a step."""
+    after the call, keep theirs. Cheap beside a step."""
     from torch._dynamo import config as dynamo
     from torch._inductor import config as inductor
     from torch.fx.experimental import _config as shapes
@@ -112,9 +112,10 @@ def compile_frozen(function: Callable[..., T], *, backend: Callable[..., object]
     Its calls check no guards on the model's modules: the model may not change once compiled (compiled.CompiledDecoder), its
     weights and module attributes are constants of the code, and a change to them is not seen (the code compiled
     before runs on). Dynamo guards every submodule's type, hooks, flags and parameters (~1,000 guards for a small
-    model), checked at each call, a step's share of greedy search that counts at few rows (README, "Dynamo's guards
-    on the frozen model skipped"). The guards on the inputs (dtypes, devices, sizes) and on the global state (grad
-    mode, autocast), which tell the kinds of call apart and keep a call off a graph that does not fit it, stay."""
+    model), checked at each call, a step's share of greedy search that counts at few rows
+    (docs/performance/compiled-decoding.md#guards). The guards on the inputs (dtypes, devices, sizes) and on the
+    global state (grad mode, autocast), which tell the kinds of call apart and keep a call off a graph that does not
+    fit it, stay."""
     return cast(Callable[..., T], torch.compile(  # type: ignore[call-overload]  # (torch's overloads lack the last two)
         function, dynamic=True, backend=backend, fullgraph=True, isolate_recompiles=True,
         recompile_limit=RECOMPILE_LIMIT, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))

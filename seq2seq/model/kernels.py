@@ -2,13 +2,12 @@
 (decode_attention.cpp), and its reference.
 
 A decoding step attends with one query per row (a few with beams) over the cross-attention's keys and values and the
-self-attention cache. Written out for inductor (compiled_step.attend_masked) the scores' reduction over the head size summed
-each position's vector across its lanes on its own (11 ns a row, head and position on a Zen 5 core, 2.5x the time
-reading the keys and values from its caches takes), and the padding of a batch's shorter sources was read and
-masked: the two attentions were ~16% of a bulk greedy run on one core, more than its feed-forward matmuls. torch's
-own CPU attention (SDPA) and FlexAttention were slower still at one query a row (README, "The step's attention, a
-kernel of our own"). The kernel sums the products of a vector of positions at once (see the
-source), and takes each row's length, so that it reads its real positions only.
+self-attention cache. Written out for inductor (compiled_step.attend_masked) the scores' reduction over the head size
+sums each position's vector across its lanes on its own, a chain of shuffles per position that takes longer than
+reading the keys and values, and the padding of a batch's shorter sources is read and masked. torch's own CPU
+attention (SDPA) and FlexAttention are slower still at one query a row
+(docs/performance/compiled-decoding.md#attention-kernel). The kernel sums the products of a vector of positions at
+once (see the source), and takes each row's length, so that it reads its real positions only.
 
 It is built on first use with torch.utils.cpp_extension (the C++ compiler inductor needs already, and ninja), once
 per process and kept on disk for the next (TORCH_EXTENSIONS_DIR), for the instruction set torch's own CPU kernels

@@ -31,7 +31,7 @@ class Dropout(nn.Module):
 
     On CPU, torch's dropout draws one Bernoulli sample per element. Here each random 64-bit word gives
     four 16-bit uniforms, which makes dropout and the training step faster (bench/train_ablation.py;
-    the README has its figures), and backward keeps a bool mask. `p` is rounded to a multiple of
+    docs/results/training-speed.md has its figures), and backward keeps a bool mask. `p` is rounded to a multiple of
     1/65536. Other devices use F.dropout, which is fused on GPUs.
     """
 

@@ -2,7 +2,7 @@
 layers), the linear layers' weights packed for oneDNN, and an exp that avoids a slow path of torch's.
 
     fp32   float32 weights and activations
-    bf16   bfloat16 weights (cast once, not per call as autocast would), float32 logits
+    bf16   bfloat16 weights (cast once, not per call as autocast would); the logits stay bf16
     int8   the linear layers' weights in int8, one scale per output row; activations quantised per
            call (dynamic quantisation), on fbgemm's int8 kernels; CPU only. A compiled decoding step's
            linear layers are RowInt8Linear instead: oneDNN's int8 op, which inductor compiles to its
@@ -29,9 +29,9 @@ def exp_(x: Tensor) -> Tensor:
     clamped first to one e-fold above the smallest normal float (e^-86.3 for float32 and bfloat16).
 
     torch's vectorised exp takes a slow path where its result is below the smallest normal float,
-    whatever the denormal setting (on AVX-512 CPUs at least; README, Results): a confident model's
-    probabilities are that small over most of the vocabulary, so a softmax over them got slower as
-    training went on. The clamp changes each such probability by less than 1e-37.
+    whatever the denormal setting (on AVX-512 CPUs at least; docs/performance/precision.md#exp): a confident
+    model's probabilities are that small over most of the vocabulary, so a softmax over them gets slower as
+    training goes on. The clamp changes each such probability by less than 1e-37.
     """
     if x.dtype == torch.float16:  # its normal floats end at e^-9.7: the clamp would change probabilities
         raise TypeError("exp_ takes float32, bfloat16 or float64 (float16 underflows at e^-9.7): cast it first")
@@ -43,8 +43,8 @@ def padded_rows(rows: int) -> int:
     up to one of eight steps an octave (16, 18, ..., 30, 32, 36, ..., 60, 64, 72, ...), at most 1/8 more.
 
     oneDNN compiles a kernel for every shape it meets, and a decoding batch's row count changes as its
-    sentences finish, to counts the next batch does not meet again: compiling took a tenth or more of a
-    translation run (README, "Row counts rounded, compiled kernels kept"). Rounded, the next batches meet
+    sentences finish, to counts the next batch does not meet again, so each batch would compile kernels of its own
+    (docs/performance/kernels.md#padded-rows). Rounded, the next batches meet
     the same counts, and the kernels compiled for them are still in the cache
     (precision.DECODING_KERNEL_CACHE_CAPACITY). Below 16 rows each count is its own (cheap kernels, each
     reused by every batch's last steps), where padding would cost CPUs that run one row faster than sixteen.
@@ -64,9 +64,9 @@ def at_padded_rows(kernel: Callable[[Tensor], Tensor], x: Tensor, *, in_features
     rows = x.numel() // in_features
     padded = padded_rows(rows)
     if padded == rows and x.dim() > 1:  # x as it is (both kernels take any leading shape, fbgemm not 1-D): a
-        return kernel(x)  # decoding step's few rows pay for every op around the kernel (~2 us each, ~25 the call)
+        return kernel(x)  # a step's few rows pay for every op around the kernel: docs/performance/kernels.md#no-copies
     flat = x.reshape(rows, in_features)  # (rows, in)
-    if padded != rows:  # (F.pad zero-fills the whole result, then copies x over it: 1.5-3 times slower than cat)
+    if padded != rows:  # (F.pad zero-fills the whole result, then copies x over it: slower than cat)
         flat = torch.cat((flat, flat.new_zeros(padded - rows, in_features)))  # (padded, in)
     return kernel(flat)[:rows].view(*x.shape[:-1], out_features)
 
@@ -82,7 +82,7 @@ class Int8Linear(nn.Module):
     activations, on fbgemm's int8 GEMM.
 
     Not torch.ao.quantization.quantize_dynamic (deprecated in favour of torchao) nor torchao's int8
-    (on CPU it runs torch._int_mm, ~30x slower than fp32 matmuls on an AVX2 CPU): the fbgemm ops
+    (on CPU it runs torch._int_mm, far slower than fp32 matmuls on an AVX2 CPU): the fbgemm ops
     both of them were built on, called directly. reduce_range quantises activations to 7 bits, which
     keeps AVX2's 16-bit pairwise products from saturating (CPUs without VNNI).
     """
@@ -162,8 +162,9 @@ class PackedLinear(nn.Module):
     or bfloat16, inference only).
 
     torch's own CPU linear runs float32 on MKL, which on AMD CPUs takes its AVX2 code even where the CPU
-    has AVX-512 (about 110 GFLOP/s a core on a Zen 5, where oneDNN reaches about 260), and reorders
-    a bf16 weight at every call. The ops are the ones torch.compile's CPU backend emits for linear layers.
+    has AVX-512 (oneDNN uses the AVX-512 units), and reorders a bf16 weight at every call
+    (docs/performance/kernels.md#packed-linear). The ops are the ones torch.compile's CPU backend emits for
+    linear layers.
     `.to()`, `.double()` and the like still work: the weight is unpacked (exactly), converted, and
     packed again where oneDNN takes the result, else kept plain for F.linear.
     """
@@ -173,7 +174,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.few_rows = 0
         """Inputs of at most this many rows (0 to 15) run on torch's own linear instead (fp32 only, where
-        precision.few_rows_on_torch times that faster: oneDNN's call costs ~25 us at one row, MKL's ~8)."""
+        precision.few_rows_on_torch times that faster: oneDNN's call describes the matmul anew, which at one row
+        costs more than MKL's call; docs/performance/kernels.md#few-rows)."""
         self._store(linear.weight.detach(), linear.bias.detach() if linear.bias is not None else None)
 
     def _store(self, weight: Tensor, bias: Tensor | None) -> None:
@@ -235,7 +237,7 @@ class PackedLinear(nn.Module):
     def _onednn(self, x: Tensor, post_op: str) -> Tensor:
         # x: (..., in) -> (..., out), its rows run at padded_rows(rows), the padding zeros. Each row's outputs
         # are its own dot products, but another row count may get another kernel from oneDNN, whose bf16
-        # outputs can differ in the last place (README, "Row counts rounded, compiled kernels kept")
+        # outputs can differ in the last place (docs/performance/kernels.md#padded-rows)
         return at_padded_rows(
             lambda flat: torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, post_op, [], ""), x,
             in_features=self.in_features, out_features=self.out_features)

@@ -252,8 +252,8 @@ class Transformer(nn.Module):
         """For the compiled decoding step, in place: every decoder layer's cross-attention key/value projection
         stacked into one, `decoder.cross_kv_proj` (D -> layers * 2D, layer by layer), so that a batch's memory
         is projected for all layers in one matmul, and quantised once where the step is int8 (a call per layer
-        quantised the same memory again each time; README, "Candidates by the sentence, one cross-attention
-        projection"). Each output is the same dot product. The layers keep theirs, for the eager decode
+        quantised the same memory again each time; docs/performance/compiled-decoding.md#cross-projection). Each
+        output is the same dot product. The layers keep theirs, for the eager decode
         (scoring, alignments): the stacked weights are a second copy. Again, or on projections already
         converted for inference (int8): nothing to do."""
         decoder = self.decoder

@@ -395,8 +395,8 @@ def create_app(translators: Translator | Sequence[Translator],
     app's lifespan. `search`: the requests' defaults, one for all or one per translator (each
     translator's own, tuned on validation where its checkpoint stores them, if None). `workers` decoder
     calls run at once (each model's batcher gathers that many batches), each on a thread with `threads`
-    intra-op threads (None: torch's count). The limits are the flags of the same names (the module's
-    docstring)."""
+    intra-op threads (None: torch's count). The limits are the server's flags of the same names
+    (docs/serving.md#limits)."""
     translators = list(translators) if isinstance(translators, (list, tuple)) else [translators]  # type: ignore[list-item]
     searches = ([t.search for t in translators] if search is None else
                 [search] * len(translators) if isinstance(search, SearchConfig) else list(search))
@@ -427,7 +427,7 @@ def create_app(translators: Translator | Sequence[Translator],
                                                           max_wait=max_wait, batching=batching, max_queue=max_queue,
                                                           executor=executor), defaults)
                   for t, defaults in zip(translators, searches, strict=True)}
-        for translator in translators:  # before the first request: compiling a kind takes a minute or more (main()
+        for translator in translators:  # before the first request: compiling a kind takes long (main()
             started = time.perf_counter()  # compiled them already: here for create_app's other callers)
             if kinds := await loop.run_in_executor(executor, translator.compile_decoding):
                 print(compiled_line(translator, kinds=kinds, seconds=time.perf_counter() - started), file=sys.stderr,

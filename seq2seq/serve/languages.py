@@ -3,7 +3,7 @@ those the server translates from.
 
 Detection is lingua's (lingua-language-detector): its n-gram models ship in the wheel, so nothing is
 downloaded at run time, and it is the most accurate on short inputs of the packaged identifiers we
-measured (README, "Several models behind one server"). Only the languages the server has models
+measured (docs/serving.md). Only the languages the server has models
 from are loaded (about 40 MB of memory each, at start so that the first request does not wait).
 """
 

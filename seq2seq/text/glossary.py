@@ -5,8 +5,8 @@
 
 A glossary is checked and compiled once (a CLI run, a server request, a Translator call, a whole
 translate_stream), then matched against every sentence: one Aho-Corasick automaton over all the source
-terms (pyahocorasick, in C) reads a sentence once, whatever the number of terms. Compiling a regular
-expression per term per sentence made a 100,000-term glossary cost seconds a line.
+terms (pyahocorasick, in C) reads a sentence once, whatever the number of terms, where a regular
+expression per term per sentence costs time in proportion to the glossary's size.
 
 A term applies where it is a whole word: no letter, digit or "_" of a script written with spaces next
 to it. Scripts written without spaces (`unspaced`: 東京 in 我去東京了, Tokyo in Tokyoに) mark no edge, so a

@@ -6,8 +6,8 @@ The splitter is pysbd (rule-based, the Golden Rules set: abbreviations, numbers,
 Measured against sentence-splitter (Moses' non-breaking prefixes) on Multi30k test2016, with the
 sentences that end in . ! or ?: both kept every single sentence whole (948 to 980 per language), and
 of 300 paragraphs of 2 to 5 joined sentences per language pysbd split 1,199 of 1,200 exactly,
-sentence-splitter 1,190 (French abbreviations), at about 4x pysbd's speed (1.5 ms a paragraph either
-way is nothing beside translating it). pysbd also gives character offsets, which the exact layout
+sentence-splitter 1,190 (French abbreviations). sentence-splitter is the faster, but either is
+nothing beside translating a paragraph. pysbd also gives character offsets, which the exact layout
 needs. Its rules cover 23 languages; another language is split with the English rules.
 """
 

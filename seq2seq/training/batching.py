@@ -124,7 +124,7 @@ class TokenBatchSampler:
 
 
 class Plan(NamedTuple):
-    """An epoch's batches as arrays: batch k is rows[starts[k]:ends[k]]. Lists of Python ints took ~39
+    """An epoch's batches as arrays: batch k is rows[starts[k]:ends[k]]. Lists of Python ints would take ~39
     bytes a pair (1.6 GiB at 40M pairs, in every rank); this takes 4 (8 past 2**31 pairs)."""
 
     rows: np.ndarray  # (N,) row indices, each batch's rows together

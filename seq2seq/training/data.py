@@ -125,7 +125,7 @@ class TranslationDataModule(L.LightningDataModule):
             tokenizer_max_sentences: lines (source and target together) sampled to train it.
             hf_name: a Hub dataset name, or a local folder laid out like one.
             hf_config: its configuration, e.g. `de-en`.
-            hf_data_dir: the sub-folder holding the files, for a folder whose README names no configs.
+            hf_data_dir: the sub-folder holding the files, for a folder whose README.md names no configs.
             train_split: split name in the hf_name dataset.
             valid_split: split name in the hf_name dataset; None for no validation.
             test_split: split name in the hf_name dataset; None for none.

@@ -113,7 +113,8 @@ def check_accelerator(accelerator: Any) -> None:
         build = (f"this torch ({torch.__version__}) is a CPU-only build" if torch.version.cuda is None
                  else f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) finds no GPU")
         raise ConfigError("trainer.accelerator", f"{accelerator} asks for a CUDA GPU, but {build}; run on a GPU "
-                          "machine with a CUDA build of torch (README: Set-up), or pass --trainer.accelerator=cpu")
+                          "machine with a CUDA build of torch (docs/installation.md), or pass "
+                          "--trainer.accelerator=cpu")
 
 
 class Trainer(pl.Trainer):

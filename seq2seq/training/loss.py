@@ -10,7 +10,7 @@ softmax(z) - (1 - ε) * onehot(y) - ε / V.
 Why a fused training loss: the (tokens, V) logits of a Multi30k batch are 4k x 8k floats (130 MB).
 Computed whole, the projection, log-softmax, its backward and the gather/mean backward each write
 such a tensor; on a CPU those passes (and the page faults of allocating them) are a large share of a
-training step (bench/train_ablation.py measures what fusing gains; the README has the figures).
+training step (bench/train_ablation.py measures what fusing gains; docs/results/training-speed.md has the figures).
 `linear_label_smoothed_nll` instead walks the tokens in chunks small enough to stay in cache, computes each chunk's logits, loss and gradient at once, and keeps only the (tokens, D)
 and (V, D) gradients (the idea of Liger-Kernel's fused linear cross-entropy). No FLOPs are added:
 the two gradient matmuls move from the backward pass into the forward pass.
@@ -24,7 +24,7 @@ from seq2seq.model import Transformer
 from seq2seq.model.numerics import exp_
 
 # Rows per chunk, as logits per chunk. CPU: 4M floats (16 MB in fp32) fit the L3 cache; at Multi30k
-# sizes 256-1024 rows per chunk run alike and 64 rows 35% slower (small matmuls). GPUs have no such
+# sizes a few hundred to a thousand rows per chunk run alike and far fewer run slower (small matmuls). GPUs have no such
 # cache to fit and want large matmuls: 64M floats (256 MB), ~2k rows of a 32k vocabulary.
 CPU_CHUNK_ELEMENTS = 2**22
 GPU_CHUNK_ELEMENTS = 2**26

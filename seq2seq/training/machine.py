@@ -34,7 +34,7 @@ def warn_if_bf16_is_slow_here(trainer: L.Trainer) -> None:
     if not matmuls.pays:
         rank_zero_warn(
             f"trainer.precision={precision} on a CPU whose bf16 matmuls are slower than fp32 ({matmuls.why}): "
-            "a training step there runs up to ~40x slower than in fp32 (bench/train_throughput.py). Use "
+            "a training step there runs many times slower than in fp32 (docs/results/training-speed.md). Use "
             "--trainer.precision=auto or 32-true on this machine."
         )
 

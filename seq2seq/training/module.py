@@ -186,7 +186,7 @@ class TranslationModule(L.LightningModule):
         hp = self.hparams
         optimizer = torch.optim.AdamW(
             self.parameters(), lr=hp.lr, betas=tuple(hp.adam_betas), eps=hp.adam_eps, weight_decay=hp.weight_decay,
-            # One fused kernel per tensor instead of ~10 passes: 4x faster steps on CPU, also faster on GPU.
+            # One fused kernel per tensor instead of ~10 passes: faster steps on CPU and on GPU.
             fused=self.device.type in ("cpu", "cuda"),
         )
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_multiplier)
