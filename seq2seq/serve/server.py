@@ -33,27 +33,17 @@ so that several batches decode at once. Requests with different search options a
 calls, and seeded sampling requests one at a time (a draw must not depend on what else arrived). When
 a call fails, its requests are decoded again one at a time, so that only the one that fails alone gets
 the error. A request whose client has gone (timed out or disconnected) is not decoded. SIGTERM or
-Ctrl-C stops accepting, finishes the requests already in, and exits 0. With --compile, every kind of
-decoding step is compiled for the decoder threads' --threads before the server starts (about a minute a
-kind the first time, less from inductor's disk cache later), so that no request waits for it; a step that
-cannot be compiled, or Ctrl-C meanwhile, is one line and an exit.
+Ctrl-C stops accepting, finishes the requests already in, and exits 0 (130 for Ctrl-C). With --compile,
+every kind of decoding step is compiled for the decoder threads' --threads before the server starts
+(long the first time, less from inductor's disk cache later), so that no request waits for it; a step
+that cannot be compiled, or Ctrl-C meanwhile, is one line and an exit.
 
 A request's cost is bounded before it is queued, in decoder tokens: per sentence, its hypotheses
 (the beam; 1 for greedy and sampling) times its output limit (max_len_a x source tokens + max_len_b,
-at most the model's max_positions; the tokenizer counts the source), at least 16 each. Limits
-(flag, default, answer beyond it):
-
-    --char-limit 5000            characters of q per request                          400
-    --max-glossary-chars 100000  characters of a /v1 glossary's terms per request     400
-    --max-request-tokens 16384   decoder tokens per request                           400
-    --max-beam-size 16           beam_size of a request (LibreTranslate alternatives + 1)  400
-    --max-batch-tokens 8192      decoder tokens per decoder call (bounds its memory)  split
-    --max-queue 1024             requests waiting                                     429
-    --timeout 60                 seconds a request waits for its translation          503
-    --max-body-size 1048576      bytes of a request body (Content-Length or streamed) 413
-    --max-stored-bytes 67108864  bytes of translated files kept for /download_file    503 (a client: a quarter)
-    --read-timeout 10            seconds to send a whole request (headers and body)   408, closed
-    --max-connections 512        open connections (idle ones are closed first)        503, closed
+at most the model's max_positions; the tokenizer counts the source), at least 16 each. The limits
+are the flags of `build_parser`, each one's help saying what it bounds; docs/serving.md#limits is
+their one table (tests/serve/test_limits_table.py checks it against this parser: a new flag or a
+changed default fails there until the table has it).
 
 Bad input is a 400 with a one-line message, never a 500; running out of memory is a 503 and any
 other failure a 500 without internals (stderr has the details, one line each).
@@ -91,7 +81,9 @@ from seq2seq.serve.guards import (
 )
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags: the server's own (its limits: docs/serving.md#limits), then the search and run
+    options every decoding face takes (add_search_arguments)."""
     parser = argparse.ArgumentParser(prog="python -m seq2seq.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, action="append",
                         help="a .ckpt written by python -m seq2seq.fit (or seq2seq.convert); repeat it to serve several "
@@ -123,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-connections", type=int, default=512,
                         help="open connections at most; idle ones are closed first, then 503 (default: 512)")
     add_search_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     search = check_flags(parser, args)
     for name in ("max_queue", "char_limit", "max_request_tokens", "max_batch_tokens", "max_beam_size",
