@@ -1,6 +1,6 @@
 # From a fresh clone:  make demo  (set up, train the offline demo, translate with it)
 #                      make test  (set up, then ruff, mypy and pytest)
-# Both set up .venv first, once: the CPU build of torch, then the project with its dev extras.
+# Both set up .venv first, once: the CPU build of torch, then the project with its extras (dev, export, serve, docs).
 # For another torch build (a GPU machine), install it into .venv before the first make, or name it:
 #   make test TORCH='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126'
 
@@ -14,7 +14,7 @@ DEMO   := checkpoints/demo
 DATA   := seq2seq/demo/data
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo train-demo translate-demo test lint typecheck pytest e2e
+.PHONY: help setup demo train-demo translate-demo test lint typecheck pytest e2e docs
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -28,7 +28,7 @@ $(BIN)/python:
 # The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[dev,export,serve]'
+	$(BIN)/pip install --quiet -e '.[dev,export,serve,docs]'
 	touch $@
 
 demo: train-demo ## train the demo (~5 min on 2 cores), then translate its test set
@@ -58,3 +58,6 @@ pytest: setup ## the default test run, in $(WORKERS) processes (slow tests: .ven
 
 e2e: setup ## the end-to-end runs and minute-long compiles make test leaves out (CI runs them after make test)
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m e2e
+
+docs: setup ## the documentation site, built into site/ (--strict: a broken link, anchor or reference fails)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
