@@ -142,9 +142,15 @@ KIND_SOURCE_LENGTH = 16
 
 RETRIES = 10
 """Times a call whose kind has its graph is made again when dynamo finds none fitting it
-(`CompiledDecoder._call_retrying`): a failed guard check costs far less than a compile (with three, the three-thread
-test in tests/model/test_compiled.py compiled a graph again now and then while the other core was busy;
-docs/performance/compiled-decoding.md#guards)."""
+(`CompiledDecoder._call_retrying`): a failed guard check costs far less than a compile
+(docs/performance/compiled-decoding.md#guards)."""
+RETRY_WAIT = 0.0005
+"""Seconds before the second retry, doubled before each one after, up to RETRY_WAIT_MAX: the guards fail while
+another thread's step is under way, and a step runs milliseconds, in C++ without the GIL (CPP_WRAPPER), so retries
+a few microseconds apart all fall inside the same step (with no wait, the three-thread test in
+tests/model/test_compiled.py compiled a graph again now and then while the other core was busy)."""
+RETRY_WAIT_MAX = 0.02
+"""The longest wait between two retries: all of them wait under a tenth of a second, far below a compile."""
 
 
 def _call_compiling(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
@@ -353,12 +359,13 @@ class CompiledDecoder:
         new kind's first call is."""
         from torch._dynamo.exc import RecompileError
 
-        for _ in range(RETRIES):
+        for attempt in range(RETRIES):
             try:
                 return function(*inputs)
             except RecompileError:
                 self.retried += 1
-                time.sleep(0)  # the GIL to the thread whose decoding upset the guards, before they are checked again
+                # The GIL to the thread whose decoding upset the guards at once, then time for its step to end.
+                time.sleep(0 if attempt == 0 else min(RETRY_WAIT * 2 ** (attempt - 1), RETRY_WAIT_MAX))
         with self._under_compile_lock(), tracing_settings(compiled=False):
             return function(*inputs)
 
