@@ -116,9 +116,11 @@ def sources(*, seed: int = 1) -> torch.Tensor:
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize(("variant", "attention_kernel"), [("post-sinusoidal-relu", True), ("post-sinusoidal-relu", False),
-                                                         ("sandwich-learned-swiglu-rmsnorm-untied", True)],
-                         ids=["post", "post-attention-written-out", "sandwich"])
+@pytest.mark.parametrize(("variant", "attention_kernel"), [
+    ("post-sinusoidal-relu", True),
+    # (.ci/run: a decoder of its own to compile; make test: the traced test of the written-out attention below)
+    pytest.param("post-sinusoidal-relu", False, marks=pytest.mark.e2e),
+    ("sandwich-learned-swiglu-rmsnorm-untied", True)], ids=["post", "post-attention-written-out", "sandwich"])
 def test_each_step_gives_the_models_logits_and_keeps_them_through_reorders(variant: str, attention_kernel: bool):
     """Step by step over 12 positions (the cache grows past CACHE_GROWTH), with beams reordered, duplicated,
     and a sentence dropped on the way: the compiled logits equal the eager step's given the same history, with the
@@ -202,6 +204,7 @@ def test_searches_give_the_eager_searches_outputs(pair, search: SearchConfig):
     agree(model, src, one, eager, beams=search.beam_size > 1)
 
 
+@pytest.mark.e2e  # (.ci/run: a decoder of its own to compile; make test: the searches' tests over the step's outputs)
 @torch.inference_mode()
 def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute():
     """With a vocabulary top_k_rows ranks in chunks, even for beam 3's 6 candidates (1,650: 25 whole chunks of 64
