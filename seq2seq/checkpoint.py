@@ -34,9 +34,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
+from seq2seq.model.transformer import position_table_bytes
 from seq2seq.text.tokenizer import Tokenizer
 
 CHECKPOINT_KEY = "seq2seq"
@@ -330,10 +332,31 @@ def _check_layer_counts(path: str | Path, config: TransformerConfig, weights: di
                                   f"{wanted} but the file holds {len(stored)} {stack} layers")
 
 
+class _ShapesOnly(TorchFunctionMode):
+    """Inside, torch.nn.init's functions leave their tensor as it is: a skeleton built for its shapes needs no
+    values. (It is built on the CPU, its parameters allocated and never written: on the meta device, torch's meta
+    kernels import torch._dynamo at their first call, the largest part of a translating process's start-up where
+    nothing compiles: docs/results/decoding-vs-ctranslate2.md#whole-command.)"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def _check_shapes(path: str | Path, config: TransformerConfig, weights: dict[str, Tensor]) -> None:
-    """The config's tensors, built on the meta device (no memory), must be exactly the stored ones."""
-    with torch.device("meta"):
-        skeleton = Transformer(config)
+    """The config's tensors, built without values (_ShapesOnly) once its position tables are known to be small,
+    must be exactly the stored ones."""
+    unstored = position_table_bytes(config)
+    if unstored > MAX_UNSTORED_BYTES:
+        raise CheckpointError(f"{path}: its model_config asks for {unstored / 2**30:.1f} GiB of position tables "
+                              f"(max_positions={config.max_positions}); refusing to build it")
+    try:
+        with torch.device("cpu"), _ShapesOnly():
+            skeleton = Transformer(config)
+    except (RuntimeError, MemoryError):  # a config too large to allocate even unwritten: its shapes on the meta device
+        with torch.device("meta"):
+            skeleton = Transformer(config)
     wanted = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
     missing = sorted(set(wanted) - set(weights))
     unexpected = sorted(set(weights) - set(wanted))
@@ -346,7 +369,3 @@ def _check_shapes(path: str | Path, config: TransformerConfig, weights: dict[str
         if tuple(weights[name].shape) != shape:
             raise CheckpointError(f"{path}: its model_config does not match its weights: '{name}' is stored as "
                                   f"{tuple(weights[name].shape)} but the config makes it {shape}")
-    unstored = sum(b.numel() * b.element_size() for name, b in skeleton.named_buffers() if name not in wanted)
-    if unstored > MAX_UNSTORED_BYTES:
-        raise CheckpointError(f"{path}: its model_config asks for {unstored / 2**30:.1f} GiB of position tables "
-                              f"(max_positions={config.max_positions}); refusing to build it")

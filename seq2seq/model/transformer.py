@@ -80,6 +80,17 @@ class Embedder(nn.Module):
         return self.dropout(x)
 
 
+def position_table_bytes(config: TransformerConfig) -> int:
+    """Bytes of the position tables a Transformer of `config` computes rather than stores (float32 buffers: the
+    encoder's and the decoder's sinusoids, or their rotary cos and sin), known before any is made: a checkpoint
+    reader bounds them before it builds anything (tests/model/test_model.py checks this against a built model)."""
+    if config.positions == "sinusoidal":
+        return 2 * config.max_positions * config.d_model * 4
+    if config.positions == "rotary":
+        return 2 * 2 * config.max_positions * (config.d_model // config.num_heads // 2) * 4
+    return 0
+
+
 def relative_positions(config: TransformerConfig, *, bidirectional: bool) -> tuple[nn.Module | None, Rotary | None]:
     """The (relative bias, rotary) modules one stack needs; at most one of them is not None."""
     if config.positions == "relative":

@@ -719,3 +719,18 @@ def test_a_training_step_puts_every_tensor_on_the_model_s_device(positions: str)
         loss.backward()
     assert loss.device.type == "cpu" and all(p.grad is not None and p.grad.device.type == "cpu"
                                             for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned", "relative", "rotary"])
+def test_the_position_tables_bytes_are_known_before_the_model_is_built(positions: str):
+    """position_table_bytes (what a checkpoint reader bounds before it builds anything) is what a built model's
+    unsaved buffers hold."""
+    from seq2seq.model.transformer import position_table_bytes
+
+    config = TransformerConfig(vocab_size=50, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
+                               num_decoder_layers=2, max_positions=77, positions=positions)
+    with torch.device("meta"):
+        model = Transformer(config)
+    saved = set(model.state_dict())
+    unsaved = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name not in saved)
+    assert position_table_bytes(config) == unsaved
