@@ -26,7 +26,6 @@ from itertools import islice
 from pathlib import Path
 from typing import TextIO
 
-import sacrebleu
 from tqdm import tqdm
 
 from seq2seq.cli import (
@@ -207,6 +206,8 @@ def translate_input(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                              f"scores (the references must be line-aligned with the input); {where(args.output)} holds "
                              "every translation")
         try:  # seconds on a large file, after every line was written
+            import sacrebleu  # (with --ref only: a part of start-up that translating alone never uses)
+
             bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
             print(f"{bleu.corpus_score(best, [references])}  {bleu.get_signature()}", file=sys.stderr)
             print(f"{chrf.corpus_score(best, [references])}  {chrf.get_signature()}", file=sys.stderr)

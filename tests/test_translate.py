@@ -615,3 +615,18 @@ def test_cli_refuses_an_input_as_output_even_with_force(option: str, checkpoint:
         main([*(x for flag, path in paths.items() for x in (flag, str(path))), "--output", str(paths[option]), "--force"])
     assert str(caught.value.code) == f"error: --output {paths[option]} is {what} {paths[option]}: it would be overwritten"
     assert {path: path.read_bytes() for path in paths.values()} == before
+
+
+def test_a_translating_process_imports_only_what_translating_needs():
+    """Start-up is most of a short command's time (docs/results/decoding-vs-ctranslate2.md#whole-command): the
+    translate command loads and checks a checkpoint without importing torch._dynamo (nothing compiles), the HTML and
+    SubRip parsers (no document) or sacreBLEU (no --ref). Checked by what a fresh process has imported, not by time."""
+    code = ("import sys\n"
+            "from seq2seq.checkpoint import load_checkpoint, read_inference\n"
+            "import seq2seq.translate\n"
+            f"read_inference({str(REPO / 'tests/data/format3.ckpt')!r}, load_checkpoint({str(REPO / 'tests/data/format3.ckpt')!r}))\n"
+            "print(' '.join(name for name in ('torch._dynamo', 'seq2seq.text.markup', 'seq2seq.text.subtitles', 'sacrebleu')"
+            " if name in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", f"imported at start-up: {result.stdout.strip()}"

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from seq2seq.decoding.config import SearchConfig
-from seq2seq.text.markup import HtmlDocument
 from seq2seq.text.sentences import Paragraphs
-from seq2seq.text.subtitles import SrtDocument
 
 
 @dataclass(frozen=True)
@@ -47,10 +45,15 @@ EMPTY = Translation(text="", score=0.0, tokens=[])  # what an empty sentence tra
 
 def document_of(text: str, *, format: str, split: Callable[[str], list[tuple[int, int]]]) -> Document:
     """`text` as a document of `format`: "text" (paragraphs), "html" or "srt"; a ValueError for markup or
-    subtitles that cannot be read."""
+    subtitles that cannot be read. The HTML and SubRip readers are imported when a document needs them: their
+    parsers are a part of every translating process's start-up that plain text never uses."""
     if format == "html":
+        from seq2seq.text.markup import HtmlDocument
+
         return HtmlDocument(text, split=split)
     if format == "srt":
+        from seq2seq.text.subtitles import SrtDocument
+
         return SrtDocument(text, split=split)
     return Paragraphs(text, split=split)
 

@@ -50,7 +50,6 @@ from seq2seq.precision import (
     Precision,
 )
 from seq2seq.text.glossary import Glossary, as_glossary, continues_word
-from seq2seq.text.markup import HtmlDocument
 from seq2seq.text.sentences import Paragraphs, model_sentence_spans
 from seq2seq.text.tokenizer import Tokenizer
 
@@ -154,6 +153,8 @@ class Translator:
         """Each HTML text (a page or a fragment) with its text translated and its markup kept
         (seq2seq/text/markup.py): word alignments carry the inline elements (<b>, <a href>, ...) to the words
         of the translation."""
+        from seq2seq.text.markup import HtmlDocument  # (imported when a page comes: documents.document_of)
+
         return self.translate_documents([HtmlDocument(text, split=self.sentence_spans) for text in texts], search,
                                         max_tokens=max_tokens, glossary=glossary)
 
