@@ -339,8 +339,9 @@ class _ShapesOnly(TorchFunctionMode):
     nothing compiles: docs/results/decoding-vs-ctranslate2.md#whole-command.)"""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return args[0] if args else (kwargs or {})["tensor"]
+        name = getattr(func, "__name__", "")
+        if getattr(func, "__module__", None) == "torch.nn.init" and name.endswith("_") and not name.startswith("_"):
+            return args[0] if args else (kwargs or {})["tensor"]  # (normal_, xavier_uniform_, zeros_, ...: in place)
         return func(*args, **(kwargs or {}))
 
 
