@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import test_layout as layout
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -54,11 +55,15 @@ def blocks(page: Path) -> Iterator[Block]:
         number = end + 1
 
 
-# The commands the docs may show, by the name a user types: `python -m seq2seq.<name>` or `seq2seq-<name>`.
-FACES = {"fit": "seq2seq.fit", "translate": "seq2seq.translate", "score": "seq2seq.score",
-         "average": "seq2seq.average", "export": "seq2seq.export", "convert": "seq2seq.convert",
-         "interactive": "seq2seq.interactive", "serve": "seq2seq.serve.server"}
-SCRIPTS = {"serve/server.py": "serve", "serve/translate.py": "interactive"}
+def face_name(module: str) -> str:
+    """The name a user types for a face: `python -m seq2seq.<name>`, `seq2seq-<name>` (the server's is `serve`)."""
+    return module.removeprefix("seq2seq.").removesuffix(".server")
+
+
+# The commands the docs may show (test_layout's faces), by name; the clone's scripts, by path, and their faces.
+FACES = {face_name(module): module for module in layout.FACES}
+SCRIPTS = {f"{script.replace('.', '/')}.py": face_name(face) for script, face in layout.SCRIPTS.items()
+           if script.startswith("serve.")}
 SHELL_ENDS = ("|", ">", "<", "&", ";", "2>")
 
 

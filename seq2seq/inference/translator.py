@@ -32,7 +32,15 @@ from seq2seq.decoding.config import Hypothesis, SearchConfig
 from seq2seq.decoding.constraints import holds
 from seq2seq.decoding.scoring import Forced, force_decode
 from seq2seq.decoding.search import decode
-from seq2seq.inference.documents import EMPTY, Document, Translation, per_document, search_for, text_only
+from seq2seq.inference.documents import (
+    EMPTY,
+    Document,
+    Translation,
+    document_of,
+    per_document,
+    search_for,
+    text_only,
+)
 from seq2seq.inference.inputs import (
     Inputs,
     as_constraint_lists,
@@ -153,10 +161,8 @@ class Translator:
         """Each HTML text (a page or a fragment) with its text translated and its markup kept
         (seq2seq/text/markup.py): word alignments carry the inline elements (<b>, <a href>, ...) to the words
         of the translation."""
-        from seq2seq.text.markup import HtmlDocument  # (imported when a page comes: documents.document_of)
-
-        return self.translate_documents([HtmlDocument(text, split=self.sentence_spans) for text in texts], search,
-                                        max_tokens=max_tokens, glossary=glossary)
+        pages = [document_of(text, format="html", split=self.sentence_spans) for text in texts]
+        return self.translate_documents(pages, search, max_tokens=max_tokens, glossary=glossary)
 
     def translate_documents(self, documents: Sequence[Document], search: SearchConfig | None = None, *,
                             max_tokens: int = 8192, glossary: Mapping[str, str] | Glossary | None = None,
