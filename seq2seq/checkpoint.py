@@ -62,6 +62,7 @@ class InferenceCheckpoint(NamedTuple):
     src_lang: str
     tgt_lang: str
     search: SearchConfig  # the translation defaults: the fields tuned on validation over SearchConfig's own
+    checksum: str | None = None  # the stored sha256 of all the above, verified (None: format 1 has none)
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -288,7 +289,17 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
     if bad is not None:  # a run that diverged: it would translate every sentence into nothing
         raise CheckpointError(f"{path}: its weight '{bad}' holds NaN or infinite values (the training run "
                               "diverged); use an earlier checkpoint")
-    return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"], search)
+    return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"], search,
+                               entry.get("sha256"))
+
+
+def inference_model(loaded: InferenceCheckpoint) -> Transformer:
+    """The checkpoint's model with its weights (read_inference checked their names and shapes against the config),
+    built without the random initialisation they replace (_ShapesOnly): part of every translating process's start."""
+    with _ShapesOnly():
+        model = Transformer(loaded.config)
+    model.load_state_dict(loaded.weights)  # (every parameter and stored buffer: strict)
+    return model
 
 
 def check_training_state(path: str | Path, checkpoint: dict[str, Any]) -> None:

@@ -20,8 +20,10 @@ from seq2seq.average import main as average_main
 from seq2seq.checkpoint import (
     CHECKPOINT_KEY,
     CheckpointError,
+    InferenceCheckpoint,
     check_training_state,
     checksum,
+    inference_model,
     load_checkpoint,
     model_weights,
     read_inference,
@@ -30,7 +32,7 @@ from seq2seq.checkpoint import (
 )
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.translator import Translator
-from seq2seq.model import ConfigError, Transformer
+from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.text.tokenizer import Tokenizer
 from seq2seq.translate import main as translate_main
 
@@ -388,3 +390,21 @@ def test_checkpoints_written_by_earlier_versions_still_load(name: str, version: 
     average_main(["--checkpoints", str(path), str(path), "--output", str(averaged)])
     assert Translator.from_checkpoint(averaged).model.config == translator.model.config
 
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned", "relative"])
+def test_the_inference_model_is_built_without_initialising_and_holds_the_checkpoints_weights_and_buffers(
+        positions: str):
+    """inference_model skips the random initialisation the weights replace: every parameter and buffer (stored or
+    computed, as the position tables) is that of a model initialised and then loaded."""
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
+                               num_decoder_layers=1, max_positions=32, positions=positions)
+    trained = Transformer(config)
+    loaded = InferenceCheckpoint(config, trained.state_dict(), b"", "de", "en", SearchConfig())
+    model = inference_model(loaded)
+    expected = dict(trained.named_parameters()) | dict(trained.named_buffers())
+    got = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
