@@ -4,8 +4,9 @@ and checking the checkpoint, translating, writing), against CTranslate2 at its b
     python bench/whole_command.py --checkpoint checkpoints/multi30k/best.ckpt [--lines 1000] [--beams 5 1]
 
 Ours: `python -m seq2seq.translate --checkpoint X --input in --output out --beam B` with no speed flag (the
-defaults: `auto` precision, workers and threads, eager unless a flag says otherwise; `--ours-flags` adds some, such
-as `--compile`). CTranslate2: a short script as its documentation writes one (load the export, sentencepiece in and
+defaults: `auto` precision, workers and threads, the compiled decoder kept for the model on this machine where
+`python -m seq2seq.export --to compiled` built it, else eager; `--ours-flags` names the variants timed, by default
+that and `--compile off`). CTranslate2: a short script as its documentation writes one (load the export, sentencepiece in and
 out, `translate_batch`, write), over the same checkpoint exported to int8 and float32, in every configuration of
 the cores (`inter_threads` x `intra_threads`) and batch (`max_batch_size` in examples and in tokens); its fastest
 counts. Both search with the same beam, at most the same number of output tokens, PAD and BOS never generated.
@@ -94,7 +95,9 @@ def main() -> None:
     parser.add_argument("--beams", type=int, nargs="+", default=[5, 1])
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ours-flags", default="", help="flags added to our command (default: none, as a user runs it)")
+    parser.add_argument("--ours-flags", nargs="+", default=["", "--compile off"],
+                        help="our command's variants, each timed in turn with CTranslate2's best: the flags added to it "
+                             "(default: none, as a user runs it, and --compile off, the eager decoder)")
     parser.add_argument("--compute-types", nargs="+", default=["int8", "float32"])
     args = parser.parse_args()
 
@@ -117,8 +120,9 @@ def main() -> None:
                                                quantization=None if compute == "float32" else compute)
                    for compute in args.compute_types}
         for beam in args.beams:
-            ours = [sys.executable, "-m", "seq2seq.translate", "--checkpoint", args.checkpoint, "--input", str(source),
-                    "--output", str(scratch / "ours.txt"), "--force", "--beam", str(beam), *args.ours_flags.split()]
+            ours = {flags: [sys.executable, "-m", "seq2seq.translate", "--checkpoint", args.checkpoint, "--input",
+                            str(source), "--output", str(scratch / "ours.txt"), "--force", "--beam", str(beam),
+                            *flags.split()] for flags in args.ours_flags}
 
             def theirs(compute: str, inter: int, intra: int, size: int, kind: str, beam: int = beam) -> list[str]:
                 return [sys.executable, str(script), str(folders[compute]), str(source), str(scratch / "theirs.txt"),
@@ -132,17 +136,19 @@ def main() -> None:
                     print(f"  {compute:8} inter {config[0]} x intra {config[1]}, max_batch_size {config[2]} "
                           f"{config[3]}: {sweep[(compute, *config)]:.2f}")
             best = min(sweep, key=sweep.__getitem__)
-            times: dict[str, list[float]] = {"ours": [], "theirs": []}
+            times: dict[str, list[float]] = {flags: [] for flags in [*ours, "theirs"]}
             for _ in range(args.repeats):  # in turns
-                times["ours"].append(timed(ours, env=env))
+                for flags, command in ours.items():
+                    times[flags].append(timed(command, env=env))
                 times["theirs"].append(timed(theirs(*best), env=env))
-            mine, their = min(times["ours"]), min(times["theirs"])
-            print(f"beam {beam}: ours `{' '.join(ours[1:4])} ... --beam {beam} {args.ours_flags}` "
-                  f"{mine:.2f} s (runs: {', '.join(f'{t:.2f}' for t in times['ours'])}); CTranslate2 at its best "
-                  f"({best[0]}, inter {best[1]} x intra {best[2]}, max_batch_size {best[3]} {best[4]}) {their:.2f} s "
-                  f"(runs: {', '.join(f'{t:.2f}' for t in times['theirs'])}); ours / theirs by speed: "
-                  f"{their / mine:.2f}x")
-
+            their = min(times["theirs"])
+            print(f"beam {beam}: CTranslate2 at its best ({best[0]}, inter {best[1]} x intra {best[2]}, max_batch_size "
+                  f"{best[3]} {best[4]}) {their:.2f} s (runs: {', '.join(f'{t:.2f}' for t in times['theirs'])})")
+            for flags in ours:
+                mine = min(times[flags])
+                print(f"beam {beam}: ours `python -m seq2seq.translate ... --beam {beam}{' ' + flags if flags else ''}` "
+                      f"{mine:.2f} s (runs: {', '.join(f'{t:.2f}' for t in times[flags])}); ours / theirs by speed: "
+                      f"{their / mine:.2f}x")
 
 if __name__ == "__main__":
     main()

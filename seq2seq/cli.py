@@ -21,7 +21,7 @@ import torch
 from seq2seq.checkpoint import CheckpointError
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.inference.documents import Translation
-from seq2seq.inference.preparation import resolve_device
+from seq2seq.inference.preparation import Compiled, resolve_device
 from seq2seq.inference.translator import DEFAULT_SEARCH, Translator
 from seq2seq.model import ConfigError
 from seq2seq.model.compiled import CompileError
@@ -66,12 +66,18 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="auto: bf16 where bf16 matmuls are fast here (AMX, AVX512-BF16, a GPU from Ampere on), else fp32; "
                              "int8 (CPU): quantised linear layers, faster, outputs differ slightly (default: auto)")
-    parser.add_argument("--compile", action="store_true",
-                        help="run the decoding steps compiled (torch.compile): faster at a few rows on a CPU, "
-                             "after compiling each kind of step at its first use, in every run (the server and the "
-                             "interactive tool compile them all before their first sentence); any precision (int8: "
-                             "its int8 matmuls compiled into the step), absolute positions "
-                             "(docs/performance/compiled-decoding.md)")
+    parser.add_argument("--compile", nargs="?", choices=COMPILE_CHOICES, default="auto", const="on",
+                        help="auto: decode with this model's compiled decoder where one is kept on this machine "
+                             "(python -m seq2seq.export --to compiled builds it, once), else eager; on (--compile "
+                             "alone): that kept decoder, built first where there is none (minutes, once per machine, "
+                             "model, precision and --threads; int8 and GPUs compile in every run); off: eager; jit: "
+                             "compiled in this run (torch.compile: minutes, each run), nothing kept. "
+                             "Absolute positions only (docs/performance/compiled-decoding.md) (default: auto)")
+
+
+COMPILE_CHOICES = ("auto", "on", "off", "jit")
+COMPILED: dict[str, Compiled] = {"auto": "auto", "on": True, "off": False, "jit": "jit"}
+"""--compile's values as Translator's `compiled`."""
 
 
 def flag_message(error: ConfigError) -> str:
@@ -124,8 +130,8 @@ def parallelism(args: argparse.Namespace) -> tuple[int, int]:
     return args.workers, args.threads or max(1, cores // args.workers)
 
 
-def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
-                    parallel: bool = True) -> tuple[Translator, SearchConfig]:
+def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *, parallel: bool = True,
+                    served_by: tuple[int, int] | None = None) -> tuple[Translator, SearchConfig]:
     """The checkpoint's Translator (`--checkpoint`, `--device`, `--precision`, `--compile`, and unless `parallel` is
     False, `--workers` and `--threads`) and the search to run: the flags given over the checkpoint's tuned
     defaults, checked against its vocabulary. Anything wrong is one line naming the file or the flag,
@@ -133,9 +139,14 @@ def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *
     workers, threads = parallelism(args) if parallel else (1, None)
     try:
         translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision,
-                                                workers=workers, threads=threads, compiled=args.compile)
+                                                workers=workers, threads=threads, compiled=COMPILED[args.compile],
+                                                progress=progress_line, served_by=served_by)
     except (CheckpointError, OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
+    except CompileError as error:  # (--compile building the kept decoder)
+        raise SystemExit(f"error: {error}; run it with --compile off") from None
+    if translator.compiled is False and translator.kept_at is not None and args.compile == "auto":
+        print(eager_note(translator, checkpoint=args.checkpoint), file=sys.stderr, flush=True)
     search = search_config(parser, args, translator.search)
     try:
         search.check_model(vocab_size=translator.model.config.vocab_size, max_positions=translator.model.config.max_positions)
@@ -144,13 +155,28 @@ def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *
     return translator, search
 
 
+def progress_line(line: str) -> None:
+    """Translator's `progress` in a command: each kind of the kept compiled decoder as it builds, on stderr."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def eager_note(translator: Translator, *, checkpoint: str) -> str:
+    """The line a command prints where --compile auto found no compiled decoder kept for its model: decoding runs
+    eager, and how to make it run compiled from the next run on (never silently slow)."""
+    threads = f" --threads {translator.decoder_threads}" if translator.decoder_threads != 1 else ""
+    return (f"note: decoding eager: no compiled decoder is kept for this model here ({translator.precision}, "
+            f"decoder threads of {translator.decoder_threads} intra-op thread{'s' if translator.decoder_threads > 1 else ''}); `python -m seq2seq.export --checkpoint "
+            f"{checkpoint} --to compiled --precision {translator.precision}{threads}` builds it once (minutes), or "
+            f"run with --compile (docs/performance/compiled-decoding.md#kept)")
+
+
 def compile_before_answering(translator: Translator, *, threads: int | None = None, face: str) -> None:
     """--compile in a tool that answers as sentences come (the server, serve/translate.py): every kind of decoding
     step compiled before the first sentence (Translator.compile_decoding, for decoder threads of `threads`), with a
     line before (compiling is long and silent: docs/performance/compiled-decoding.md#cost) and after. A step that
     cannot be compiled is one line and an exit, as is Ctrl-C (130) or SIGTERM (143) while it compiles; `face` names
-    what is not started ("the server")."""
-    if not translator.compiled:
+    what is not started ("the server"). Nothing to do for a kept compiled decoder (Translator.package): it is whole."""
+    if not translator.compiled or translator.package is not None:
         return
     pair = f"{translator.src_lang}→{translator.tgt_lang}"
     print(f"{pair}: compiling the encoder and the decoding steps (--compile; seconds to a minute a kind, in every run)",

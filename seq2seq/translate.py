@@ -199,7 +199,7 @@ def translate_input(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         with contextlib.suppress(OSError):  # an error is already being reported
             output.close()
     print(f"translated {output.lines} lines in {time.perf_counter() - start:.1f}s{compiling_of(translator)} "
-          f"({translator.precision}, {workers_of(translator, search)}, {describe(search)})", file=sys.stderr)
+          f"({decoder_of(translator)}, {workers_of(translator, search)}, {describe(search)})", file=sys.stderr)
     if references is not None and best is not None:
         if len(references) != len(best):
             raise SystemExit(f"error: {source_name} had {len(best)} lines but {args.ref} has {len(references)}: no "
@@ -218,10 +218,16 @@ def translate_input(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def say_compiling(translator: Translator) -> None:
-    """--compile: a line before the first batch, which otherwise waits silently while its kinds compile."""
-    if translator.compiled:
+    """--compile compiling in this process (int8, a GPU): a line before the first batch, which otherwise waits
+    silently while its kinds compile."""
+    if translator.compiled and translator.package is None:
         print(f"{translator.src_lang}→{translator.tgt_lang}: --compile: each kind of decoding step compiles at its "
               "first batch (seconds to a minute each, in every run)", file=sys.stderr, flush=True)
+
+
+def decoder_of(translator: Translator) -> str:
+    """How the end line names the decoder: its precision, and `compiled` where it ran compiled ('bf16 compiled')."""
+    return f"{translator.precision}{' compiled' if translator.compiled else ''}"
 
 
 def compiling_of(translator: Translator) -> str:
@@ -277,7 +283,7 @@ def translate_document(parser: argparse.ArgumentParser, args: argparse.Namespace
         output.cut_to_whole_lines()
         raise SystemExit(f"error: cannot write {where(args.output)} ({error.strerror})") from None
     print(f"translated {len(document.sentences)} sentences of {args.format} in {time.perf_counter() - start:.1f}s"
-          f"{compiling_of(translator)} ({translator.precision}, {workers_of(translator, search)}, {describe(search)})",
+          f"{compiling_of(translator)} ({decoder_of(translator)}, {workers_of(translator, search)}, {describe(search)})",
           file=sys.stderr)
 
 

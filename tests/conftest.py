@@ -16,6 +16,8 @@ from pathlib import Path
 # Tests never reach the Hub; set before `datasets` / `huggingface_hub` are imported anywhere.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A compiled package's code checks each call's inputs against the shapes it was exported for (model/packaged.py)
+os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -72,7 +72,7 @@ def test_serve_with_compile_compiles_before_it_reads_the_first_line(checkpoint: 
             return super().readline(size)
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(Lines(b"\n")))  # an empty line: nothing to decode (compile)
-    interactive.main(["--checkpoint", str(checkpoint), "--compile", "--precision", "fp32"])
+    interactive.main(["--checkpoint", str(checkpoint), "--compile", "jit", "--precision", "fp32"])
     assert events[0] == "compiled" and events.count("compiled") == 1 and "read" in events
     out, err = capsys.readouterr()
     assert out == "\n" and "compiling the encoder and the decoding steps (--compile" in err
@@ -82,7 +82,7 @@ def test_serve_with_compile_compiles_before_it_reads_the_first_line(checkpoint: 
     monkeypatch.setattr(Translator, "compile_decoding", lambda self, threads=None: (_ for _ in ()).throw(
         CompileError("the decoding step could not be compiled (InvalidCxxCompiler)")))
     with pytest.raises(SystemExit) as caught:
-        interactive.main(["--checkpoint", str(checkpoint), "--compile", "--precision", "fp32"])
+        interactive.main(["--checkpoint", str(checkpoint), "--compile", "jit", "--precision", "fp32"])
     assert caught.value.code == ("error: the decoding step could not be compiled (InvalidCxxCompiler); "
                                  "serve/translate.py was not started: run it without --compile") and events == []
 
@@ -101,7 +101,7 @@ def test_serve_reports_each_truncated_line_with_its_own_number(checkpoint: Path,
 
 def test_serve_answers_a_line_of_megabytes_with_an_empty_line_and_goes_on(checkpoint: Path, translator: Translator):
     """A 3 MiB line (a binary file piped in) was read whole; now it is one error and one empty line."""
-    process = serve(checkpoint)
+    process = serve(checkpoint, "--compile", "off")  # (no note of the compiled decoder: stderr holds the errors)
     multibyte = "ä" * (1 << 19) + "a"  # 1 MiB + 1 byte, cut inside a character when read in bounded pieces
     out, err = process.communicate(b"\0" * (3 << 20) + f"\n{multibyte}\n{SENTENCES[0]}\n".encode(), timeout=120)
     assert process.returncode == 0, err.decode()

@@ -348,7 +348,7 @@ def test_cli_with_compile_whose_step_cannot_be_compiled_says_so_in_one_line(
     monkeypatch.setattr(CompiledDecoder, "_steps", cannot_compile)  # (decode's and decode_step's)
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output),
-              "--compile", "--precision", "fp32"])
+              "--compile", "jit", "--precision", "fp32"])
     assert caught.value.code == ("error: the decoding step could not be compiled (InvalidCxxCompiler: No working C++ "
                                  f"compiler): translate without --compile; --output {output} holds the translations "
                                  "of the 0 lines before it")
@@ -357,7 +357,7 @@ def test_cli_with_compile_whose_step_cannot_be_compiled_says_so_in_one_line(
     (tmp_path / "in.html").write_text("<p>" + SENTENCES[0] + "</p>", encoding="utf-8")
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.html"), "--output", str(output),
-              "--format", "html", "--compile", "--precision", "fp32"])
+              "--format", "html", "--compile", "jit", "--precision", "fp32"])
     assert str(caught.value.code).endswith(f"translate without --compile; --output {output} was not written")
 
 
@@ -478,6 +478,7 @@ def test_cli_failures_around_model_load_are_one_line(checkpoint: Path, tmp_path:
     monkeypatch.setattr(Translator, "from_checkpoint", folder_goes_during_load)
     with pytest.raises(SystemExit, match=r"^error: --output .*out\.en cannot be written \(No such file or directory\)$"):
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(folder / "out.en")])
+    capsys.readouterr()  # (its note: no compiled decoder is kept here)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C while the model loads
@@ -630,3 +631,19 @@ def test_a_translating_process_imports_only_what_translating_needs():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", f"imported at start-up: {result.stdout.strip()}"
+
+
+def test_with_nothing_kept_the_command_says_it_decodes_eager_and_how_to_compile_once(checkpoint: Path, tmp_path: Path,
+                                                                                   capsys: pytest.CaptureFixture[str]):
+    """--compile auto (the default) with no compiled decoder kept for the model here: a line says the decoding is
+    eager and names the command that builds it (never silently slow); --compile off says nothing of it."""
+    (tmp_path / "in.de").write_text(SENTENCES[0] + "\n", encoding="utf-8")
+    command = ["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(tmp_path / "out"),
+               "--force", "--precision", "fp32"]
+    main(command)
+    note = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert note == [f"note: decoding eager: no compiled decoder is kept for this model here (fp32, decoder threads of 1 "
+                    f"intra-op thread); `python -m seq2seq.export --checkpoint {checkpoint} --to compiled --precision "
+                    f"fp32` builds it once (minutes), or run with --compile (docs/performance/compiled-decoding.md#kept)"]
+    main([*command, "--compile", "off"])
+    assert "note: " not in capsys.readouterr().err

@@ -38,6 +38,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wheel = next((root / "dist").glob("seq2seq-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for needed in ("seq2seq/serve/server.py", "seq2seq/serve/__main__.py", "seq2seq/model/decode_attention.cpp",
+                   "seq2seq/model/package_runner.cpp",
                    "seq2seq/demo/data/train.en.gz", "seq2seq/py.typed"):
         assert needed in names, f"the wheel lacks {needed}"
     venv = root / "venv"

@@ -30,12 +30,8 @@ class DecoderPool:
     every worker's threads (not for a compiled step: dynamo compiles every kind again for another thread count)."""
 
     def __init__(self, *, workers: int = 1, threads: int | None = None, row_work: int, widen: bool = True) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads must be a positive number of threads per worker, got {threads!r}")
+        self.threads = decoder_threads(workers=workers, threads=threads)
         self.workers = workers
-        self.threads = threads if threads is not None else max(1, torch.get_num_threads() // workers)
         self.own_threads = threads is not None  # else one worker decodes on the caller's thread, with its threads
         self.row_work = row_work
         self.widen = widen
@@ -130,6 +126,16 @@ class DecoderPool:
         finally:  # a caller that stops early (or an error) leaves nothing running for it
             for future in pending:
                 future.cancel()
+
+
+def decoder_threads(*, workers: int, threads: int | None) -> int:
+    """The intra-op threads of each of `workers` decoder threads: `threads`, else the caller's over the workers; a
+    ValueError for a count that is not a positive number."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive number of threads, got {workers!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive number of threads per worker, got {threads!r}")
+    return threads if threads is not None else max(1, torch.get_num_threads() // workers)
 
 
 def start_decoder_thread(threads: int) -> None:

@@ -5,14 +5,17 @@ here sets anything on a class or on the process that another model would see.
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from seq2seq.decoding.config import EncoderDecoder
+from seq2seq.inference.kept import package_folder, packageable
 from seq2seq.model import Transformer
 from seq2seq.model.compiled import CompiledDecoder, bf16_around_int8, check_compilable, int8_compiled
 from seq2seq.model.numerics import PackedLinear, for_inference
+from seq2seq.model.packaged import is_package
 from seq2seq.precision import (
     Precision,
     bf16_matmuls_pay,
@@ -45,10 +48,22 @@ class Prepared:
     precision: str
     """fp32, bf16 or int8: what `auto` chose."""
     compiled: bool
+    package: Path | None = None
+    """The folder of the compiled package the decoding is to run (inference/kept.py: there already, or to build);
+    None where torch.compile compiles in this process, or where the decoding is eager."""
+    kept_at: Path | None = None
+    """Where this model's package would be kept on this machine, whether it is there or not (None where no package
+    can hold it: int8, a GPU, relative or rotary positions): what an eager run names as the way to decode faster."""
+
+
+Compiled = bool | Literal["auto", "jit"]
+"""Whether the decoding steps run compiled: True (a kept package, built first where none is; torch.compile where no
+package holds the model), False (eager), auto (a kept package where there is one, else eager), or jit (torch.compile
+in this process, nothing kept)."""
 
 
 def prepare(model: Transformer, *, device: str | torch.device = "cpu", precision: Precision = "auto",
-            compiled: bool = False) -> Prepared:
+            compiled: Compiled = False, threads: int = 1, checksum: str | None = None) -> Prepared:
     """`model`, converted in place, for decoding on `device` in `precision`.
 
     `precision`: auto picks bf16 where bf16 matmuls are fast (a GPU from Ampere on, a CPU with AMX or
@@ -60,19 +75,28 @@ def prepare(model: Transformer, *, device: str | torch.device = "cpu", precision
     `compiled`: the decoding steps run compiled (seq2seq/model/compiled.py): fp32, bf16 or int8, models with
     absolute positions (a ValueError for others); outputs can differ from the eager step's in the last bits of a
     logit, as a different kernel's would. The decoder's linear layers stay unpacked (inductor packs its own copy),
-    so teacher-forced scoring runs slower."""
+    so teacher-forced scoring runs slower. On a CPU in fp32 or bf16 the compiled decoder is a package kept on the
+    machine for this model, precision and decoder thread count (`threads`): `Prepared.package`, which the caller
+    builds where it is not there yet (inference/kept.py's kept_decoder). True: that package, else torch.compile;
+    auto: that package where it is there already, else eager; jit: torch.compile, nothing kept. `checksum`: the
+    checkpoint's, which names the package in place of a hash of the weights (inference/kept.py)."""
     resolved = resolve_device(device)
     chosen = resolve_precision(precision, resolved)
     packed = onednn_linears(resolved, chosen).pays
-    if compiled:
+    if compiled is True or compiled == "jit":
         check_compilable(model.config)
+    kept_at = None
+    if compiled in (True, "auto") and packageable(model, device=resolved, precision=chosen):
+        kept_at = package_folder(model, precision=chosen, threads=threads, checksum=checksum)
+    package = kept_at if kept_at is not None and (compiled is True or is_package(kept_at)) else None
+    runs_compiled = compiled is True or compiled == "jit" or package is not None
     model = model.to(resolved).fuse_self_attention()
     if resolved.type == "cpu" and chosen == "bf16":  # the machine's verdict, for this model
         model.attend_one_query_by_matmul(not one_query_sdpa(resolved, chosen).pays)
-    if compiled and chosen == "int8":  # every linear layer the compiled encoder's and step's int8
+    if runs_compiled and chosen == "int8":  # every linear layer the compiled encoder's and step's int8
         int8_compiled(model.float())
-    model = for_inference(model, chosen, packed=packed and not compiled)
-    if compiled and chosen == "int8" and bf16_matmuls_pay(resolved):
+    model = for_inference(model, chosen, packed=packed and not runs_compiled)
+    if runs_compiled and chosen == "int8" and bf16_matmuls_pay(resolved):
         bf16_around_int8(model)  # (after for_inference, whose .float() would undo it)
     if packed and chosen == "fp32":  # a decoding step's few rows on torch's own linear, where faster
         few: dict[tuple[int, int], int] = {}
@@ -82,8 +106,9 @@ def prepare(model: Transformer, *, device: str | torch.device = "cpu", precision
                 if shape not in few:
                     few[shape] = few_rows_on_torch(resolved, chosen, in_features=shape[0], out_features=shape[1])
                 layer.run_few_rows_on_torch(few[shape])
-    decoding: EncoderDecoder[Any] = CompiledDecoder(model) if compiled else model
-    return Prepared(model=model, decoding=decoding, device=resolved, precision=chosen, compiled=compiled)
+    decoding: EncoderDecoder[Any] = CompiledDecoder(model) if runs_compiled else model
+    return Prepared(model=model, decoding=decoding, device=resolved, precision=chosen, compiled=runs_compiled,
+                    package=package, kept_at=kept_at)
 
 
 def warn_of_workers_off_the_cpu(workers: int, device: torch.device) -> None:

@@ -21,13 +21,13 @@ the program's to make, not the library's: a program translating much through a T
 
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from pathlib import Path
 
 import torch
 
-from seq2seq.checkpoint import load_checkpoint, read_inference
+from seq2seq.checkpoint import inference_model, load_checkpoint, read_inference
 from seq2seq.decoding.config import Hypothesis, SearchConfig
 from seq2seq.decoding.constraints import holds
 from seq2seq.decoding.scoring import Forced, force_decode
@@ -50,8 +50,9 @@ from seq2seq.inference.inputs import (
     prefix_ids,
     truncated,
 )
-from seq2seq.inference.pool import DecoderPool, length_sorted_batches
-from seq2seq.inference.preparation import prepare, warn_of_workers_off_the_cpu
+from seq2seq.inference.kept import kept_decoder
+from seq2seq.inference.pool import DecoderPool, decoder_threads, length_sorted_batches
+from seq2seq.inference.preparation import Compiled, prepare, warn_of_workers_off_the_cpu
 from seq2seq.model import Transformer
 from seq2seq.model.compiled import CompiledDecoder
 from seq2seq.precision import (
@@ -77,7 +78,10 @@ class Translator:
         search: SearchConfig = DEFAULT_SEARCH,
         workers: int = 1,
         threads: int | None = None,
-        compiled: bool = False,
+        compiled: Compiled = "auto",
+        progress: Callable[[str], None] | None = None,
+        served_by: tuple[int, int] | None = None,
+        checksum: str | None = None,
     ):
         """`model` is prepared in place for `device` and `precision` (inference/preparation.py's `prepare`: auto
         picks bf16 where bf16 matmuls are fast, else fp32; int8 is a CPU option; the kernels the machine's timed
@@ -93,15 +97,35 @@ class Translator:
         than the CPU one worker is faster: more are taken, with a warning.
 
         `compiled`: the searches' decoding steps run compiled (seq2seq/model/compiled.py), faster at a few rows on
-        a CPU, where the eager step is mostly per-call overhead; the first batches of each kind (one row, several
-        rows, beams) wait while it compiles (`compile_decoding` compiles them all first)."""
+        a CPU, where the eager step is mostly per-call overhead. On a CPU in fp32 or bf16 the compiled decoder is
+        built once per machine and kept (inference/kept.py; `python -m seq2seq.export --to compiled` builds it
+        ahead): True uses the kept one, building it first where there is none (minutes; `progress` is told each
+        step of it); auto (the default) uses it where it is kept, else decodes eager (`self.kept_at` names where it
+        would be); False decodes eager; jit compiles in this process with torch.compile, keeping nothing, as True
+        does where no package holds the model (int8, a GPU),
+        the first batches of each kind (one row, several rows, beams) waiting while it compiles
+        (`compile_decoding` compiles them all first). `served_by`: the (threads, intra-op threads each) of a server's
+        decoder threads that call this Translator's methods themselves: the package is theirs (built for their
+        count, as many of them running it at once). `checksum`: the checkpoint's verified checksum (from_checkpoint's),
+        which names the kept package in place of a hash of the weights."""
         torch.set_flush_denormal(True)  # denormal floats run far slower on x86 CPUs (docs/performance/precision.md)
-        prepared = prepare(model, device=device, precision=precision, compiled=compiled)
+        runners, threads_each = served_by or (workers, decoder_threads(workers=workers, threads=threads))
+        prepared = prepare(model, device=device, precision=precision, compiled=compiled, threads=threads_each,
+                           checksum=checksum)
         self.model, self.decoding = prepared.model, prepared.decoding
         self.device, self.precision, self.compiled = prepared.device, prepared.precision, prepared.compiled
+        self.package, self.kept_at = prepared.package, prepared.kept_at
+        self.decoder_threads = threads_each
+        """The intra-op threads of each thread that decodes (its pool's, or `served_by`'s): a package's count."""
+        """The kept compiled package the decoding runs (None: eager, or torch.compile), and where this model's would be
+        kept on this machine (None where none can hold it)."""
         self.pool = DecoderPool(workers=workers, threads=threads, row_work=model.config.d_model * model.config.vocab_size,
-                                widen=not compiled)
+                                widen=not self.compiled)
         """The threads the batches decode on (seq2seq/inference/pool.py)."""
+        if self.package is not None and isinstance(self.decoding, CompiledDecoder):  # (its decoder threads' count)
+            decoding, folder = self.decoding, self.package
+            self.decoding = self.pool.on_a_thread_of(threads_each, lambda: kept_decoder(
+                decoding, folder, runners=runners, progress=progress or (lambda _line: None)))
         warn_of_workers_off_the_cpu(workers, self.device)
         self.tokenizer = tokenizer
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
@@ -111,16 +135,16 @@ class Translator:
     @classmethod
     def from_checkpoint(
         cls, path: str | Path, *, device: str | torch.device = "cpu", precision: Precision = "auto", workers: int = 1,
-        threads: int | None = None, compiled: bool = False,
+        threads: int | None = None, compiled: Compiled = "auto", progress: Callable[[str], None] | None = None,
+        served_by: tuple[int, int] | None = None,
     ) -> "Translator":
         """Raises CheckpointError (one line naming the file) for any checkpoint it cannot trust."""
         loaded = read_inference(path, load_checkpoint(path))
-        model = Transformer(loaded.config)
-        model.load_state_dict(loaded.weights)  # names and shapes were checked against the config
+        model = inference_model(loaded)
         tokenizer = Tokenizer.from_bytes(loaded.tokenizer)  # read_inference loaded it once: it loads
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
                    device=device, precision=precision, search=loaded.search, workers=workers, threads=threads,
-                   compiled=compiled)
+                   compiled=compiled, progress=progress, served_by=served_by, checksum=loaded.checksum)
 
     def compile_decoding(self, *, threads: int | None = None) -> int:
         """With `compiled`, every kind of decoding step compiled now (seq2seq/model/compiled.py), for decoder threads

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +44,7 @@ from seq2seq.model.inductor import (
     GEMM_TEMPLATES,
     QUIET,
     T,
+    UnexpectedCompile,
     compile_frozen,
     inductor_backend,
     one_line_compile_errors,
@@ -130,6 +131,20 @@ Kind = tuple[str | bool, ...]
 """A kind of call with a graph of its own: ("encoder", one sentence), ("cross", one sentence) or ("step", one row, one
 sentence, beams)."""
 
+KIND_NAMES: dict[Kind, str] = {
+    ("encoder", True): "encoder-one-sentence", ("encoder", False): "encoder-sentences",
+    ("cross", True): "cross-one-sentence", ("cross", False): "cross-sentences",
+    ("step", True, True, False): "step-one-row", ("step", False, True, True): "step-one-sentence-beams",
+    ("step", False, False, False): "step-sentences", ("step", False, False, True): "step-sentences-beams",
+}
+"""Every kind of call a search makes, by the name its compiled function has in a package (model/packaged.py)."""
+ALL_KINDS = tuple(KIND_NAMES)
+
+
+def kind_name(kind: Kind) -> str:
+    return KIND_NAMES.get(kind, "-".join(map(str, kind)))
+
+
 KINDS = ((1, 1), (1, 4), (BULK_SENTENCES := 64, 1), (BULK_SENTENCES, 4))
 """(sentences, beams) of `compile_kinds`' one step of each kind: one row; one sentence's beams; several sentences;
 several with beams. inductor times its GEMM templates at the sizes of a graph's first call and keeps what it chose
@@ -151,12 +166,10 @@ when the machine's other work takes its core, so retries a few microseconds apar
 (with no wait, and with waits of under a tenth of a second in all, the three-thread test in
 tests/model/test_compiled.py compiled a graph again now and then while the other core was busy)."""
 RETRY_WAIT_MAX = 0.1
+TRACED_RETRIES = 2
+"""Times a call whose kind has its graph is made again after dynamo traced it as new (UnexpectedCompile: see
+CompiledDecoder._call_retrying): a trace costs as much as a few steps, and a call no graph covers is traced each time."""
 """The longest wait between two retries: all of them wait under a second in all, below a compile."""
-
-
-def _call_compiling(function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
-    """A plain call of a compiled `function`: the first of its kind, which compiles it (`CompiledDecoder._call_policy`)."""
-    return function(*inputs)
 
 
 @dataclass(frozen=True)
@@ -184,7 +197,7 @@ class CompiledDecoder:
     into the compiled code, whose calls do not guard on them (`compile_frozen`)."""
 
     def __init__(self, model: Transformer, *, chunk: int = 64, gemm_templates: bool = True, cpp_wrapper: bool = True,
-                 attention_kernel: bool = True):
+                 attention_kernel: bool = True, packaged: Mapping[Kind, Callable[..., Any]] | None = None):
         check_compilable(model.config)
         self.model = model.stack_cross_projections()  # (a model int8_compiled converted has them stacked already)
         self.chunk = chunk
@@ -199,10 +212,11 @@ class CompiledDecoder:
             gemm_templates = False
         self.gemm_templates = gemm_templates
         """Whether inductor's GEMM templates are timed against ATen's kernels (on a CPU)."""
-        backend = inductor_backend({**QUIET, **(CPP_WRAPPER if cpp_wrapper and on_cpu else {}),
-                                    **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})})
+        self._inductor_options = {**QUIET, **(CPP_WRAPPER if cpp_wrapper and on_cpu else {}),
+                                  **(GEMM_TEMPLATES if gemm_templates and on_cpu else {})}
         self._kinds_compiled: set[Kind] = set()  # compiled so far
         self.compile_lock = threading.Lock()
+        self._this_thread = threading.local()  # .compiling: this thread holds compile_lock (_under_compile_lock)
         """Held around every call that compiles (`_under_compile_lock`): one thread compiles at a time."""
         self.retried = 0
         """Calls made again because dynamo found no graph fitting them (`_call_retrying`): a tally for reading."""
@@ -215,7 +229,6 @@ class CompiledDecoder:
         # than RECOMPILE_LIMIT is an error, not a silent fall back to the eager step.
         self.attention_kernel = attention_kernel and on_cpu
         """Whether the step attends with model/kernels.py's kernel (on a CPU), not the attention written out."""
-        self._backend = backend
         # The step, and the encoder too: eager, its norms, residuals and (int8) activation quantising are separate
         # passes over a batch's activations, where compiled they are fused around the int8 micro-kernels
         # (docs/performance/compiled-decoding.md#what). Two kinds: one sentence, several (dynamo makes a size of 1 a
@@ -227,7 +240,23 @@ class CompiledDecoder:
         # projection's quantising, its dequantising, the cast to the decoder's dtype and the copies into the heads'
         # layout are passes of their own over the batch's (N, S, layers * 2D)
         # (docs/performance/compiled-decoding.md#cross-projection).
-        self._cross_projection = compile_frozen(cross_projection(model, dtype=self.dtype), backend=backend)
+        self._compiled_cross_projection: Callable[..., list[Tensor]] | None = None
+        self.packaged = dict(packaged) if packaged is not None else None
+        """Every kind's function compiled ahead of time (model/packaged.py's, loaded from a package built for this
+        model, precision, machine and thread count), which runs in place of torch.compile's: no compile, no guards,
+        no dynamo. None: torch.compile compiles each kind at its first call."""
+        if self.packaged is not None and set(self.packaged) != set(ALL_KINDS):
+            missing = ", ".join(kind_name(kind) for kind in ALL_KINDS if kind not in self.packaged)
+            raise ValueError(f"a compiled package holds every kind of call; this one lacks {missing}")
+        self._recording: list[tuple[Kind, str, tuple[Any, ...]]] | None = None
+
+    def _backend(self) -> Callable[..., object]:
+        """torch.compile's backend, made when a function is first compiled (inductor's import takes seconds, which a
+        package's decoder does not need)."""
+        return inductor_backend(self._inductor_options, allowed=self._holds_compile_lock)
+
+    def _holds_compile_lock(self) -> bool:
+        return getattr(self._this_thread, "compiling", False)
 
     def encode(self, src: Tensor) -> Tensor:
         """src (B, S) -> memory (B, S, D), as Transformer.encode gives it (by chunks of similar lengths), each chunk
@@ -241,7 +270,7 @@ class CompiledDecoder:
         one_token = src.size(1) == 1  # padded to two, masked (a size of 1 would make graphs apart)
         src = F.pad(src, (0, 1), value=self.config.pad_id) if one_token else src.clone()  # (B, S)
         with self._call_policy(("encoder", src.size(0) == 1)) as call:
-            memory = call(self._encoder_and_step().encoder, src)  # (B, S, D)
+            memory = call("encoder", src)  # (B, S, D)
         return memory[:, :1] if one_token else memory
 
     @staticmethod
@@ -294,7 +323,7 @@ class CompiledDecoder:
             if one_token:
                 memory = F.pad(memory, (0, 0, 0, 1))  # (N, 2, D)
             with self._call_policy(("cross", sentences == 1)) as call:
-                projected = call(self._cross_projection, memory, *real_positions(src_mask))  # [keys, values] of
+                projected = call("cross", memory, *real_positions(src_mask))  # [keys, values] of
                 # each layer, (N, H, S, Dh) each
             state.cross_keys, state.cross_values = projected[0::2], projected[1::2]
         heads = self.config.num_heads
@@ -307,7 +336,7 @@ class CompiledDecoder:
                 tokens = tgt_in[:, t].contiguous().view(sentences, -1)  # (N, K): a strided column would be another graph's input
                 inputs = (tokens, position, state.keys, state.values, state.cross_keys, state.cross_values,
                           src_mask)
-                outputs.append(call(self._encoder_and_step().step, *inputs))
+                outputs.append(call("step", *inputs))
                 state.length += 1
         return outputs
 
@@ -317,9 +346,9 @@ class CompiledDecoder:
         if self._compiled_encoder_and_step is None:
             kernel = decode_attention_op() if self.attention_kernel else None
             self._compiled_encoder_and_step = EncoderAndStep(
-                encoder=compile_frozen(encoder_memory(self.model, kernel=kernel), backend=self._backend),
+                encoder=compile_frozen(encoder_memory(self.model, kernel=kernel), backend=self._backend()),
                 step=compile_frozen(decoder_step(self.model, chunk=self.chunk, kernel=kernel),
-                                    backend=self._backend))
+                                    backend=self._backend()))
         return self._compiled_encoder_and_step
 
     @torch.inference_mode()
@@ -339,14 +368,66 @@ class CompiledDecoder:
 
     @contextmanager
     def _call_policy(self, kind: Kind) -> Iterator[Callable[..., Any]]:
-        """Around calls of one kind, the policy in one place: yields how to call a compiled function (`call(function,
-        *inputs)`): `_call_retrying` once the kind has its graph; else `_call_compiling`, the first of its kind, which
-        compiles it (`_first_of_kind`). Inductor's failure to compile becomes a CompileError
-        (`one_line_compile_errors`)."""
+        """Around calls of one kind, the policy in one place: yields how to call one of the compiled functions by its
+        name ("encoder", "cross" or "step": `call(name, *inputs)`). A package's function for the kind where there is a
+        package (`packaged`); while `recorded_calls` records, the function itself, uncompiled; else torch.compile's:
+        `_call_retrying` once the kind has its graph, else a plain call, the first of its kind, which compiles it
+        (`_first_of_kind`). Inductor's failure to compile becomes a CompileError (`one_line_compile_errors`)."""
+        if self.packaged is not None:
+            function = self.packaged[kind]
+            yield lambda _name, *inputs: function(*inputs)
+            return
+        if self._recording is not None:
+            yield lambda name, *inputs: self._record(kind, name, inputs)
+            return
         compiled = kind in self._kinds_compiled
         first = nullcontext() if compiled else self._first_of_kind(kind)
         with tracing_settings(compiled=compiled), first, one_line_compile_errors():
-            yield self._call_retrying if compiled else _call_compiling
+            if compiled:
+                yield lambda name, *inputs: self._call_retrying(self._compiled(name), *inputs)
+            else:
+                yield lambda name, *inputs: self._compiled(name)(*inputs)
+
+    def _compiled(self, name: str) -> Callable[..., Any]:
+        """The torch.compile'd function of that name, made on first use."""
+        if name == "cross":
+            if self._compiled_cross_projection is None:
+                self._compiled_cross_projection = compile_frozen(cross_projection(self.model, dtype=self.dtype),
+                                                                 backend=self._backend())
+            return self._compiled_cross_projection
+        made = self._encoder_and_step()
+        return made.encoder if name == "encoder" else made.step
+
+    def uncompiled(self, name: str) -> Callable[..., Any]:
+        """The function of that name as it is written (model/compiled_step.py's), which torch.compile or a package
+        compiles: what model/packaged.py exports."""
+        kernel = decode_attention_op() if self.attention_kernel and name != "cross" else None
+        if name == "encoder":
+            return encoder_memory(self.model, kernel=kernel)
+        if name == "cross":
+            return cross_projection(self.model, dtype=self.dtype)
+        return decoder_step(self.model, chunk=self.chunk, kernel=kernel)
+
+    @torch.inference_mode()
+    def recorded_calls(self) -> dict[Kind, tuple[str, tuple[Any, ...]]]:
+        """compile_kinds' calls, one of each kind, run uncompiled and recorded: each kind's function name and its
+        inputs as the call had them (the step's cache before it wrote to it). What model/packaged.py exports each kind
+        at: the sizes at which inductor times its GEMM templates (KINDS)."""
+        self._recording = []
+        try:
+            self.compile_kinds()
+            recorded = self._recording
+        finally:
+            self._recording = None
+        calls: dict[Kind, tuple[str, tuple[Any, ...]]] = {}
+        for kind, name, inputs in recorded:
+            calls.setdefault(kind, (name, inputs))
+        return calls
+
+    def _record(self, kind: Kind, name: str, inputs: tuple[Any, ...]) -> Any:
+        assert self._recording is not None
+        self._recording.append((kind, name, copy.deepcopy(inputs)))
+        return self.uncompiled(name)(*inputs)
 
     def _call_retrying(self, function: Callable[..., T], *inputs: Tensor | list[Tensor]) -> T:
         """The compiled `function` (the step, the encoder, the cross projection), for a call whose kind has its graph.
@@ -357,12 +438,24 @@ class CompiledDecoder:
         (docs/performance/compiled-decoding.md#guards). Such a call raises instead (`error_on_recompile`,
         tracing_settings), before the step has run or written the cache, and is made again, which finds the
         graph; one that finds none RETRIES times over is a call the kind's graph does not cover, compiled as a
-        new kind's first call is."""
-        from torch._dynamo.exc import RecompileError
+        new kind's first call is. Dynamo does not always count such a call a recompile (under load, now and then, its
+        count of the graphs that the call's guards were checked against came out as none, and it compiled a
+        graph with no RecompileError): the backend refuses to compile outside the compile lock (UnexpectedCompile,
+        after dynamo has traced the call, which costs more than a guard check), so that call is made again too, up
+        to TRACED_RETRIES times."""
+        from torch._dynamo.exc import BackendCompilerFailed, RecompileError
 
+        traced = 0
         for attempt in range(RETRIES):
             try:
                 return function(*inputs)
+            except BackendCompilerFailed as error:
+                if not isinstance(error.inner_exception, UnexpectedCompile):
+                    raise
+                self.retried += 1
+                traced += 1
+                if traced >= TRACED_RETRIES:
+                    break
             except RecompileError:
                 self.retried += 1
                 # The GIL to the thread whose decoding upset the guards at once, then time for its step to end.
@@ -386,7 +479,9 @@ class CompiledDecoder:
         with self.compile_lock:
             quiet_compile_warnings()
             started = time.perf_counter()
+            self._this_thread.compiling = True
             try:
                 yield
             finally:
+                self._this_thread.compiling = False
                 self.compiling_seconds += time.perf_counter() - started

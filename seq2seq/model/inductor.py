@@ -31,13 +31,22 @@ the GIL while it runs (inductor's Python call runs the kernels holding it), so d
 their steps at once instead of in turns (docs/performance/compiled-decoding.md#cpp-wrapper)."""
 
 
-def inductor_backend(options: dict[str, object]) -> Callable[[torch.fx.GraphModule, list[Tensor]], Callable[..., object]]:
+class UnexpectedCompile(RuntimeError):
+    """inductor_backend asked to compile where its caller allows none (`allowed`): dynamo raises it wrapped in its
+    BackendCompilerFailed, before a graph is made or counted."""
+
+
+def inductor_backend(options: dict[str, object], *, allowed: Callable[[], bool] = lambda: True,
+                     ) -> Callable[[torch.fx.GraphModule, list[Tensor]], Callable[..., object]]:
     """torch.compile's backend: inductor with `options` set while it compiles (and only then: set for the process
-    they would change every other compiled function's)."""
+    they would change every other compiled function's), where `allowed()` says it may compile now (else
+    UnexpectedCompile)."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
     def compile_with_options(graph: torch.fx.GraphModule, inputs: list[Tensor]) -> Callable[..., object]:
+        if not allowed():
+            raise UnexpectedCompile("a graph asked for outside the compile lock")
         with config.patch(options):
             return cast(Callable[..., object], compile_fx(graph, inputs))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -86,3 +87,25 @@ def decode_attention_reference(queries: Tensor, keys: Tensor, values: Tensor, le
     seen = torch.arange(keys.size(2), device=lengths.device) < lengths[:, None]  # (B, S)
     weights = scores.masked_fill(~seen[:, None, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
     return torch.matmul(weights, values).transpose(1, 2).reshape(batch, count, heads * head_dim)
+
+
+RUNNER_SOURCE = Path(__file__).with_name("package_runner.cpp")
+_runner: list[Any] = []
+
+
+def package_runner() -> Any:
+    """package_runner.cpp's module (its Runner: a compiled package's model called without the GIL, model/packaged.py),
+    built on first use as the kernel is, once per process, kept on disk for the next (TORCH_EXTENSIONS_DIR);
+    KernelBuildError (one line) where it cannot be built."""
+    with _loading:
+        if not _runner:
+            from torch.utils.cpp_extension import load
+
+            try:
+                _runner.append(load(name="seq2seq_package_runner", sources=[str(RUNNER_SOURCE)], extra_cflags=["-O2"],
+                                    is_python_module=True))
+            except (RuntimeError, OSError) as error:
+                lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+                reason = next((line for line in lines if ": error" in line), lines[0] if lines else repr(error))
+                raise KernelBuildError(f"the compiled package's runner could not be built ({reason})") from None
+    return _runner[0]

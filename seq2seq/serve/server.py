@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     stop_on_sigterm()  # until uvicorn runs (below): loading and compiling stopped with a line, as Ctrl-C is
     workers, threads = parallelism(args)
     try:
-        loaded = [open_translator(parser, argparse.Namespace(**{**vars(args), "checkpoint": path}), parallel=False)
+        loaded = [open_translator(parser, argparse.Namespace(**{**vars(args), "checkpoint": path}), parallel=False,
+                                  served_by=(workers, threads))
                   for path in args.checkpoint]
     except KeyboardInterrupt as error:  # Ctrl-C or SIGTERM while the model loads: one line, as after it starts
         stop, status = interruption(error)
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     for translator, _ in loaded:  # for the decoder threads' count, before uvicorn: a failure or Ctrl-C is one line
         compile_before_answering(translator, threads=threads, face="the server")
     for translator, search in loaded:
-        print(f"{translator.src_lang}→{translator.tgt_lang} on http://{args.host}:{args.port} ({translator.precision}, "
+        print(f"{translator.src_lang}→{translator.tgt_lang} on http://{args.host}:{args.port} ({translator.precision}"
+              f"{' compiled' if translator.compiled else ''}, "
               f"{workers} decoder threads x {threads} threads, {describe(search)})", file=sys.stderr, flush=True)
 
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for the handler

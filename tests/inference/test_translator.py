@@ -406,7 +406,7 @@ def same_tokens(want: list[list[Translation]], got: list[list[Translation]], ref
 @pytest.mark.e2e  # (.ci/run: eight graphs compiled, a minute or more; make test: tests/model/test_compiled.py's
 #  steps and searches, and test_compile_decoding_compiles_on_a_daemon_thread_of_the_decoder_threads_count)
 def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch):
-    """Translator(compiled=True) in fp32: the searches run seq2seq/model/compiled.py's encoder, cross-attention
+    """Translator(compiled="jit") in fp32: the searches run seq2seq/model/compiled.py's encoder, cross-attention
     projection and step over the model's unpacked linear layers and give the eager Translator's
     tokens (tests/model/test_compiled.py decodes one sentence at a time, and more variants); `compile_decoding` compiles
     every kind of step at once, after which no search compiles another. A model with rotary
@@ -415,7 +415,7 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     both on tiny models.)"""
     sources = quick_to_compile(monkeypatch)
     base = Translator.from_checkpoint(trained, precision="fp32")
-    compiled = Translator.from_checkpoint(trained, precision="fp32", compiled=True, threads=1)  # on its own thread
+    compiled = Translator.from_checkpoint(trained, precision="fp32", compiled="jit", threads=1)  # on its own thread
     assert isinstance(compiled.decoding, CompiledDecoder) and base.decoding is base.model and compiled.compiled
     assert not any(isinstance(m, PackedLinear) for m in compiled.model.modules())
     assert base.compile_decoding() == 0
@@ -435,7 +435,7 @@ def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypat
     rotary = Transformer(TransformerConfig(vocab_size=compiled.tokenizer.vocab_size, d_model=32, num_heads=2,
                                            d_ff=64, positions="rotary"))
     with pytest.raises(ValueError, match="decode without compile"):
-        Translator(model=rotary, tokenizer=compiled.tokenizer, compiled=True)
+        Translator(model=rotary, tokenizer=compiled.tokenizer, compiled="jit")
 
 
 def compiled_int8_is_made_so(compiled: Translator, bf16_pays: bool) -> None:
@@ -454,13 +454,13 @@ def test_a_compiled_int8_translator_is_row_int8_and_bf16_around_it_where_bf16_pa
     """make test's share of the next test (which compiles, in .ci/run): the Translator's int8 compiled model, made
     without compiling anything (tests/model/test_compiled.py decodes with such models, compiled, on tiny ones)."""
     monkeypatch.setattr("seq2seq.inference.preparation.bf16_matmuls_pay", lambda device: bf16_pays)
-    compiled_int8_is_made_so(Translator.from_checkpoint(trained, precision="int8", compiled=True, threads=1), bf16_pays)
+    compiled_int8_is_made_so(Translator.from_checkpoint(trained, precision="int8", compiled="jit", threads=1), bf16_pays)
 
 
 @pytest.mark.e2e  # (.ci/run: two compiles of a minute or more; make test: the test above, tests/model/test_compiled.py)
 @pytest.mark.parametrize("bf16_pays", [False, True])
 def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch, bf16_pays: bool):
-    """Translator(precision="int8", compiled=True): every linear layer RowInt8Linear (int8 activations a row each,
+    """Translator(precision="int8", compiled="jit"): every linear layer RowInt8Linear (int8 activations a row each,
     oneDNN's op, compiled into the encoder and the step; int8 without compile runs fbgemm's Int8Linear, activations
     quantised a tensor at once); where bf16 pays on the CPU (both verdicts forced here) the rest of the decoder is
     bf16 around them (bf16_around_int8). The compiled step's translations are the same model's eager step's (in bf16
@@ -470,7 +470,7 @@ def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: 
     which ties flip depends on the CPU's kernels."""
     sources = quick_to_compile(monkeypatch)
     monkeypatch.setattr("seq2seq.inference.preparation.bf16_matmuls_pay", lambda device: bf16_pays)
-    compiled = Translator.from_checkpoint(trained, precision="int8", compiled=True, threads=1)
+    compiled = Translator.from_checkpoint(trained, precision="int8", compiled="jit", threads=1)
     compiled_int8_is_made_so(compiled, bf16_pays)
     precision = "bf16" if bf16_pays else "int8"
     eager = copy.copy(compiled)
@@ -529,13 +529,13 @@ def test_compile_decoding_compiles_on_a_daemon_thread_of_the_decoder_threads_cou
         return 4
 
     monkeypatch.setattr(CompiledDecoder, "compile_kinds", compile_kinds)
-    translator = Translator.from_checkpoint(checkpoint, precision="fp32", compiled=True, workers=2, threads=1)
+    translator = Translator.from_checkpoint(checkpoint, precision="fp32", compiled="jit", workers=2, threads=1)
     assert translator.compile_decoding() == 4 and translator.compile_decoding(threads=2) == 4
     assert seen == [("decoder-compile", True, 1), ("decoder-compile", True, 2)]
     failure.append(CompileError("the decoding step could not be compiled (InvalidCxxCompiler)"))
     with pytest.raises(CompileError, match="could not be compiled"):
         translator.compile_decoding()
-    caller = Translator.from_checkpoint(checkpoint, precision="fp32", compiled=True)  # no threads of its own
+    caller = Translator.from_checkpoint(checkpoint, precision="fp32", compiled="jit")  # no threads of its own
     failure.clear()
     seen.clear()
     assert caller.compile_decoding() == 4 and seen == [(threading.current_thread().name, False,

@@ -28,6 +28,7 @@ import pytest
 import torch
 from conftest import DEMO_DATA
 from near_ties import beam_near_ties, greedy_near_ties, reference_model
+from translating import python_env
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
 from seq2seq.decoding.config import SearchConfig
@@ -546,3 +547,46 @@ def test_a_missing_folder_is_refused_and_not_created(engine: str, checkpoint: Pa
     message = refused("--checkpoint", str(checkpoint), "--to", engine, "--output", str(output), "--force")
     assert message == f"error: --output {output}: the folder {output.parent} does not exist; create it first"
     assert tree(tmp_path) == before
+
+
+def test_compiled_takes_no_output_and_the_engines_need_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """--to compiled keeps the package in the machine's cache folder: an --output is refused before anything loads,
+    as a missing one is for the engines' exports."""
+    for command, message in ((["--to", "compiled", "--output", str(tmp_path / "out")], "--to compiled takes no --output"),
+                             (["--to", "ctranslate2"], "--to ctranslate2 needs --output")):
+        with pytest.raises(SystemExit):
+            main(["--checkpoint", str(tmp_path / "none.ckpt"), *command])
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_a_decoder_compiled_for_the_machine_is_what_the_translate_command_runs_with_no_flag(trained: Path,
+                                                                                             tmp_path: Path):
+    """`python -m seq2seq.export --to compiled` builds the package (a line a kind) in this machine's cache folder; the
+    translate command, with no flag, then decodes with it (its end line says compiled, no note of eager decoding),
+    the translations those of the eager decoder (this model is sure of its choices), and a fresh process loading it
+    imports no torch._dynamo (nothing compiles)."""
+    env = {**python_env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}  # (nothing kept from another test)
+    built = subprocess.run([sys.executable, "-m", "seq2seq.export", "--checkpoint", str(trained), "--to", "compiled",
+                            "--precision", "fp32"], capture_output=True, text=True, env=env, timeout=900)
+    assert built.returncode == 0, built.stderr
+    assert built.stderr.count("compiling the decoder ahead of time: ") == 8
+    assert built.stdout.startswith(f"kept {tmp_path / 'cache'}/seq2seq/machine-")
+    lines = [line.strip() for line in gzip.open(DEMO_DATA / "valid.en.gz", "rt", encoding="utf-8")][:40]
+    (tmp_path / "in.en").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    outputs = {}
+    for flag in ([], ["--compile", "off"]):
+        run = subprocess.run([sys.executable, "-m", "seq2seq.translate", "--checkpoint", str(trained), "--input",
+                              str(tmp_path / "in.en"), "--output", str(tmp_path / f"out{len(flag)}"), "--precision",
+                              "fp32", *flag], capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert "note: " not in run.stderr
+        assert (" (fp32 compiled, " in run.stderr) == (not flag), run.stderr
+        outputs[len(flag)] = (tmp_path / f"out{len(flag)}").read_text(encoding="utf-8").splitlines()
+    assert outputs[0] == outputs[2] and len(outputs[0]) == 40
+    code = ("import sys\n"
+            "from seq2seq.inference.translator import Translator\n"
+            f"translator = Translator.from_checkpoint({str(trained)!r}, precision='fp32', workers=2, threads=1)\n"
+            "print(translator.package is not None, 'torch._dynamo' in sys.modules)\n")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert fresh.stdout.split() == ["True", "False"], fresh.stderr

@@ -168,7 +168,7 @@ def test_the_compiled_encoder_and_step_follow_a_change_to_the_layers(monkeypatch
     functions CompiledDecoder compiles, whole (fullgraph); the graphs run as traced, without inductor's code
     generation (what that compiles, the other tests here check against the eager model)."""
     monkeypatch.setattr("seq2seq.model.compiled.inductor_backend",
-                        lambda options: lambda graph, inputs: graph.forward)  # the traced graph, run as it is
+                        lambda options, **_: lambda graph, inputs: graph.forward)  # the traced graph, run as it is
     model = tiny()
     src = sources()
     src_mask, tokens = src != PAD, torch.full((4, 1), BOS)
@@ -731,6 +731,24 @@ def test_a_call_the_graphs_of_its_kind_do_not_cover_is_compiled_after_the_retrie
     model.decode(tokens, memory, src_mask, state=eager_state)
     expected = model.decode(torch.full((2, 1), 7), memory, src_mask, state=eager_state)[:, 0]
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_graph_dynamo_compiles_for_a_compiled_kind_outside_the_lock_is_refused_and_the_call_made_again():
+    """A call of a compiled kind that dynamo compiles a graph for without counting it a recompile (no
+    RecompileError: here a function with no graph yet stands for it) is refused by the backend outside the compile
+    lock (UnexpectedCompile, wrapped in dynamo's BackendCompilerFailed: no graph made or counted), made again
+    TRACED_RETRIES times, then compiled under the lock once; its result is the function's."""
+    _, compiled = compiled_variant("post-sinusoidal-relu")
+    doubled = compiled_module.compile_frozen(lambda x: x * 2 + 1, backend=compiled._backend())
+    x = torch.arange(6.0).view(2, 3)
+    before, retried = graphs_compiled(), compiled.retried
+    with tracing_settings(compiled=True):
+        got = compiled._call_retrying(doubled, x)
+        again = compiled._call_retrying(doubled, x + 1)  # (the graph made: no retry)
+    torch.testing.assert_close(got, x * 2 + 1)
+    torch.testing.assert_close(again, (x + 1) * 2 + 1)
+    assert (compiled.retried - retried, graphs_compiled() - before) == (compiled_module.TRACED_RETRIES, 1)
 
 
 @pytest.mark.e2e  # (.ci/run: 120 searches; make test: test_decoder_threads_meeting_a_new_kind_*'s two threads)

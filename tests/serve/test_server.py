@@ -451,7 +451,7 @@ def test_compile_failing_or_interrupted_before_the_server_starts_is_one_line(
 
     monkeypatch.setattr(Translator, "compile_decoding", failing)
     with pytest.raises(SystemExit) as caught:
-        main(["--checkpoint", str(trained), "--compile", "--precision", "fp32", "--workers", "2", "--threads", "1"])
+        main(["--checkpoint", str(trained), "--compile", "jit", "--precision", "fp32", "--workers", "2", "--threads", "1"])
     assert calls == [1]
     assert caught.value.code == ("error: the decoding step could not be compiled (InvalidCxxCompiler: No working C++ "
                                  "compiler); the server was not started: run it without --compile")
@@ -460,7 +460,7 @@ def test_compile_failing_or_interrupted_before_the_server_starts_is_one_line(
     for stopping, stop, status in ((interrupted, "interrupted", 130), (sigterm_to_this_process, "stopped by SIGTERM", 143)):
         monkeypatch.setattr(Translator, "compile_decoding", stopping)
         with pytest.raises(SystemExit) as caught:
-            main(["--checkpoint", str(trained), "--compile", "--precision", "fp32"])
+            main(["--checkpoint", str(trained), "--compile", "jit", "--precision", "fp32"])
         assert caught.value.code == status
         err = capsys.readouterr().err
         assert err.strip().splitlines()[-1] == f"{stop} while compiling the decoding steps; the server was not started"
