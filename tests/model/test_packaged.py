@@ -207,3 +207,21 @@ def test_a_package_is_made_whole_or_not_at_all_and_one_there_already_is_kept(tmp
     build_package(decoder, tmp_path / "package")  # (as another process would, not knowing)
     assert {file.name: file.stat().st_mtime_ns for file in (tmp_path / "package").iterdir()} == before
     assert [path.name for path in tmp_path.iterdir()] == ["package"]  # (no temporary folder left)
+
+
+def test_loading_a_package_asks_for_the_amx_tiles_first(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Inductor's AMX micro-kernels do not ask Linux for the AMX tiles, and without them a package's first AMX
+    instruction kills the process (SIGILL: one line translated in a fresh process did): loading asks first."""
+    order: list[str] = []
+
+    class Loader:
+        def __init__(self, path: str, runners: int):
+            order.append("load")
+
+        def call_spec(self) -> list[str]:
+            return ["", torch.utils._pytree.treespec_dumps(torch.utils._pytree.tree_flatten(0)[1])]
+
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: order.append("amx") or True)
+    monkeypatch.setattr(packaged, "package_runner", lambda: type("Module", (), {"Runner": Loader}))
+    packaged._Runner(tmp_path / "step-one-row", runners=1)
+    assert order == ["amx", "load"]
