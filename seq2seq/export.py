@@ -92,9 +92,7 @@ def compile_for_this_machine(parser: argparse.ArgumentParser, args: argparse.Nam
     try:
         translator = Translator.from_checkpoint(args.checkpoint, precision=args.precision, threads=args.threads,
                                                 compiled=True, progress=progress_line)
-    except (CheckpointError, OSError, ValueError) as error:
-        raise SystemExit(f"error: {error}") from None
-    except CompileError as error:
+    except (CheckpointError, OSError, ValueError, CompileError) as error:
         raise SystemExit(f"error: {error}") from None
     except KeyboardInterrupt:  # (the building thread, a daemon, maybe inside the C++ compiler, which the
         # interpreter's exit would abort under it: its temporary folder is all there is, leave at once)

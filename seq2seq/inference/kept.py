@@ -4,8 +4,9 @@ and flags, the torch version), so that only the first process on a machine compi
 loads it (docs/performance/compiled-decoding.md#kept).
 
 The key is a digest of what the package's code depends on: every weight (name, dtype, shape, bytes; or the
-checkpoint's verified checksum, which covers them) and the model's config as the checkpoint gives them, the precision, the intra-op thread count built into the code, the
-attention kernel's instruction set and the package's layout. A checkpoint trained further, another precision or
+checkpoint's verified checksum, which covers them) and the model's config as the checkpoint gives them, the
+precision, the intra-op thread count built into the code, the attention kernel's instruction set and the package's
+layout. A checkpoint trained further, another precision or
 another thread count is another package; a stale one is never loaded.
 """
 
@@ -53,7 +54,6 @@ def package_folder(model: Transformer, *, precision: str, threads: int, checksum
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return verdict_cache() / "compiled" / f"{precision}-{threads}t-{digest.hexdigest()}"
-
 
 
 def kept_decoder(decoder: CompiledDecoder, folder: Path, *, runners: int,

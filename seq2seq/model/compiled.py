@@ -344,11 +344,10 @@ class CompiledDecoder:
         """The compiled encoder and step, made on first use (in a call of a kind not yet compiled: one thread at a
         time, and a kernel that cannot be built a CompileError, `_call_policy`)."""
         if self._compiled_encoder_and_step is None:
-            kernel = decode_attention_op() if self.attention_kernel else None
+            backend = self._backend()
             self._compiled_encoder_and_step = EncoderAndStep(
-                encoder=compile_frozen(encoder_memory(self.model, kernel=kernel), backend=self._backend()),
-                step=compile_frozen(decoder_step(self.model, chunk=self.chunk, kernel=kernel),
-                                    backend=self._backend()))
+                encoder=compile_frozen(self.uncompiled("encoder"), backend=backend),
+                step=compile_frozen(self.uncompiled("step"), backend=backend))
         return self._compiled_encoder_and_step
 
     @torch.inference_mode()
@@ -392,8 +391,7 @@ class CompiledDecoder:
         """The torch.compile'd function of that name, made on first use."""
         if name == "cross":
             if self._compiled_cross_projection is None:
-                self._compiled_cross_projection = compile_frozen(cross_projection(self.model, dtype=self.dtype),
-                                                                 backend=self._backend())
+                self._compiled_cross_projection = compile_frozen(self.uncompiled("cross"), backend=self._backend())
             return self._compiled_cross_projection
         made = self._encoder_and_step()
         return made.encoder if name == "encoder" else made.step

@@ -86,6 +86,11 @@ and two each of encoder call and cross-attention projection (one sentence; sever
 (`compiled.CompiledDecoder._first_of_kind`); the rest is room for a specialisation not foreseen."""
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s message that is not blank (torch's errors are pages), else its type's name."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
 class CompileError(RuntimeError):
     """The step could not be compiled (no working C++ compiler, say): one line naming inductor's reason."""
 
@@ -99,8 +104,7 @@ def one_line_compile_errors() -> Iterator[None]:
     try:
         yield
     except BackendCompilerFailed as error:
-        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        raise CompileError(f"the decoding step could not be compiled ({reason})") from None
+        raise CompileError(f"the decoding step could not be compiled ({first_line(error)})") from None
     except KernelBuildError as error:
         raise CompileError(str(error)) from None
 

@@ -65,12 +65,17 @@ def decode_attention_op(instruction_set: str | None = None) -> torch._ops.OpOver
                 load(name=library, sources=[str(SOURCE)],
                      extra_cflags=["-O3", *arch, *macros, f"-DSEQ2SEQ_OPS={library}"], is_python_module=False)
             except (RuntimeError, OSError) as error:  # (cpp_extension's failures: the compiler's pages of output)
-                lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-                reason = next((line for line in lines if ": error" in line), lines[0] if lines else repr(error))
-                raise KernelBuildError(f"the decoding step's attention kernel could not be built ({reason})") from None
+                raise KernelBuildError(f"the decoding step's attention kernel could not be built "
+                                       f"({_build_reason(error)})") from None
             torch.library.register_fake(f"{library}::decode_attention")(_decode_attention_shape)
             _loaded[library] = getattr(torch.ops, library).decode_attention
     return _loaded[library]
+
+
+def _build_reason(error: BaseException) -> str:
+    """cpp_extension's failure in one line: the compiler's first error, else the message's first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in lines if ": error" in line), lines[0] if lines else repr(error))
 
 
 def _decode_attention_shape(queries: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
@@ -105,7 +110,6 @@ def package_runner() -> Any:
                 _runner.append(load(name="seq2seq_package_runner", sources=[str(RUNNER_SOURCE)], extra_cflags=["-O2"],
                                     is_python_module=True))
             except (RuntimeError, OSError) as error:
-                lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-                reason = next((line for line in lines if ": error" in line), lines[0] if lines else repr(error))
-                raise KernelBuildError(f"the compiled package's runner could not be built ({reason})") from None
+                raise KernelBuildError(f"the compiled package's runner could not be built "
+                                       f"({_build_reason(error)})") from None
     return _runner[0]

@@ -36,6 +36,7 @@ from seq2seq.model.inductor import (
     CPP_WRAPPER,
     GEMM_TEMPLATES,
     QUIET,
+    first_line,
     one_line_compile_errors,
     quiet_compile_warnings,
 )
@@ -107,9 +108,8 @@ def _one_line(kind: Kind) -> Iterator[None]:
     except CompileError:
         raise
     except Exception as error:  # (torch.export's and inductor's failures have no common type)
-        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise CompileError(f"the decoder could not be compiled ahead of time ({kind_name(kind)}: "
-                           f"{type(error).__name__}: {reason})") from None
+                           f"{type(error).__name__}: {first_line(error)})") from None
 
 
 def build_package(decoder: CompiledDecoder, folder: str | Path, *,
@@ -220,13 +220,7 @@ def load_package(folder: str | Path, *, runners: int = 1) -> dict[Kind, Callable
             decode_attention_op(kernel)  # (the package's code calls it by its name: registered first)
         return {kind: _Runner(folder / manifest["files"][kind_name(kind)], runners=runners) for kind in ALL_KINDS}
     except (RuntimeError, OSError, KernelBuildError) as error:
-        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        raise PackageError(f"{folder}: the compiled package could not be loaded ({reason})") from None
-
-
-def package_size(folder: str | Path) -> int:
-    """Bytes of a package's files."""
-    return sum(file.stat().st_size for file in Path(folder).rglob("*") if file.is_file())
+        raise PackageError(f"{folder}: the compiled package could not be loaded ({first_line(error)})") from None
 
 
 def package_threads(folder: str | Path) -> int | None:
