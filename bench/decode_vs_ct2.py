@@ -10,14 +10,15 @@ and text out (CTranslate2 takes pieces: its sources are tokenised and its output
 same sentencepiece model inside its timed work, as our Translator does inside its own), the
 same sentences, beam, length limit (a fixed number of tokens, as CTranslate2 has no per-sentence
 a * length + b), ranking by raw log-probability (length penalty 0: CTranslate2's normalisation is
-not GNMT's), PAD and BOS never generated, batches of at most --max-tokens source tokens sorted by
-length, and no scores unless --scores asks both for them (CTranslate2's translate_batch returns none by
+not GNMT's), PAD and BOS never generated, batches sorted by length, and no scores unless --scores asks both for them (CTranslate2's translate_batch returns none by
 default, and its greedy search then computes no log-softmax; ours with SearchConfig(scores=False), as its
 translate() and CLI do, skips the same normaliser; beam search computes it in both). Equal hardware:
 for each core count in --threads every engine runs in every configuration that uses those cores (ours:
-workers x threads per worker; CTranslate2: inter_threads x intra_threads), and its fastest counts. For
-each core count and beam the engines and configurations take turns, --repeats times, and the fastest run
-of each counts, so a burst of load hits all alike.
+workers x threads per worker; CTranslate2: inter_threads x intra_threads) and with every batch size it is
+offered (ours: --ours-batches, in source tokens; CTranslate2: --ct2-batches, in tokens or in examples, its
+`max_batch_size` and `batch_type`), and its fastest counts: no one batch size is the best for all. For each core
+count and beam every configuration runs once, then each engine's fastest takes turns with the others' --repeats
+times, and the fastest run of each counts, so a burst of load hits all alike.
 
 --base builds a random-weight transformer-base (d_model 512, 8 heads, d_ff 2048, 6+6 layers) with a
 32,000-piece BPE model trained on Multi30k's four languages (~1 min, kept in --cache); random
@@ -76,7 +77,11 @@ def main() -> None:
     parser.add_argument("--beams", type=int, nargs="+", default=[5, 1])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--max-len", type=int, help="output tokens at most, EOS excluded (default: 100; --base: 20)")
-    parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
+    parser.add_argument("--ours-batches", type=int, nargs="+", default=[8192, 2048, 512],
+                        help="our batch sizes swept, in source tokens (rows x longest source)")
+    parser.add_argument("--ct2-batches", nargs="+", default=["tokens:8192", "tokens:1024", "examples:64",
+                                                             "examples:16"],
+                        help="CTranslate2's batch sizes swept, as batch_type:max_batch_size")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true",
                         help="also ours in the auto precision and in int8 with its decoding steps compiled "
@@ -87,6 +92,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.base == bool(args.checkpoint):
         parser.error("give --checkpoint or --base")
+    try:
+        args.ct2_batches = [(kind, int(size)) for kind, size in (spec.split(":") for spec in args.ct2_batches)]
+    except ValueError:
+        parser.error("--ct2-batches takes batch_type:max_batch_size, e.g. tokens:1024 examples:64")
+    if any(kind not in ("tokens", "examples") for kind, _ in args.ct2_batches):
+        parser.error("--ct2-batches: batch_type is tokens or examples")
     if args.base:
         args.checkpoint = str(base_checkpoint(Path(args.cache), Path(args.data)))
     args.max_len = args.max_len or (20 if args.base else 100)
@@ -153,10 +164,11 @@ def run(args: argparse.Namespace, translator: Translator, sources: list[str], ma
     auto = Translator.from_checkpoint(args.checkpoint).precision  # what a user gets on this machine
     precisions = list(dict.fromkeys([auto, "int8", *(["fp32"] if auto != "fp32" else [])]))
     print(f"{cpu_model()}; torch {torch.__version__}, ctranslate2 {ctranslate2.__version__}; "
-          f"{len(sources)} sentences, max {max_len} tokens, batches <= {args.max_tokens} source tokens; "
+          f"{len(sources)} sentences, max {max_len} tokens; ours' batches swept {args.ours_batches} source tokens, "
+          f"CTranslate2's {' '.join(f'{k}:{n}' for k, n in args.ct2_batches)}; "
           f"{'random transformer-base' if args.base else args.checkpoint}; auto chose {auto}; "
           f"scores {'on in both' if args.scores else 'off in both (CTranslate2 default)'}")
-    print("| cores | search | engine | best configuration | tgt tok/s | vs best CTranslate2 | peak RSS rise | "
+    print("| cores | search | engine | best configuration and batch | tgt tok/s | vs best CTranslate2 | peak RSS rise | "
           "1-sentence p50 / p95 | identical to ours fp32 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for cores in args.threads:
@@ -176,18 +188,24 @@ def run(args: argparse.Namespace, translator: Translator, sources: list[str], ma
                                                                                intra_threads=t, inter_threads=w),
                                                         translator.tokenizer)
                                          for w, t in configurations(cores)}
+        batches = {name: [("tokens", n) for n in args.ours_batches] if name.startswith("ours") else args.ct2_batches
+                   for name in engines}
         for beam in args.beams:
-            compare(engines, sources, beam=beam, cores=cores, max_len=max_len, max_tokens=args.max_tokens,
+            compare(engines, sources, beam=beam, cores=cores, max_len=max_len, batches=batches,
                     repeats=args.repeats, scores=args.scores)
+
+
+Batch = tuple[str, int]  # (batch_type, max_batch_size): ("tokens", 8192), ("examples", 64)
+Config = tuple[int, int, Batch]  # workers (inter_threads), threads each (intra_threads), batch
 
 
 class Ours:
     def __init__(self, translator: Translator) -> None:
         self.translator = translator
 
-    def translate(self, sources: list[str], search: SearchConfig, *, max_tokens: int) -> list[list[int]]:
+    def translate(self, sources: list[str], search: SearchConfig, *, batch: Batch) -> list[list[int]]:
         """Text in, text out (the Translator tokenises and detokenises): each best translation's token ids."""
-        return [hyps[0].tokens for hyps in self.translator.translate_nbest(sources, search, max_tokens=max_tokens)]
+        return [hyps[0].tokens for hyps in self.translator.translate_nbest(sources, search, max_tokens=batch[1])]
 
 
 class Theirs:
@@ -197,13 +215,13 @@ class Theirs:
         self.pieces = tokenizer.pieces()
         self.index = {piece: i for i, piece in enumerate(self.pieces)}
 
-    def translate(self, sources: list[str], search: SearchConfig, *, max_tokens: int) -> list[list[int]]:
+    def translate(self, sources: list[str], search: SearchConfig, *, batch: Batch) -> list[list[int]]:
         """Text in, text out, as ours: the sources tokenised with the same sentencepiece model (CTranslate2 takes
         pieces) and the outputs detokenised, inside the timed work; each best translation's token ids."""
         pieces = [[self.pieces[i] for i in ids] for ids in self.tokenizer.encode_source([s.strip() for s in sources])]
         results = self.translator.translate_batch(
             pieces, beam_size=search.beam_size, length_penalty=0.0, max_decoding_length=int(search.max_len_b) + 1,
-            max_batch_size=max_tokens, batch_type="tokens", suppress_sequences=[["<pad>"], ["<s>"]],
+            max_batch_size=batch[1], batch_type=batch[0], suppress_sequences=[["<pad>"], ["<s>"]],
             return_scores=search.scores)
         # CTranslate2 does not force EOS at the limit: a hypothesis that reaches it has max_len + 1
         # tokens where ours has max_len and EOS; count and compare the same max_len.
@@ -216,31 +234,37 @@ Engine = Ours | Theirs
 
 
 def compare(engines: dict[str, dict[tuple[int, int], Engine]], sources: list[str], *, beam: int, cores: int,
-            max_len: int, max_tokens: int, repeats: int, scores: bool) -> None:
+            max_len: int, batches: dict[str, list[Batch]], repeats: int, scores: bool) -> None:
     """One row per engine, in its fastest configuration (workers x threads for ours, inter x intra threads
-    for CTranslate2, on `cores` cores): every engine and configuration takes turns `repeats` times, the
-    fastest run counts."""
+    for CTranslate2, on `cores` cores) and batch size: every configuration runs once, then each engine's fastest
+    takes turns with the others' `repeats` times, and the fastest run counts."""
     search = SearchConfig(beam_size=beam, length_penalty=0.0, max_len_a=0.0, max_len_b=max_len, scores=scores)
-    outputs: dict[tuple[str, tuple[int, int]], list[list[int]]] = {}
-    rss: dict[tuple[str, tuple[int, int]], float] = {}
+    outputs: dict[tuple[str, Config], list[list[int]]] = {}
+    rss: dict[tuple[str, Config], float] = {}
 
-    def step(name: str, config: tuple[int, int]) -> Callable[[object], None]:
+    def step(name: str, config: Config) -> Callable[[object], None]:
         def run(_: object) -> None:
             def work() -> None:
-                outputs[name, config] = engines[name][config].translate(sources, search, max_tokens=max_tokens)
+                outputs[name, config] = engines[name][config[:2]].translate(sources, search, batch=config[2])
             rss[name, config] = max(rss.get((name, config), 0.0), peak_rss_during(work))
         return run
 
     for name in engines:  # warm-up: first calls allocate, pick kernels and start threads
         for engine in engines[name].values():
-            engine.translate(sources[:64], search, max_tokens=max_tokens)
-    steps = {f"{name} {config}": step(name, config) for name in engines for config in engines[name]}
-    times = time_alternating(steps, [None] * repeats)
-    tokens = {key: sum(len(t) + 1 for t in out) for key, out in outputs.items()}
-    speed = {(name, config): tokens[name, config] / min(times[f"{name} {config}"])
-             for name in engines for config in engines[name]}
-    best = {name: max(engines[name], key=lambda config, name=name: speed[name, config]) for name in engines}
-    fastest = max(speed[name, best[name]] for name in engines if name.startswith("ct2"))
+            engine.translate(sources[:64], search, batch=batches[name][0])
+    configs = {name: [(w, t, batch) for w, t in engines[name] for batch in batches[name]] for name in engines}
+    tokens = {}
+
+    def speed(times: dict[str, list[float]], name: str, config: Config) -> float:
+        tokens[name, config] = sum(len(t) + 1 for t in outputs[name, config])
+        return tokens[name, config] / min(times[f"{name} {config}"])
+
+    swept = time_alternating({f"{name} {config}": step(name, config) for name in engines
+                              for config in configs[name]}, [None])
+    best = {name: max(configs[name], key=lambda config, name=name: speed(swept, name, config)) for name in engines}
+    times = time_alternating({f"{name} {best[name]}": step(name, best[name]) for name in engines}, [None] * repeats)
+    rate = {name: speed(times, name, best[name]) for name in engines}
+    fastest = max(rate[name] for name in engines if name.startswith("ct2"))
     reference = next((name for name in engines if name.startswith("ours fp32")), next(iter(engines)))
     label = "greedy" if beam == 1 else f"beam {beam}"
     for name in engines:
@@ -248,8 +272,8 @@ def compare(engines: dict[str, dict[tuple[int, int], Engine]], sources: list[str
         same = sum(a == b for a, b in zip(outputs[name, config], outputs[reference, best[reference]], strict=True))
         kind = "workers x threads" if name.startswith("ours") else "inter x intra"
         p50, p95, threads = one_sentence_latency(engines[name], sources, search)
-        print(f"| {cores} | {label} | {name} | {config[0]} x {config[1]} ({kind}) | {speed[name, config]:,.0f} | "
-              f"{speed[name, config] / fastest:.2f}x | {rss[name, config]:.0f} MiB | {p50 * 1000:.1f} / "
+        print(f"| {cores} | {label} | {name} | {config[0]} x {config[1]} ({kind}), {config[2][1]} {config[2][0]} | "
+              f"{rate[name]:,.0f} | {rate[name] / fastest:.2f}x | {rss[name, config]:.0f} MiB | {p50 * 1000:.1f} / "
               f"{p95 * 1000:.1f} ms ({threads} thread{'s' if threads > 1 else ''}) | {same}/{len(sources)} |",
               flush=True)
 
@@ -265,7 +289,7 @@ def one_sentence_latency(configs: dict[tuple[int, int], Engine], sources: list[s
         seconds = []
         for i in range(calls):
             start = time.perf_counter()
-            engine.translate(sources[i % len(sources) : i % len(sources) + 1], search, max_tokens=8192)
+            engine.translate(sources[i % len(sources) : i % len(sources) + 1], search, batch=("tokens", 8192))
             seconds.append(time.perf_counter() - start)
         seconds.sort()
         best = min(best, (seconds[len(seconds) // 2], seconds[int(len(seconds) * 0.95)], threads))

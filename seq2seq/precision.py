@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from seq2seq.model.attention import attend_by_matmul
-from seq2seq.model.numerics import PackedLinear
+from seq2seq.model.numerics import PackedLinear, onednn_packs
 
 Precision = Literal["auto", "fp32", "bf16", "int8"]
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8")
@@ -143,6 +143,8 @@ def onednn_linears(device: torch.device, precision: str) -> Verdict:
         return Verdict(False, f"oneDNN packing is for fp32 and bf16 on a CPU, not {precision} on {device.type}")
     if not torch.backends.mkldnn.is_available():
         return Verdict(False, "this torch has no oneDNN")
+    if not onednn_packs(torch.bfloat16 if precision == "bf16" else torch.float32):
+        return Verdict(False, "oneDNN runs bf16 linear layers only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT")
     return timed_verdict(f"linear-onednn-{precision}", lambda packed: _fastest_decoding_linears(precision, packed),
                          what="oneDNN's packed linear layers", candidates=(True, False))
 

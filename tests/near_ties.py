@@ -24,9 +24,11 @@ from collections.abc import Sequence
 
 import torch
 
-UNIT_ROUNDOFF = {"fp64": 2.0**-53, "fp32": 2.0**-24, "bf16": 2.0**-8, "int8": 2.0**-8}
-"""Half a unit in the last place, relative: float64's 53-bit significand, float32's 24, bf16's 8; int8's per-row
-quantisation rounds to 1/127 of a row's largest value, half a step of which is 1/254, about 2^-8."""
+UNIT_ROUNDOFF = {"fp64": 2.0**-53, "fp32": 2.0**-24, "bf16": 2.0**-8, "int8": 2.0**-7}
+"""Half a unit in the last place, relative: float64's 53-bit significand, float32's 24, bf16's 8. int8's weights
+round to half of 1/127 of a row's largest value, but its activations to 7 bits (fbgemm's reduce_range, which keeps
+AVX2's 16-bit pairwise sums from saturating; the compiled step's `activation_bits` likewise), asymmetric over a
+row's range: half of (max - min) / 127, up to 1/127 of the row's largest magnitude, about 2^-7."""
 
 ROUNDINGS = {"fp64": 64, "fp32": 64, "bf16": 4, "int8": 4}
 """A logit's error in units of u times the logits' scale. float32 and float64 store every activation almost exactly

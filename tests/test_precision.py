@@ -298,6 +298,7 @@ def test_onednn_linears_are_timed_once_per_precision_and_want_a_clear_margin(mon
     """oneDNN's packed linear layers against torch's own: timed (no flag says how MKL treats this CPU),
     once per machine and precision, chosen only a clear margin faster; never for int8 or off the CPU."""
     pretend_machine(monkeypatch, "avx512_bf16")
+    monkeypatch.setattr("seq2seq.precision.onednn_packs", lambda dtype: True)  # (its oneDNN, as its flags say)
     calls: list[tuple[str, bool]] = []
 
     def seconds(precision: str, onednn: bool) -> float:

@@ -182,7 +182,7 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self._packed: Tensor | None = None
         self._plain: Tensor | None = None
-        if weight.dtype in PACKED_FOR_ROWS and weight.device.type == "cpu":
+        if weight.device.type == "cpu" and onednn_packs(weight.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, *PACKED_FOR_ROWS[weight.dtype])
             if self.few_rows and weight.dtype == torch.float32:
                 self._plain = weight  # kept beside the packed copy, for the few rows
@@ -263,6 +263,14 @@ class PackedLinear(nn.Module):
 
 # oneDNN packs a bf16 weight for a batch size it is told (a hint: other sizes run too); float32 takes none.
 PACKED_FOR_ROWS: dict[torch.dtype, tuple[int, ...]] = {torch.float32: (), torch.bfloat16: (64,)}
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and runs a `dtype` linear layer on this CPU: float32 wherever torch has oneDNN; bf16 only
+    with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (torch's check), not on an AVX2-only CPU, where its reorder raises."""
+    if dtype not in PACKED_FOR_ROWS or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linears(model: M) -> M:

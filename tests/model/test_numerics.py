@@ -16,6 +16,7 @@ from seq2seq.model.numerics import (
     RowInt8Linear,
     exp_,
     for_inference,
+    onednn_packs,
     pack_linears,
     padded_rows,
     quantize_int8,
@@ -164,6 +165,10 @@ def test_for_inference_casts_bf16_and_leaves_fp32_alone():
 
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+# A bf16 weight in oneDNN's layout: what a test of oneDNN's own bf16 kernel needs (an AVX2-only CPU has none; there
+# a bf16 PackedLinear stays plain, which test_a_bf16_layer_stays_plain_where_onednn_runs_no_bf16 forces everywhere).
+ONEDNN_BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not onednn_packs(torch.bfloat16), reason="oneDNN runs no bf16 linear on this CPU (AVX-512 or AVX-NE-CONVERT)"))
 
 
 @needs_onednn
@@ -202,7 +207,7 @@ def test_padded_rows_are_eight_counts_an_octave_at_most_an_eighth_more():
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, ONEDNN_BF16])
 def test_packed_linear_runs_onednn_at_padded_rows_and_returns_the_rows_given(dtype, monkeypatch):
     """oneDNN sees padded_rows(rows) rows, zero beyond the input's (its kernels are compiled per row count);
     what comes back is the input's rows, in its shape, each the float64 product to the dtype's precision,
@@ -281,7 +286,7 @@ def test_a_packed_fp32_layer_runs_its_few_rows_on_torch_s_own_linear(monkeypatch
 
 
 @needs_onednn
-@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("kind", ["fp32", pytest.param("bf16", marks=ONEDNN_BF16.marks), "int8"])
 def test_a_strided_input_gives_what_its_contiguous_copy_gives(kind):
     """Inputs that reach the kernel as they are (their row count needs no padding) may be views: transposed,
     permuted, sliced; each gives, to the bit, what the same numbers laid out contiguously give."""
@@ -305,7 +310,7 @@ def test_a_relu_in_the_linear_epilogue_gives_the_same_numbers(dtype):
     ReLU takes it where its linear layers are packed, and gives what it gave before."""
     torch.manual_seed(0)
     packed = PackedLinear(nn.Linear(64, 256).to(dtype))
-    assert ("plain" in repr(packed)) == (dtype == torch.float64)
+    assert ("plain" in repr(packed)) == (not onednn_packs(dtype))  # float64; bf16 on an AVX2-only CPU
     with torch.inference_mode():
         for x in (torch.randn(1, 64), torch.randn(5, 7, 64), torch.randn(600, 64)):
             x = x.to(dtype)
@@ -358,7 +363,31 @@ def test_a_packed_linear_converts_as_a_module_does():
     assert packed.weight.dtype == torch.float64 and "plain" in repr(packed)
     torch.testing.assert_close(packed(x.double()), linear(x).double().detach())
     packed.to(torch.bfloat16)
-    assert "bfloat16, oneDNN packed" in repr(packed) and packed(x.bfloat16()).dtype == torch.bfloat16
+    assert f"bfloat16, {'oneDNN packed' if onednn_packs(torch.bfloat16) else 'plain'}" in repr(packed)
+    assert packed(x.bfloat16()).dtype == torch.bfloat16
     copy = deepcopy(nn.Sequential(packed))[0]  # a model holding it can be copied (the server's tests do)
     assert copy is not packed and torch.equal(copy.weight, packed.weight) and torch.equal(copy.bias, packed.bias)
     assert torch.equal(copy(x.bfloat16()), packed(x.bfloat16()))
+
+
+@needs_onednn
+def test_a_bf16_layer_stays_plain_where_onednn_runs_no_bf16(monkeypatch):
+    """On a CPU whose oneDNN has no bf16 linear (AVX2 only: its reorder raises), a bf16 PackedLinear keeps its
+    weight plain and runs torch's own linear, to the same numbers, float32 still packed; and the machine's verdict
+    says no to packing bf16 without timing it. Forced, so that every CPU runs the path an AVX2 one takes."""
+    import seq2seq.precision as precision
+
+    real = onednn_packs
+    monkeypatch.setattr("seq2seq.model.numerics.onednn_packs", lambda dtype: dtype != torch.bfloat16 and real(dtype))
+    monkeypatch.setattr("seq2seq.precision.onednn_packs", lambda dtype: dtype != torch.bfloat16 and real(dtype))
+    monkeypatch.setattr(precision, "timed_verdict", lambda *args, **kwargs: pytest.fail("timed"))
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 40).bfloat16()
+    layer = PackedLinear(linear)
+    x = torch.randn(3, 64).bfloat16()
+    assert "bfloat16, plain" in repr(layer)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), linear(x)) and torch.equal(layer.then_relu(x), linear(x).relu())
+    assert "oneDNN packed" in repr(PackedLinear(nn.Linear(64, 40)))
+    verdict = precision.onednn_linears(torch.device("cpu"), "bf16")
+    assert not verdict.pays and "AVX-512" in verdict.why
