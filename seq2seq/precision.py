@@ -152,6 +152,7 @@ def onednn_linears(device: torch.device, precision: str) -> Verdict:
 # The row counts timed for few_rows_on_torch, up to the last below padded_rows' first rounded count (16)
 FEW_ROWS = (1, 2, 4, 8, 15)
 FewRowsLayers = tuple[list[torch.nn.Linear], list[PackedLinear]]  # one shape's layers, plain and packed
+FEW_ROWS_COPIES = 256  # copies of a shape timed at most (_few_rows_layers)
 
 
 def few_rows_on_torch(device: torch.device, precision: str, *, in_features: int, out_features: int) -> int:
@@ -333,8 +334,10 @@ def _fastest_decoding_linears(precision: str, packed: bool) -> float:
 
 def _few_rows_layers(*, in_features: int, out_features: int) -> FewRowsLayers:
     """float32 linear layers of one shape, plain and packed: as many copies as make 16 MB of weights (one,
-    where one is larger), for a step reads its layers' weights from beyond a core's caches, not one again and again."""
-    copies = max(1, (16 << 20) // (in_features * out_features * 4))
+    where one is larger), for a step reads its layers' weights from beyond a core's caches, not one again and again;
+    FEW_ROWS_COPIES at most, which binds below 64 KB a layer only (a toy model's), where more copies would time
+    Python's calls over and over (4,096 of a 32 x 32 layer took half a minute of a Zen 3's start-up)."""
+    copies = min(FEW_ROWS_COPIES, max(1, (16 << 20) // (in_features * out_features * 4)))
     plain = [torch.nn.Linear(in_features, out_features) for _ in range(copies)]
     return plain, [PackedLinear(linear) for linear in plain]
 

@@ -15,6 +15,7 @@ from seq2seq.precision import CPU as CPUInfo
 from seq2seq.precision import (
     DECODING_KERNEL_CACHE_CAPACITY,
     FEW_ROWS,
+    FEW_ROWS_COPIES,
     KERNEL_CACHE_CAPACITY,
     _fastest_attention,
     _fastest_decoding_linears,
@@ -349,7 +350,8 @@ def test_the_onednn_timing_runs_both_kernels():
     torch.set_num_threads(2)
     try:
         layers = _few_rows_layers(in_features=64, out_features=48)
-        assert len(layers[0]) == len(layers[1]) == (16 << 20) // (64 * 48 * 4)  # 16 MB of float32 weights
+        assert len(layers[0]) == len(layers[1]) == FEW_ROWS_COPIES  # under 16 MB of float32 weights: the cap
+        assert len(_few_rows_layers(in_features=1024, out_features=512)[0]) == 8  # 16 MB of them
         for torch_own in (True, False):
             assert _fastest_few_rows(torch_own, rows=2, layers=layers) > 0
             assert torch.get_num_threads() == 2  # the one thread it timed on given back
