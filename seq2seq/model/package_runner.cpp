@@ -7,7 +7,7 @@
 //   function's structure); the GIL released while it runs
 //   Runner.call_spec() -> [inputs' structure, outputs' structure], torch.utils._pytree's serialised specs
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // (not torch/extension.h: that brings the whole C++ frontend, compiled for minutes)
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <string>
