@@ -56,7 +56,7 @@ typecheck: setup ## mypy (configured in pyproject.toml)
 pytest: setup ## the default test run, in $(WORKERS) processes (slow tests: .venv/bin/python -m pytest -m slow)
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
 
-e2e: setup ## the end-to-end runs and minute-long compiles make test leaves out (CI runs them after make test)
+e2e: setup ## the end-to-end runs and minute-long compiles make test leaves out (by hand: CI has no time for them)
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m e2e
 
 docs: setup ## the documentation site, built into site/ (--strict: a broken link, anchor or reference fails)

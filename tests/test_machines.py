@@ -157,7 +157,7 @@ def translate_over_http(machine: str, checkpoint: Path, sentences: list[str], *a
         process.kill()
 
 
-@pytest.mark.e2e  # (.ci/run; make test runs each shipped config's few updates below as the AVX2, AMX, AVX512-BF16
+@pytest.mark.e2e  # (make e2e; make test runs each shipped config's few updates below as the AVX2, AMX, AVX512-BF16
 # and ARM machines, and tests/inference/test_translator.py, test_server.py the translation faces)
 @pytest.mark.parametrize("machine", ["avx2", "amx"])
 def test_the_main_job_runs_end_to_end_whatever_auto_picks(machine: str, tmp_path: Path, machine_verdicts,
@@ -250,7 +250,7 @@ def gzip_lines(path: Path, count: int) -> list[str]:
         return f.read().split("\n")[:count]
 
 
-END_TO_END = pytest.mark.e2e  # (.ci/run: wmt's; demo's two DDP processes stand in for its two in make test)
+END_TO_END = pytest.mark.e2e  # (make e2e: wmt's; demo's two DDP processes stand in for its two in make test)
 
 
 @pytest.mark.parametrize("name,machine", [("demo.yaml", "avx2"), ("demo.yaml", "amx"), ("multi30k.yaml", "avx2"),

@@ -403,7 +403,7 @@ def same_tokens(want: list[list[Translation]], got: list[list[Translation]], ref
             assert g[0].score == pytest.approx(w[0].score, abs=tolerance)
 
 
-@pytest.mark.e2e  # (.ci/run: eight graphs compiled, a minute or more; make test: tests/model/test_compiled.py's
+@pytest.mark.e2e  # (make e2e: eight graphs compiled, a minute or more; make test: tests/model/test_compiled.py's
 #  steps and searches, and test_compile_decoding_compiles_on_a_daemon_thread_of_the_decoder_threads_count)
 def test_compiled_decoding_translates_as_the_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch):
     """Translator(compiled="jit") in fp32: the searches run seq2seq/model/compiled.py's encoder, cross-attention
@@ -451,13 +451,13 @@ def compiled_int8_is_made_so(compiled: Translator, bf16_pays: bool) -> None:
 @pytest.mark.parametrize("bf16_pays", [False, True])
 def test_a_compiled_int8_translator_is_row_int8_and_bf16_around_it_where_bf16_pays(trained: Path, bf16_pays: bool,
                                                                                   monkeypatch: pytest.MonkeyPatch):
-    """make test's share of the next test (which compiles, in .ci/run): the Translator's int8 compiled model, made
+    """make test's share of the next test (which compiles, in make e2e): the Translator's int8 compiled model, made
     without compiling anything (tests/model/test_compiled.py decodes with such models, compiled, on tiny ones)."""
     monkeypatch.setattr("seq2seq.inference.preparation.bf16_matmuls_pay", lambda device: bf16_pays)
     compiled_int8_is_made_so(Translator.from_checkpoint(trained, precision="int8", compiled="jit", threads=1), bf16_pays)
 
 
-@pytest.mark.e2e  # (.ci/run: two compiles of a minute or more; make test: the test above, tests/model/test_compiled.py)
+@pytest.mark.e2e  # (make e2e: two compiles of a minute or more; make test: the test above, tests/model/test_compiled.py)
 @pytest.mark.parametrize("bf16_pays", [False, True])
 def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: pytest.MonkeyPatch, bf16_pays: bool):
     """Translator(precision="int8", compiled="jit"): every linear layer RowInt8Linear (int8 activations a row each,

@@ -73,7 +73,13 @@ def compiled_variant(name: str, *, attention_kernel: bool = True) -> tuple[Trans
     return DECODERS[name, attention_kernel]
 
 
-@pytest.fixture(params=list(VARIANTS))
+# make test compiles the paper's variant; `make e2e` the other too (its kinds take minutes to
+# compile on an AVX2-only CPU, and every switch it differs by is the model's own code, run eagerly by test_model.py)
+SANDWICH = pytest.mark.e2e
+
+
+@pytest.fixture(params=[name if name == "post-sinusoidal-relu" else pytest.param(name, marks=SANDWICH)
+                        for name in VARIANTS])
 def pair(request: pytest.FixtureRequest) -> tuple[Transformer, CompiledDecoder]:
     return compiled_variant(request.param)
 
@@ -118,9 +124,10 @@ def sources(*, seed: int = 1) -> torch.Tensor:
 @torch.inference_mode()
 @pytest.mark.parametrize(("variant", "attention_kernel"), [
     ("post-sinusoidal-relu", True),
-    # (.ci/run: a decoder of its own to compile; make test: the traced test of the written-out attention below)
+    # (make e2e: a decoder of its own to compile; make test: the traced test of the written-out attention below)
     pytest.param("post-sinusoidal-relu", False, marks=pytest.mark.e2e),
-    ("sandwich-learned-swiglu-rmsnorm-untied", True)], ids=["post", "post-attention-written-out", "sandwich"])
+    pytest.param("sandwich-learned-swiglu-rmsnorm-untied", True, marks=SANDWICH)],
+    ids=["post", "post-attention-written-out", "sandwich"])
 def test_each_step_gives_the_models_logits_and_keeps_them_through_reorders(variant: str, attention_kernel: bool):
     """Step by step over 12 positions (the cache grows past CACHE_GROWTH), with beams reordered, duplicated,
     and a sentence dropped on the way: the compiled logits equal the eager step's given the same history, with the
@@ -204,7 +211,7 @@ def test_searches_give_the_eager_searches_outputs(pair, search: SearchConfig):
     agree(model, src, one, eager, beams=search.beam_size > 1)
 
 
-@pytest.mark.e2e  # (.ci/run: a decoder of its own to compile; make test: the searches' tests over the step's outputs)
+@pytest.mark.e2e  # (make e2e: a decoder of its own to compile; make test: the searches' tests over the step's outputs)
 @torch.inference_mode()
 def test_the_step_gives_the_normaliser_and_chunk_maxima_the_search_would_compute():
     """With a vocabulary top_k_rows ranks in chunks, even for beam 3's 6 candidates (1,650: 25 whole chunks of 64
@@ -512,7 +519,7 @@ def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.Mon
     assert compiled.compile_kinds() == 0
 
 
-@pytest.mark.e2e  # (.ci/run: ~80 s of compiling with timed templates; make test: test_bf16_around_int8_*'s int8 step)
+@pytest.mark.e2e  # (make e2e: ~80 s of compiling with timed templates; make test: test_bf16_around_int8_*'s int8 step)
 def test_int8_step_follows_the_eager_int8_step():
     """int8_compiled's model (every linear layer RowInt8Linear, oneDNN's int8 op) compiled as the
     Translator compiles it: on a CPU with VNNI or AMX inductor's int8 micro-kernels among the fused work, elsewhere
@@ -751,7 +758,7 @@ def test_a_graph_dynamo_compiles_for_a_compiled_kind_outside_the_lock_is_refused
     assert (compiled.retried - retried, graphs_compiled() - before) == (compiled_module.TRACED_RETRIES, 1)
 
 
-@pytest.mark.e2e  # (.ci/run: 120 searches; make test: test_decoder_threads_meeting_a_new_kind_*'s two threads)
+@pytest.mark.e2e  # (make e2e: 120 searches; make test: test_decoder_threads_meeting_a_new_kind_*'s two threads)
 def test_decoder_threads_sharing_a_decoder_compile_nothing_more_once_each_kind_is_compiled():
     """Three threads decoding at once, every kind compiled first: no call compiles a graph again (dynamo found
     no graph fitting 6-11 calls in 300 searches and compiled one again for some, each taking a place of

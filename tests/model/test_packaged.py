@@ -1,6 +1,6 @@
 """The compiled decoder built ahead of time (seq2seq/model/packaged.py): every kind of call exported and compiled by
 AOTInductor into a package a later process loads. The package's checks and the decoder's dispatch by kind run in the
-default run; building one takes a minute even for a tiny model, so the tests that build run in .ci/run (e2e), one
+default run; building one takes a minute even for a tiny model, so the tests that build run in make e2e, one
 package shared by them."""
 
 import json

@@ -561,7 +561,7 @@ def batch_log(root: Path) -> list[dict]:
     return [json.loads(line) for line in (root / "batches.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.e2e  # (.ci/run: three runs, one killed; make test: test_resume_continues_step_and_schedule)
+@pytest.mark.e2e  # (make e2e: three runs, one killed; make test: test_resume_continues_step_and_schedule)
 def test_a_run_killed_and_resumed_trains_exactly_as_one_that_never_stopped(tmp_path: Path):
     """kill -9 mid-epoch, and again right after an epoch ended; `--ckpt_path last` each time. The batches
     (which and in what order), the dropout masks, optimiser, schedule and EMA weights all continue: the
