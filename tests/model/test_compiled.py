@@ -196,7 +196,9 @@ def test_the_compiled_encoder_and_step_follow_a_change_to_the_layers(monkeypatch
 
 
 @pytest.mark.parametrize("search", [SearchConfig(beam_size=1), SearchConfig(beam_size=3, nbest=2),
-                                    SearchConfig(beam_size=1, min_len=3, no_repeat_ngram_size=2)],
+                                    # (make e2e: graphs of their own; make test: the beams' and greedy's)
+                                    pytest.param(SearchConfig(beam_size=1, min_len=3, no_repeat_ngram_size=2),
+                                                 marks=pytest.mark.e2e)],
                          ids=["greedy", "beam3-nbest2", "greedy-constrained"])
 def test_searches_give_the_eager_searches_outputs(pair, search: SearchConfig):
     model, compiled = pair
@@ -420,7 +422,7 @@ def test_decoder_threads_meeting_a_new_kind_compile_it_once_then_run_it_at_once(
     """Two threads decode at once with a new decoder: each kind of call is compiled once (dynamo alone compiled
     it in both), its call generated in C++ that lets go of the GIL (so the threads' steps run at once: Python's
     call holds it), and each thread gets the eager model's outputs, twice (the second time both run the graphs)."""
-    model = tiny(seed=5)
+    model = tiny(seed=5, num_encoder_layers=1, num_decoder_layers=1)  # (one layer: the C++ call compiles for a minute)
     compiled = CompiledDecoder(model, gemm_templates=False)
     search = SearchConfig(beam_size=1)
     batches = [sources(seed=6)[:2], sources(seed=7)[:2]]

@@ -610,6 +610,7 @@ def train_copy_and_reverse(*, seed: int = 0, max_steps: int = COPY_REVERSE_MAX_S
     return step, accuracies
 
 
+@pytest.mark.e2e  # (make e2e: a minute of training on an AVX2-only CPU; make test: the trained fixtures learn)
 def test_learns_copy_and_reverse():
     """Gradients flow through cross-attention: the decoder can only solve this by reading the source.
 

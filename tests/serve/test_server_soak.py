@@ -7,11 +7,14 @@ The latency ratio is the benchmark's to report (python bench/server_soak.py), no
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 from server_soak import percentile, soak  # noqa: E402
 
 
+@pytest.mark.e2e  # (make e2e: a server under load for half a minute; make test: test_server.py's hostile requests)
 def test_normal_requests_are_served_and_the_server_keeps_its_memory_under_hostile_load(trained: Path):
     # One decoder thread: each one's memory (oneDNN's scratchpads are per thread) grows to its own peak as
     # batches of new shapes land on it, which 2-second phases do not see the end of with several.
