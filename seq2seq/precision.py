@@ -336,7 +336,7 @@ def _few_rows_layers(*, in_features: int, out_features: int) -> FewRowsLayers:
     """float32 linear layers of one shape, plain and packed: as many copies as make 16 MB of weights (one,
     where one is larger), for a step reads its layers' weights from beyond a core's caches, not one again and again;
     FEW_ROWS_COPIES at most, which binds below 64 KB a layer only (a toy model's), where more copies would time
-    Python's calls over and over (4,096 of a 32 x 32 layer took half a minute of a Zen 3's start-up)."""
+    Python's calls over and over, and hold up a fresh process's start for as long."""
     copies = min(FEW_ROWS_COPIES, max(1, (16 << 20) // (in_features * out_features * 4)))
     plain = [torch.nn.Linear(in_features, out_features) for _ in range(copies)]
     return plain, [PackedLinear(linear) for linear in plain]

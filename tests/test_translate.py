@@ -346,7 +346,7 @@ def test_cli_with_compile_whose_step_cannot_be_compiled_says_so_in_one_line(
         raise CompileError("the decoding step could not be compiled (InvalidCxxCompiler: No working C++ compiler)")
 
     monkeypatch.setattr(CompiledDecoder, "_steps", cannot_compile)  # (decode's and decode_step's)
-    monkeypatch.setattr(CompiledDecoder, "encode", lambda self, src: self.model.encode(src))  # (a minute on a Zen 3)
+    monkeypatch.setattr(CompiledDecoder, "encode", lambda self, src: self.model.encode(src))  # (its compiling: not what is tested)
     with pytest.raises(SystemExit) as caught:
         main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "in.de"), "--output", str(output),
               "--compile", "jit", "--precision", "fp32"])

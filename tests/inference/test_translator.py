@@ -463,17 +463,17 @@ def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: 
     """Translator(precision="int8", compiled="jit"): every linear layer RowInt8Linear (int8 activations a row each,
     oneDNN's op, compiled into the encoder and the step; int8 without compile runs fbgemm's Int8Linear, activations
     quantised a tensor at once); where bf16 pays on the CPU (both verdicts forced here) the rest of the decoder is
-    bf16 around them (bf16_around_int8). The compiled step's translations are the same model's eager step's (in bf16
-    all but a near-tie), and close to int8's without compile (another quantisation of the activations: a few
-    sentences may differ, at near-ties). Near-ties, not counts of equal outputs (tests/near_ties.py): in bf16 the
-    compiled step's logits round in other places (0.06 apart at most in a sum of ~10 log-probs on one CPU), and
-    which ties flip depends on the CPU's kernels."""
+    bf16 around them (bf16_around_int8). The compiled step's translations are the same model's eager step's but for
+    near-ties within int8's rounding, and int8 without compile (another quantisation of the activations) scores them
+    as the compiled model does, on average, within int8's rounding. Near-ties, not counts of equal outputs
+    (tests/near_ties.py): the compiled step's logits round in other places, and which ties flip depends on the CPU's
+    kernels."""
     sources = quick_to_compile(monkeypatch)
     monkeypatch.setattr("seq2seq.inference.preparation.bf16_matmuls_pay", lambda device: bf16_pays)
     compiled = Translator.from_checkpoint(trained, precision="int8", compiled="jit", threads=1)
     compiled_int8_is_made_so(compiled, bf16_pays)
     # int8's tolerance in bf16 too: a bf16 rounding elsewhere can move an activation across an int8 step, a whole
-    # step of int8's rounding (seen on a Zen 3: 0.25 apart where bf16's alone allows 0.195)
+    # step of int8's rounding
     precision = "int8"
     eager = copy.copy(compiled)
     eager.decoding = compiled.model  # the same model, its eager step: the reference, its weights quantised
@@ -486,7 +486,7 @@ def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: 
     same_tokens(eager.translate_nbest(sources, greedy_search), got, compiled.model, src, precision)
     # int8 without compile quantises the activations otherwise (a tensor at once, fbgemm, where the compiled step's
     # are a row at once): another model, whose choices part from these wherever a row's quantisation and the
-    # tensor's differ by more than a tie (a Zen 3 parted two sentences of 40 so, by up to 0.52). Its scores of the
+    # tensor's differ by more than a tie, at places that differ by CPU. Its scores of the
     # compiled step's translations are these within int8's rounding, on average over every token (as int8's and
     # fp32's are, test_bf16_and_int8_score_as_fp32_within_their_rounding): a layer left unquantised or a wrong scale
     # moves them by nats
