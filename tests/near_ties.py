@@ -93,11 +93,15 @@ def greedy_near_ties(reference, sources: Sequence[Sequence[int]], ours: Sequence
     return problems
 
 
+def token_log_probs(logits: torch.Tensor, tgt: Sequence[int], *, eos: int) -> torch.Tensor:
+    """log P of each token of tgt + EOS (T + 1,), from teacher_forced_logits' (T + 1, V)."""
+    return logits.log_softmax(dim=-1).gather(1, torch.tensor([[*tgt, eos]]).T)[:, 0]
+
+
 def sequence_score(reference, src: Sequence[int], tgt: Sequence[int], *, bos: int, eos: int) -> tuple[float, float]:
     """(sum of log P(tgt + EOS | src) under the reference, the sum of its tokens' tolerances in float64 terms)."""
     logits = teacher_forced_logits(reference, src, tgt, bos=bos)
-    log_probs = logits.log_softmax(dim=-1).gather(1, torch.tensor([[*tgt, eos]]).T)[:, 0]
-    return float(log_probs.sum()), float(logits.abs().amax(dim=-1).sum())
+    return float(token_log_probs(logits, tgt, eos=eos).sum()), float(logits.abs().amax(dim=-1).sum())
 
 
 def beam_near_ties(reference, sources: Sequence[Sequence[int]], ours: Sequence[Sequence[int]],

@@ -157,8 +157,8 @@ def translate_over_http(machine: str, checkpoint: Path, sentences: list[str], *a
         process.kill()
 
 
-@pytest.mark.e2e  # (make e2e; make test runs each shipped config's few updates below as the AVX2, AMX, AVX512-BF16
-# and ARM machines, and tests/inference/test_translator.py, test_server.py the translation faces)
+@pytest.mark.e2e  # (make e2e; make test runs demo's and multi30k's few updates below as the AVX2 machine, test_fit.py's
+# ranks as each machine, and tests/inference/test_translator.py, test_server.py the translation faces)
 @pytest.mark.parametrize("machine", ["avx2", "amx"])
 def test_the_main_job_runs_end_to_end_whatever_auto_picks(machine: str, tmp_path: Path, machine_verdicts,
                                                            monkeypatch):

@@ -27,6 +27,7 @@ from near_ties import (
     greedy_near_ties,
     reference_model,
     teacher_forced_logits,
+    token_log_probs,
 )
 from torch import nn
 from torch._dynamo.utils import counters
@@ -495,11 +496,8 @@ def test_compiled_int8_translates_as_its_eager_step(trained: Path, monkeypatch: 
 
     def log_probs(model) -> torch.Tensor:
         # each token's, encoded and decoded as the searches do (bf16 around int8 takes the float32 memory)
-        scores = []
-        for ids, target in zip(src, targets, strict=True):
-            logits = teacher_forced_logits(model, ids, target, bos=BOS_ID)  # (T + 1, V)
-            scores.append(logits.log_softmax(dim=-1).gather(1, torch.tensor([[*target, EOS_ID]]).T)[:, 0])
-        return torch.cat(scores)
+        return torch.cat([token_log_probs(teacher_forced_logits(model, ids, target, bos=BOS_ID), target, eos=EOS_ID)
+                          for ids, target in zip(src, targets, strict=True)])
 
     moved = log_probs(eager_int8.model) - log_probs(compiled.model)
     bound = rounding_bound("int8", reference_model(trained), sources, targets, compiled.tokenizer)
