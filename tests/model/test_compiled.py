@@ -473,8 +473,10 @@ def test_several_tokens_with_a_state_are_one_step_each():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])
 def test_gemm_templates_decode_one_sentence_as_the_eager_step(dtype: torch.dtype):
     """The step as the Translator compiles it, inductor's GEMM templates timed against ATen's (which wins depends on
-    the CPU: AMX, AVX-512 or AVX2) and its call in C++, at one row, on a one-layer model (compiling takes ~30 s, fp32's ~60 s with
-    nothing cached: slow). Each step's logits follow the eager step's, to float32's or bf16's rounding."""
+    the CPU: AMX, AVX-512 or AVX2) and its call in C++, at one row, on a one-layer model (each template a compile of
+    its own: about a minute, fp32's more where the CPU has no AVX-512: slow). Each step's logits follow the eager
+    step's, to float32's or bf16's rounding. (The encoder compiled so, and a whole search over both: make e2e's
+    test_a_decoder_compiled_for_the_machine_is_what_the_translate_command_runs_with_no_flag.)"""
     model = tiny(dtype=dtype, num_encoder_layers=1, num_decoder_layers=1, norm_placement="pre")
     compiled = CompiledDecoder(model)
     src = sources()[:1]
@@ -490,8 +492,6 @@ def test_gemm_templates_decode_one_sentence_as_the_eager_step(dtype: torch.dtype
             assert (got - expected).abs().max() <= bound * expected.abs().max()
             tokens = expected[:, -1].argmax(-1, keepdim=True)
     assert graphs_compiled() == before + 2  # the step's, and the cross-attention projection's
-    (one,) = decode(compiled, src, SearchConfig(beam_size=1), bos=BOS, eos=EOS, pad=PAD)
-    assert one[0].tokens and one[0].log_prob < 0
 
 
 def test_kinds_are_compiled_at_the_sizes_of_real_batches(monkeypatch: pytest.MonkeyPatch):
