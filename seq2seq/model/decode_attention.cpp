@@ -19,8 +19,8 @@
 // instruction set, CPU_CAPABILITY_* selecting ATen's vector types, so that a test can run a set the machine
 // does not take).
 
-// The tensor's methods and the one operator it calls, not <ATen/ATen.h> (every operator's declaration: a quarter of
-// each build's compile time, and a build is made on a machine's first use).
+// The tensor's methods and the one operator it calls, not <ATen/ATen.h>: every operator's declaration, parsed by
+// each build, and a build is made on a machine's first use.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
