@@ -28,6 +28,7 @@ import io
 import json
 import os
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +41,19 @@ PAD_ID = 0
 UNK_ID = 1
 BOS_ID = 2
 EOS_ID = 3
+
+
+TAG = re.compile(r">>([A-Za-z][A-Za-z0-9_-]*)<<")
+"""A language tag and its code: `>>fr<<`, `>>fra<<`, `>>zh_Hant<<` (OPUS-MT's form: an imported multilingual Marian
+model's vocabulary holds them, and a joint model trained for several target languages holds its own)."""
+
+
+def language_tag(lang: str) -> str:
+    """The tag that names `lang` (`>>fr<<`); ValueError for a code a tag cannot hold."""
+    if not TAG.fullmatch(f">>{lang}<<"):
+        raise ValueError(f"{lang!r} is not a language code a tag can hold: letters, digits, '_' or '-', "
+                         "starting with a letter (de, fra, zh_Hant)")
+    return f">>{lang}<<"
 
 
 MARIAN_MAGIC = b"seq2seq marian tokenizer\n"  # a sentencepiece proto starts with a protobuf tag, never with this
@@ -94,12 +108,18 @@ class Tokenizer:
         character_coverage: float = 1.0,
         max_sentences: int = 2_000_000,
         seed: int = 0,
+        languages: Iterable[str] = (),
     ) -> Tokenizer:
-        """Train a joint model on at most `max_sentences` lines drawn uniformly from `texts`.
+        """Train a joint model on at most `max_sentences` lines drawn uniformly from `texts`, with a tag piece for
+        each of `languages` (a multilingual model's target languages: `language_tag`).
 
         `texts` is read once, as a stream (reservoir sampling), so a WMT-size corpus is never held
         in memory beyond the sample. The same texts and seed give the same model, byte for byte.
+        The tags are control symbols, not user-defined ones: both are single pieces, never split, but a
+        control symbol is never made from text, so a sentence that contains ">>fr<<" cannot ask for French
+        (the tag's id is put in by `tag_id`'s callers), and decoding drops it.
         """
+        tags = [language_tag(lang) for lang in languages]
         sample = _reservoir_sample(texts, k=max_sentences, seed=seed)
         if not any(line.strip() for line in sample):
             raise ValueError("cannot train a tokenizer: the training text is empty (no non-blank line)")
@@ -116,6 +136,7 @@ class Tokenizer:
                 unk_id=UNK_ID,
                 bos_id=BOS_ID,
                 eos_id=EOS_ID,
+                control_symbols=tags,  # (ids 4, 5, ... after the four above)
                 # "identity" keeps characters as they are: nmt_nfkc rewrites e.g. a no-break space or
                 # "½" (45 lines of Multi30k), so decode(encode(x)) != x. Runs of spaces and leading or
                 # trailing spaces are still collapsed (remove_extra_whitespaces' default), which is the
@@ -147,6 +168,7 @@ class Tokenizer:
         character_coverage: float = 1.0,
         max_sentences: int = 2_000_000,
         seed: int = 0,
+        languages: Iterable[str] = (),
     ) -> Tokenizer:
         """The model at `path`; if there is none, one trained on `texts()` (options: `train`), written there.
 
@@ -170,6 +192,7 @@ class Tokenizer:
                         tokenizer = cls.train(
                             lines, vocab_size=vocab_size, model_type=model_type,
                             character_coverage=character_coverage, max_sentences=max_sentences, seed=seed,
+                            languages=languages,
                         )  # fmt: skip
                     partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")
                     with _failing("write", path, OSError):
@@ -327,6 +350,30 @@ class Tokenizer:
                 pieces = [self._vocabulary[i] for i in kept]
                 texts.append(self._target.decode_pieces(pieces).replace("\u2581", " ").strip())
         return texts
+
+    @property
+    def languages(self) -> list[str]:
+        """The language codes this tokenizer has a tag piece for, in id order: a joint model's control symbols
+        `>>xx<<`, a Marian vocabulary's `>>xxx<<` pieces; [] for a bilingual model."""
+        if self._vocabulary is not None:
+            pieces = self._vocabulary
+        else:
+            pieces = [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size()) if self._sp.is_control(i)]
+        return [match.group(1) for piece in pieces if (match := TAG.fullmatch(piece))]
+
+    def tag_id(self, lang: str) -> int:
+        """The id of `lang`'s tag; ValueError (one line, naming the languages there are) if it has none."""
+        tag = language_tag(lang)
+        if self._vocabulary is not None:
+            found = self._index.get(tag)
+        else:
+            found = self._sp.piece_to_id(tag)
+            found = found if found != self.unk_id and self._sp.is_control(found) else None
+        if found is None:
+            languages = self.languages
+            have = f"its target languages are {', '.join(languages)}" if languages else "it has no language tags"
+            raise ValueError(f"this model has no tag for {lang!r}: {have}")
+        return found
 
     @property
     def vocab_size(self) -> int:

@@ -20,12 +20,17 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from seq2seq.training.directions import epoch_rows
+
 
 class TokenBatchSampler:
     """Lists of row indices whose padded size fits `max_tokens` (see the module docstring).
 
     Training: a permutation drawn from (seed, epoch) is cut into windows of `shuffle_window` pairs;
-    each window is sorted by size and cut greedily into batches, and the batches are shuffled.
+    each window is sorted by size and cut greedily into batches, and the batches are shuffled. With
+    `groups` (each row's direction of a multilingual run) and their `shares`, the permutation is of rows
+    drawn in those shares instead (training/directions.py: some repeated, some left out this epoch), so
+    that a batch mixes directions.
     Evaluation: the whole split sorted by size, the same batches in the same order every time.
     Each rank then takes every world_size-th batch of the list, padded to a multiple of world_size
     by repeating its first batches. The batch count may differ slightly between epochs (windows
@@ -46,9 +51,14 @@ class TokenBatchSampler:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        groups: np.ndarray | None = None,  # (N,) each pair's direction, an index into shares
+        shares: np.ndarray | None = None,  # (directions,) each direction's share of an epoch's pairs
     ) -> None:
         if len(sizes) and int(sizes.max()) > max_tokens:
             raise ValueError(f"a pair needs {int(sizes.max())} positions but max_tokens is {max_tokens}")
+        if (groups is None) != (shares is None) or (groups is not None and len(groups) != len(sizes)):
+            raise ValueError("groups (one a pair) and shares (one a group) go together")
+        self.groups, self.shares = groups, shares
         self.sizes, self.max_tokens, self.shuffle = np.asarray(sizes), max_tokens, shuffle
         self.shuffle_window, self.seed, self.rank, self.world_size = shuffle_window, seed, rank, world_size
         self.epoch = 0
@@ -71,15 +81,18 @@ class TokenBatchSampler:
         for start, end in zip(plan.starts[skip:].tolist(), plan.ends[skip:].tolist(), strict=True):
             yield plan.rows[start:end].tolist()
 
-    def state_dict(self, *, batches_done: int) -> dict[str, int]:
+    def state_dict(self, *, batches_done: int) -> dict[str, Any]:
         return {"epoch": self.epoch, "batches_done": batches_done, **self._order()}
 
-    def _order(self) -> dict[str, int]:
-        """What decides the batches and their order, besides the epoch."""
-        return {"seed": self.seed, "world_size": self.world_size, "max_tokens": self.max_tokens,
-                "shuffle_window": self.shuffle_window, "pairs": len(self.sizes)}
+    def _order(self) -> dict[str, Any]:
+        """What decides the batches and their order, besides the epoch (a single direction's run: no shares)."""
+        order: dict[str, Any] = {"seed": self.seed, "world_size": self.world_size, "max_tokens": self.max_tokens,
+                                 "shuffle_window": self.shuffle_window, "pairs": len(self.sizes)}
+        if self.shares is not None:
+            order["shares"] = [round(float(share), 9) for share in self.shares]
+        return order
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` left off; a finished epoch continues with the next one."""
         changed = [f"{key} {state.get(key)} -> {value}" for key, value in self._order().items() if state.get(key) != value]
         if changed:
@@ -109,7 +122,10 @@ class TokenBatchSampler:
             starts = _pack(self.sizes[rows], self.max_tokens)
             return Plan(_compact(rows), starts[:-1], starts[1:])
         rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(len(self.sizes))
+        if self.groups is None or self.shares is None:
+            order = rng.permutation(len(self.sizes))
+        else:
+            order = epoch_rows(self.groups, shares=self.shares, rng=rng)
         windows, cuts = [], []
         for start in range(0, len(order), self.shuffle_window):
             window = order[start : start + self.shuffle_window]

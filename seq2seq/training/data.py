@@ -68,11 +68,11 @@ class ResumableLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.batches_done = batches_done
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         assert isinstance(self.batch_sampler, TokenBatchSampler)
         return self.batch_sampler.state_dict(batches_done=self.batches_done())
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         assert isinstance(self.batch_sampler, TokenBatchSampler)
         self.batch_sampler.load_state_dict(state)
 

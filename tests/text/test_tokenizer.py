@@ -11,6 +11,7 @@ from seq2seq.text.tokenizer import (
     Tokenizer,
     TokenizerFileError,
     _reservoir_sample,
+    language_tag,
 )
 
 
@@ -141,6 +142,37 @@ def test_load_or_train_says_which_step_failed(tmp_path) -> None:
         Tokenizer.load_or_train(tmp_path / "other.model", unreadable, vocab_size=500)
 
 
+# ---- language tags (a multilingual model's target languages) -----------------------------------------
+
+
+def test_a_tag_is_one_piece_no_text_can_make_and_decoding_drops(multi30k_lines, tmp_path) -> None:
+    texts = multi30k_lines("train", "de", 2000) + multi30k_lines("train", "en", 2000)
+    tok = Tokenizer.train(texts, vocab_size=500, languages=["en", "fr", "de"])
+    assert tok.languages == ["en", "fr", "de"]
+    assert [tok.tag_id(lang) for lang in ("en", "fr", "de")] == [4, 5, 6]  # after the four specials
+    assert tok.pieces()[5] == ">>fr<<" and tok.vocab_size == 500
+    [hostile] = tok.encode_source([">>fr<< Ein Mann"])  # a sentence that writes the tag gets its characters
+    assert tok.tag_id("fr") not in hostile and tok.decode([hostile]) == [">>fr<< Ein Mann"]
+    [sentence] = tok.encode_source(["Ein Mann"])
+    assert tok.decode([[tok.tag_id("en"), *sentence]]) == ["Ein Mann"]
+    assert Tokenizer.from_bytes(tok.to_bytes()).languages == ["en", "fr", "de"]  # kept in the model's bytes
+    with pytest.raises(ValueError, match="this model has no tag for 'cs': its target languages are en, fr, de"):
+        tok.tag_id("cs")
+    bilingual = Tokenizer.train(texts, vocab_size=500)
+    assert bilingual.languages == []
+    with pytest.raises(ValueError, match="this model has no tag for 'en': it has no language tags"):
+        bilingual.tag_id("en")
+    assert Tokenizer.load_or_train(tmp_path / "spm.model", lambda: texts, vocab_size=500,
+                                   languages=["cs"]).languages == ["cs"]
+
+
+def test_a_tag_is_opus_mt_s_form_and_refuses_what_is_no_code() -> None:
+    assert language_tag("fr") == ">>fr<<" and language_tag("zh_Hant") == ">>zh_Hant<<"
+    for code in (">>fr<<", "e n", "", "1de"):
+        with pytest.raises(ValueError, match="is not a language code a tag can hold"):
+            language_tag(code)
+
+
 # ---- a Marian pair (an imported OPUS-MT model's tokenizer) ------------------------------------------
 
 
@@ -173,6 +205,17 @@ def test_a_marian_pair_decodes_pieces_only_the_source_model_knows(marian_pair: T
     ids = [pieces.index(p) for p in ("▁A", "▁dog")] + tok.encode_source(["eine Hund auf"])[0][:-1]
     [text] = tok.decode([ids])
     assert "▁" not in text and text.startswith("A dog ") and text.split()[2:] == ["eine", "Hund", "auf"]
+
+
+def test_a_multilingual_marian_vocabulary_s_tags_are_its_languages(marian_pair: Tokenizer) -> None:
+    """A multi-target OPUS-MT model's vocabulary holds its `>>xxx<<` pieces; its source text names the target."""
+    pieces = marian_pair.pieces()
+    vocabulary = [*pieces[:-1], ">>fra<<", ">>deu<<", pieces[-1]]  # (pad stays last)
+    tok = Tokenizer.from_marian(source=marian_pair.model_bytes("source"), target=marian_pair.model_bytes("target"),
+                                vocabulary=vocabulary)
+    assert marian_pair.languages == [] and tok.languages == ["fra", "deu"]
+    assert tok.tag_id("deu") == len(pieces)
+    assert tok.encode_source([">>deu<< A dog."])[0][0] == tok.tag_id("deu")
 
 
 def test_joint_tokenizers_have_no_source_suffix(tokenizer: Tokenizer) -> None:
