@@ -76,7 +76,7 @@ def average(paths: list[str], *, weights: str = "inference") -> InferenceCheckpo
 def write(checkpoint: InferenceCheckpoint, path: str | Path) -> None:
     state_dict = {f"model.{name}": tensor for name, tensor in checkpoint.weights.items()}
     entry = inference_entry(state_dict=state_dict, config=checkpoint.config, tokenizer=checkpoint.tokenizer,
-                            src_lang=checkpoint.src_lang, tgt_lang=checkpoint.tgt_lang)
+                            src_lang=checkpoint.src_lang, tgt_lang=checkpoint.tgt_lang, directions=checkpoint.directions)
     save_atomic({"state_dict": state_dict, CHECKPOINT_KEY: entry}, path, create_folder=False)
 
 

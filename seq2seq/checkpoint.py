@@ -29,6 +29,7 @@ import os
 import pickle
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -39,11 +40,11 @@ from torch.overrides import TorchFunctionMode
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.transformer import position_table_bytes
-from seq2seq.text.tokenizer import Tokenizer
+from seq2seq.text.tokenizer import TAG, Tokenizer
 
 CHECKPOINT_KEY = "seq2seq"
-CHECKPOINT_FORMAT = 4  # 2 added "sha256", 3 "search", 4 "training_sha256"; bump on any change to the entry
-READABLE_FORMATS = (1, 2, 3, 4)
+CHECKPOINT_FORMAT = 5  # 2 added "sha256", 3 "search", 4 "training_sha256", 5 "directions"; bump on any change
+READABLE_FORMATS = (1, 2, 3, 4, 5)
 # What the entry's "sha256" covers; "training_sha256" covers every other key of the file.
 INFERENCE_KEYS = (CHECKPOINT_KEY, "state_dict")  # format 1 has no checksum: read, with a warning that it cannot be verified
 # Position tables are computed from max_positions, not stored; a config asking for more than this
@@ -63,18 +64,23 @@ class InferenceCheckpoint(NamedTuple):
     tgt_lang: str
     search: SearchConfig  # the translation defaults: the fields tuned on validation over SearchConfig's own
     checksum: str | None = None  # the stored sha256 of all the above, verified (None: format 1 has none)
+    # a multilingual model's trained (src, tgt) directions, each target's tag in the tokenizer; () for a bilingual
+    # model (src_lang, tgt_lang), whose sources carry no tag
+    directions: tuple[tuple[str, str], ...] = ()
 
 
 # ---- writing -----------------------------------------------------------------------------------
 
 
 def checksum(*, weights: dict[str, Tensor], config: dict[str, Any], tokenizer: bytes, src_lang: str,
-             tgt_lang: str, search: dict[str, Any] | None = None) -> str:
+             tgt_lang: str, search: dict[str, Any] | None = None, directions: Sequence[Sequence[str]] = ()) -> str:
     """SHA-256 over everything inference reads: each weight's name, dtype, shape and bytes, and the entry."""
     digest = hashlib.sha256()
-    header = {"config": config, "src_lang": src_lang, "tgt_lang": tgt_lang}
+    header: dict[str, Any] = {"config": config, "src_lang": src_lang, "tgt_lang": tgt_lang}
     if search:  # absent from files without tuned defaults, whose checksums stay what they were
         header["search"] = search
+    if directions:  # (likewise: a bilingual model's checksum is what it was)
+        header["directions"] = [list(pair) for pair in directions]
     digest.update(json.dumps(header, sort_keys=True).encode())
     digest.update(hashlib.sha256(tokenizer).digest())
     for name in sorted(weights):
@@ -85,9 +91,11 @@ def checksum(*, weights: dict[str, Tensor], config: dict[str, Any], tokenizer: b
 
 
 def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig, tokenizer: bytes,
-                    src_lang: str, tgt_lang: str, search: dict[str, Any] | None = None) -> dict[str, Any]:
+                    src_lang: str, tgt_lang: str, search: dict[str, Any] | None = None,
+                    directions: Sequence[Sequence[str]] = ()) -> dict[str, Any]:
     """What goes under checkpoint["seq2seq"]; `state_dict` is the LightningModule's ("model.*" keys);
-    `search`: SearchConfig fields tuned on validation, the translation defaults."""
+    `search`: SearchConfig fields tuned on validation, the translation defaults; `directions`: a multilingual
+    model's (src, tgt) pairs."""
     config_dict = config.to_dict()
     entry = {
         "format": CHECKPOINT_FORMAT,
@@ -96,10 +104,12 @@ def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig,
         "src_lang": src_lang,
         "tgt_lang": tgt_lang,
         "sha256": checksum(weights=model_weights(state_dict), config=config_dict, tokenizer=tokenizer,
-                           src_lang=src_lang, tgt_lang=tgt_lang, search=search),
+                           src_lang=src_lang, tgt_lang=tgt_lang, search=search, directions=directions),
     }
     if search:
         entry["search"] = dict(search)
+    if directions:
+        entry["directions"] = [list(pair) for pair in directions]
     return entry
 
 
@@ -147,7 +157,7 @@ def store_search_defaults(path: str | Path, search: dict[str, Any]) -> None:
     check_training_state(path, checkpoint)
     checkpoint[CHECKPOINT_KEY] = inference_entry(
         state_dict=checkpoint["state_dict"], config=loaded.config, tokenizer=loaded.tokenizer,
-        src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang, search=search,
+        src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang, search=search, directions=loaded.directions,
     )
     seal_training_state(checkpoint)
     save_atomic(checkpoint, path)
@@ -267,6 +277,7 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
         raise CheckpointError(f"{path}: its weight '{not_tensor}' is not a tensor; the file is damaged")
     _check_layer_counts(path, config, weights)
     _check_shapes(path, config, weights)
+    directions = _directions(path, entry.get("directions", []))
     stored_search = entry.get("search", {})
     try:
         if not isinstance(stored_search, dict):
@@ -280,17 +291,29 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
     else:
         stored = entry["sha256"]
         actual = checksum(weights=weights, config=entry["model_config"], tokenizer=entry["tokenizer"],
-                          src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"], search=entry.get("search"))
+                          src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"], search=entry.get("search"),
+                          directions=directions)
         if actual != stored:
             raise CheckpointError(f"{path} is damaged: its weights or tokenizer do not match the checksum stored "
                                   "when it was written; copy it again or use another checkpoint")
-    _check_tokenizer(path, config, entry["tokenizer"])
+    _check_tokenizer(path, config, entry["tokenizer"], targets=[tgt for _, tgt in directions])
     bad = next((name for name, t in weights.items() if t.is_floating_point() and not t.isfinite().all()), None)
     if bad is not None:  # a run that diverged: it would translate every sentence into nothing
         raise CheckpointError(f"{path}: its weight '{bad}' holds NaN or infinite values (the training run "
                               "diverged); use an earlier checkpoint")
     return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"], search,
-                               entry.get("sha256"))
+                               entry.get("sha256"), directions)
+
+
+def _directions(path: str | Path, stored: Any) -> tuple[tuple[str, str], ...]:
+    """A multilingual entry's directions, checked: a list of [src, tgt] language codes, each once."""
+    ok = isinstance(stored, list) and all(
+        isinstance(pair, list) and len(pair) == 2 and all(isinstance(lang, str) and TAG.fullmatch(f">>{lang}<<")
+                                                          for lang in pair) for pair in stored)
+    if not ok or len({tuple(pair) for pair in stored}) != len(stored):
+        raise CheckpointError(f"{path}: its '{CHECKPOINT_KEY}' entry is damaged: 'directions' is not a list of "
+                              "distinct [source, target] language codes")
+    return tuple((src, tgt) for src, tgt in stored)
 
 
 def inference_model(loaded: InferenceCheckpoint) -> Transformer:
@@ -320,13 +343,19 @@ def check_training_state(path: str | Path, checkpoint: dict[str, Any]) -> None:
                               "use another checkpoint")
 
 
-def _check_tokenizer(path: str | Path, config: TransformerConfig, proto: bytes) -> None:
+def _check_tokenizer(path: str | Path, config: TransformerConfig, proto: bytes, *, targets: list[str]) -> None:
     """The tokenizer must load and give one id per embedding row: a mismatched one would index past the
-    embeddings (an IndexError deep in decoding) or read every id as another piece."""
+    embeddings (an IndexError deep in decoding) or read every id as another piece; and hold a tag for each of
+    a multilingual model's `targets`."""
     try:
-        pieces = Tokenizer.from_bytes(proto).vocab_size
+        tokenizer = Tokenizer.from_bytes(proto)
     except ValueError as error:
         raise CheckpointError(f"{path}: its stored tokenizer cannot be loaded ({error})") from None
+    pieces = tokenizer.vocab_size
+    untagged = sorted(set(targets) - set(tokenizer.languages))
+    if untagged:
+        raise CheckpointError(f"{path}: its directions translate into {', '.join(untagged)}, which its tokenizer has "
+                              "no tag for; the file is damaged")
     if pieces != config.vocab_size:
         raise CheckpointError(f"{path}: its tokenizer has {pieces} pieces but its model has {config.vocab_size} "
                               "embedding rows (vocab_size); they come from different runs: use a checkpoint "

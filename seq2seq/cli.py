@@ -55,6 +55,8 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
             # None: not given. The checkpoint's tuned value (its search defaults) then applies, else ours.
             group.add_argument(*flags, dest=f.name, type=kind, default=None,
                                help=f"{f.metadata['help']} (default: the checkpoint's, else {f.default})")
+    parser.add_argument("--tgt-lang", default=None,
+                        help="a multilingual model's target language (one of its checkpoint's; default: its only one)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--workers", type=int, default=None,
@@ -132,8 +134,8 @@ def parallelism(args: argparse.Namespace) -> tuple[int, int]:
 
 def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *, parallel: bool = True,
                     served_by: tuple[int, int] | None = None) -> tuple[Translator, SearchConfig]:
-    """The checkpoint's Translator (`--checkpoint`, `--device`, `--precision`, `--compile`, and unless `parallel` is
-    False, `--workers` and `--threads`) and the search to run: the flags given over the checkpoint's tuned
+    """The checkpoint's Translator (`--checkpoint`, `--device`, `--precision`, `--compile`, `--tgt-lang`, and unless
+    `parallel` is False, `--workers` and `--threads`) and the search to run: the flags given over the checkpoint's tuned
     defaults, checked against its vocabulary. Anything wrong is one line naming the file or the flag,
     and an exit."""
     workers, threads = parallelism(args) if parallel else (1, None)
@@ -145,6 +147,11 @@ def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *
         raise SystemExit(f"error: {error}") from None
     except CompileError as error:  # (--compile building the kept decoder)
         raise SystemExit(f"error: {error}; run it with --compile off") from None
+    try:
+        translator = translator.for_target(args.tgt_lang) if args.tgt_lang else translator
+        translator.source_tag()  # (a multilingual model's target chosen: said before any input is read)
+    except ValueError as error:
+        raise SystemExit(f"error: --tgt-lang: {error}") from None
     if translator.compiled is False and translator.kept_at is not None and args.compile == "auto":
         print(eager_note(translator, checkpoint=args.checkpoint), file=sys.stderr, flush=True)
     search = search_config(parser, args, translator.search)

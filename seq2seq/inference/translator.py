@@ -19,6 +19,7 @@ The process-wide memory settings the CLI and the server make first (precision.tu
 the program's to make, not the library's: a program translating much through a Translator calls it too.
 """
 
+import copy
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -82,6 +83,7 @@ class Translator:
         progress: Callable[[str], None] | None = None,
         served_by: tuple[int, int] | None = None,
         checksum: str | None = None,
+        directions: Sequence[tuple[str, str]] = (),
     ):
         """`model` is prepared in place for `device` and `precision` (inference/preparation.py's `prepare`: auto
         picks bf16 where bf16 matmuls are fast, else fp32; int8 is a CPU option; the kernels the machine's timed
@@ -107,7 +109,9 @@ class Translator:
         (`compile_decoding` compiles them all first). `served_by`: the (threads, intra-op threads each) of a server's
         decoder threads that call this Translator's methods themselves: the package is theirs (built for their
         count, as many of them running it at once). `checksum`: the checkpoint's verified checksum (from_checkpoint's),
-        which names the kept package in place of a hash of the weights."""
+        which names the kept package in place of a hash of the weights. `directions`: a multilingual model's
+        (src, tgt) pairs (its checkpoint's), whose sources start with their target language's tag: `tgt_lang`
+        picks it (by default the one target where there is one; `for_target` gives another)."""
         torch.set_flush_denormal(True)  # denormal floats run far slower on x86 CPUs (docs/performance/precision.md)
         runners, threads_each = served_by or (workers, decoder_threads(workers=workers, threads=threads))
         prepared = prepare(model, device=device, precision=precision, compiled=compiled, threads=threads_each,
@@ -128,7 +132,10 @@ class Translator:
                 decoding, folder, runners=runners, progress=progress or (lambda _line: None)))
         warn_of_workers_off_the_cpu(workers, self.device)
         self.tokenizer = tokenizer
-        self.src_lang, self.tgt_lang = src_lang, tgt_lang
+        self.directions = tuple(directions)
+        targets = self.targets
+        self.src_lang = src_lang
+        self.tgt_lang = tgt_lang if not targets else targets[0] if len(targets) == 1 else ""
         self.search = search
         self._continuing: frozenset[int] | None = None  # continuing_ids(), made on first use
 
@@ -144,7 +151,37 @@ class Translator:
         tokenizer = Tokenizer.from_bytes(loaded.tokenizer)  # read_inference loaded it once: it loads
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
                    device=device, precision=precision, search=loaded.search, workers=workers, threads=threads,
-                   compiled=compiled, progress=progress, served_by=served_by, checksum=loaded.checksum)
+                   compiled=compiled, progress=progress, served_by=served_by, checksum=loaded.checksum,
+                   directions=loaded.directions)
+
+    @property
+    def targets(self) -> list[str]:
+        """The languages a multilingual model translates into, in its directions' order; [] for a bilingual one."""
+        return list(dict.fromkeys(tgt for _, tgt in self.directions))
+
+    def for_target(self, tgt_lang: str, *, src_lang: str = "") -> "Translator":
+        """This multilingual Translator translating into `tgt_lang` (from `src_lang`, which only sentence
+        splitting reads): the same model, decoder threads and settings, shared. ValueError (one line, naming the
+        targets there are) for a language it does not translate into, or a bilingual model's other language."""
+        if tgt_lang not in self.targets:
+            have = (f"this model translates into {', '.join(self.targets)}" if self.targets
+                    else f"this model translates {self.src_lang or '?'}→{self.tgt_lang or '?'} only")
+            if not self.targets and tgt_lang == self.tgt_lang:
+                return self
+            raise ValueError(f"cannot translate into {tgt_lang!r}: {have}")
+        chosen = copy.copy(self)  # (the attributes shared: model, pool, decoder; two strings its own)
+        chosen.tgt_lang, chosen.src_lang = tgt_lang, src_lang or self.src_lang
+        return chosen
+
+    def source_tag(self) -> list[int]:
+        """What every source starts with: a multilingual model's tag of `tgt_lang`; nothing for a bilingual one.
+        ValueError (one line) where a multilingual model has no target chosen."""
+        if not self.directions:
+            return []
+        if not self.tgt_lang:
+            raise ValueError(f"this model translates into {', '.join(self.targets)}: choose the target language "
+                             "(tgt_lang=..., --tgt-lang)")
+        return [self.tokenizer.tag_id(self.tgt_lang)]
 
     def compile_decoding(self, *, threads: int | None = None) -> int:
         """With `compiled`, every kind of decoding step compiled now (seq2seq/model/compiled.py), for decoder threads
@@ -161,13 +198,13 @@ class Translator:
 
     def translate(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                   prefixes: Iterable[str] | None = None, constraints: Iterable[Sequence[str]] | None = None,
-                  glossary: Mapping[str, str] | Glossary | None = None) -> list[str]:
+                  glossary: Mapping[str, str] | Glossary | None = None, tgt_lang: str | None = None) -> list[str]:
         """One translation per input line, in input order (the best of `search`'s n-best); the options as
         translate_nbest's. Only text comes back, so no scores are computed (`text_only`)."""
         return [hyps[0].text if hyps else ""
                 for hyps in self.translate_nbest(texts, text_only(self.search if search is None else search),
                                                  max_tokens=max_tokens, prefixes=prefixes, constraints=constraints,
-                                                 glossary=glossary)]
+                                                 glossary=glossary, tgt_lang=tgt_lang)]
 
     def translate_paragraphs(self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
                              glossary: Mapping[str, str] | Glossary | None = None, first_line: int = 1) -> list[str]:
@@ -212,9 +249,10 @@ class Translator:
         self, texts: Iterable[str], search: SearchConfig | None = None, *, max_tokens: int = 8192,
         first_line: int = 1, generator: torch.Generator | None = None, prefixes: Iterable[str] | None = None,
         constraints: Iterable[Sequence[str]] | None = None, glossary: Mapping[str, str] | Glossary | None = None,
-        line_numbers: Sequence[int] | None = None,
+        line_numbers: Sequence[int] | None = None, tgt_lang: str | None = None,
     ) -> list[list[Translation]]:
         """Per input line its translations, best first (`search.nbest`, one for greedy and sampling); "" gets [].
+        `tgt_lang`: a multilingual model's target language (`for_target`; by default `self.tgt_lang`).
 
         `max_tokens` bounds each batch: rows x (longest source) <= max_tokens, in source tokens; beam
         search then holds beam_size times as many decoder rows. `first_line` is the number warnings
@@ -236,6 +274,10 @@ class Translator:
         to that text's constraints.
         """
         check_max_tokens(max_tokens)  # before any work
+        if tgt_lang is not None and tgt_lang != self.tgt_lang:
+            return self.for_target(tgt_lang).translate_nbest(
+                texts, search, max_tokens=max_tokens, first_line=first_line, generator=generator, prefixes=prefixes,
+                constraints=constraints, glossary=glossary, line_numbers=line_numbers)
         inputs = self.prepare_inputs(texts, search, first_line=first_line, prefixes=prefixes, constraints=constraints,
                                      glossary=glossary, line_numbers=line_numbers)
         return self.decode_inputs(inputs, search, max_tokens=max_tokens, generator=generator)
@@ -265,12 +307,13 @@ class Translator:
                                   max_positions=max_positions)
                    if constraints is not None else None)
         numbers = line_numbers if line_numbers is not None else range(first_line, first_line + len(lines))
+        tag = self.source_tag()
         ids = truncated(tokenizer.encode_source([text.strip() for text in lines]), numbers=numbers, tokenizer=tokenizer,
-                        max_positions=max_positions)
+                        max_positions=max_positions - len(tag))
         # Without text tokens (a Marian source keeps its eos; a normalising model may encode text to nothing)
         for i, (text, sentence) in enumerate(zip(lines, ids, strict=True)):
-            if not text.strip() or self.tokenizer.source_tokens(sentence) <= 0:
-                ids[i] = []
+            empty = not text.strip() or self.tokenizer.source_tokens(sentence) <= 0
+            ids[i] = [] if empty else [*tag, *sentence]
         return Inputs(ids=ids, forced=forced, phrases=phrases)
 
     def decode_inputs(self, inputs: Inputs, search: SearchConfig | None = None, *, max_tokens: int = 8192,
@@ -401,13 +444,13 @@ class Translator:
         if len(sources) != len(targets):
             raise ValueError(f"{len(sources)} sources but {len(targets)} targets: they must be line-aligned")
         check_max_tokens(max_tokens)
-        tokenizer, limit = self.tokenizer, self.model.config.max_positions
-        src_ids = tokenizer.encode_source([text.strip() for text in sources])
+        tokenizer, limit, tag = self.tokenizer, self.model.config.max_positions, self.source_tag()
+        src_ids = [[*tag, *ids] for ids in tokenizer.encode_source([text.strip() for text in sources])]
         tgt_ids = tokenizer.encode_target([text.strip() for text in targets])
         scored: list[Forced | None] = [None] * len(sources)
         sizes: list[list[int]] = []  # what a pair costs in padded positions, for batching
         for i, (source, target) in enumerate(zip(src_ids, tgt_ids, strict=True)):
-            problem = ("its source is empty" if not sources[i].strip() or tokenizer.source_tokens(source) <= 0 else
+            problem = ("its source is empty" if not sources[i].strip() or tokenizer.source_tokens(source) <= len(tag) else
                        f"its source has {len(source)} tokens" if len(source) > limit else
                        f"its target has {len(target) + 1} tokens with EOS" if len(target) + 1 > limit else None)
             if problem is not None:

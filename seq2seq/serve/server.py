@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> None:
         stop, status = interruption(error)
         print(f"\n{stop} while loading the model; the server was not started", file=sys.stderr)
         raise SystemExit(status) from None
+    for path, (translator, _) in zip(args.checkpoint, loaded, strict=True):
+        if translator.directions:  # (its routes need each direction: the server takes bilingual models for now)
+            raise SystemExit(f"error: {path}: a multilingual model ({', '.join(translator.targets)} as targets) is "
+                             "not served yet; translate with it: python -m seq2seq.translate --tgt-lang")
     try:
         app = create_app([t for t, _ in loaded], [search for _, search in loaded], max_tokens=args.max_tokens,
                          max_wait=args.max_wait_ms / 1000,

@@ -6,7 +6,8 @@ max_tokens positions. Batches (dicts):
   src      (B, S) long   source ids as the tokenizer encodes them (ours: no BOS/EOS; Marian's: + EOS)
   tgt_in   (B, T) long   BOS + y (BOS: the id the decoder starts from, Marian's pad)
   tgt_out  (B, T) long   y + EOS
-padded with the tokenizer's pad id; with text (validation/test) also src_text, ref_text and index (B,).
+padded with the tokenizer's pad id; with text (validation/test) also src_text, ref_text and index (B,), and
+direction (B,) where the data has several.
 """
 
 from __future__ import annotations
@@ -181,4 +182,6 @@ def collate(rows: list[dict], *, with_text: bool, bos: int, eos: int, pad: int) 
         batch["src_text"] = [r["src"] for r in rows]
         batch["ref_text"] = [r["tgt"] for r in rows]
         batch["index"] = torch.tensor([r["index"] for r in rows], dtype=torch.long)  # (B,)
+        if "direction" in rows[0]:  # (several directions: each row's, an index into the data's directions)
+            batch["direction"] = torch.tensor([r["direction"] for r in rows], dtype=torch.long)  # (B,)
     return batch

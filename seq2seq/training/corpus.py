@@ -168,21 +168,27 @@ def status_of(src: int, tgt: int, *, max_len: int, max_ratio: float, evaluation:
 
 
 def tokenize_batch(
-    batch: dict, indices: list[int], *, tokenizer: Tokenizer, max_len: int, max_ratio: float, evaluation: bool
+    batch: dict, indices: list[int], *, tokenizer: Tokenizer, max_len: int, max_ratio: float, evaluation: bool,
+    source_tag: int | None = None, direction: int | None = None,
 ) -> dict:
+    """Ids, sizes and statuses of a batch of pairs; with `source_tag` (a multilingual run's: the id of the target
+    language's tag) every source starts with it, counted in its length (a source empty but for it is still
+    empty), and each row records its `direction`."""
     src_ids = tokenizer.encode_source([text or "" for text in batch["src"]])
     tgt_ids = tokenizer.encode_target([text or "" for text in batch["tgt"]])
     # An empty source is one without text tokens (a Marian source of an empty text is its eos alone)
+    tag, room = ([source_tag], max_len - 1) if source_tag is not None else ([], max_len)
     status = [
-        status_of(len(s) if tokenizer.source_tokens(s) else 0, len(t), max_len=max_len, max_ratio=max_ratio,
-                evaluation=evaluation)
+        status_of(len(s) + len(tag) if tokenizer.source_tokens(s) else 0, len(t), max_len=max_len,
+                  max_ratio=max_ratio, evaluation=evaluation)
         for s, t in zip(src_ids, tgt_ids, strict=True)
     ]
     # Dropped pairs are filtered out next, so store no ids for them; kept ones are cut to max_len.
-    src_ids = [tokenizer.cut_source(s, max_len) if code in KEPT else [] for s, code in zip(src_ids, status, strict=True)]
+    src_ids = [[*tag, *tokenizer.cut_source(s, room)] if code in KEPT else [] for s, code in zip(src_ids, status, strict=True)]
     tgt_ids = [t[:max_len] if code in KEPT else [] for t, code in zip(tgt_ids, status, strict=True)]
     sizes = [max(len(s), len(t) + 1) for s, t in zip(src_ids, tgt_ids, strict=True)]
-    return {"src_ids": src_ids, "tgt_ids": tgt_ids, "size": sizes, "status": status, "index": indices}
+    out = {"src_ids": src_ids, "tgt_ids": tgt_ids, "size": sizes, "status": status, "index": indices}
+    return out if direction is None else {**out, "direction": [direction] * len(indices)}
 
 
 def is_kept(status: list[int]) -> list[bool]:

@@ -10,6 +10,11 @@ Sources, per split (files win over the Hub when both are given):
 Batches (`src`, `tgt_in`, `tgt_out`, and for validation/test `src_text`, `ref_text`, `index`) and
 the token budget are described in batching.py.
 
+Several directions (a multilingual model: `directions`, each a training/directions.py `Direction` with its own
+languages and data): the tokenizer gets a tag for each target language, every source starts with its target's
+tag (on the encoder side, as Johnson et al. 2017 and OPUS-MT put it), an epoch draws each direction's pairs in its
+temperature share, and evaluation splits are every direction's together, each row with its direction.
+
 Distributed: the batch sampler deals batches to ranks itself, so fit.py builds the Trainer with
 `use_distributed_sampler=False` (without it Lightning stops under DDP with a TypeError saying so).
 Every rank gets the same number of batches: the batch list is padded to a multiple of the world
@@ -26,6 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +56,7 @@ from seq2seq.training.corpus import (
     select_pair,
     tokenize_batch,
 )
+from seq2seq.training.directions import Direction, check_directions, sampling_shares, shares_report
 from seq2seq.training.pretrained import load_pretrained
 
 log = logging.getLogger(__name__)
@@ -78,7 +85,8 @@ class ResumableLoader(DataLoader):
 
 
 class TranslationDataModule(L.LightningDataModule):
-    """Parallel data for one direction, `src_lang` → `tgt_lang` (sources: module docstring).
+    """Parallel data for one direction, `src_lang` → `tgt_lang`, or for several, `directions` (sources: module
+    docstring).
 
     If `tokenizer_path` does not exist, a tokenizer is trained on the training split and saved
     there; one process trains, under a file lock, while the others wait, then all load it.
@@ -87,8 +95,10 @@ class TranslationDataModule(L.LightningDataModule):
     def __init__(
         self,
         *,
-        src_lang: str,
-        tgt_lang: str,
+        src_lang: str | None = None,
+        tgt_lang: str | None = None,
+        directions: list[Direction] | None = None,
+        temperature: float = 5.0,
         tokenizer_path: str | None = None,
         vocab_size: int = 8000,
         tokenizer_model_type: str = "bpe",
@@ -117,6 +127,10 @@ class TranslationDataModule(L.LightningDataModule):
         Args:
             src_lang: source language code as the data names it (`de`).
             tgt_lang: target language code (`en`).
+            directions: in place of src_lang and tgt_lang and the data options (hf_name, *_files), a multilingual
+                run's directions, each with its languages, its data and a weight.
+            temperature: how evenly an epoch draws the directions: 1 in proportion to their sizes (times their
+                weights), higher towards equal shares (training/directions.py).
             tokenizer_path: the sentencepiece .model file; trained and written if missing. With
                 init_from: optional; the pretrained tokenizer is written there, or must be what is there.
             vocab_size: pieces of a tokenizer trained here.
@@ -150,7 +164,21 @@ class TranslationDataModule(L.LightningDataModule):
         if tokenizer_path is None and init_from is None:
             raise DataError("data.tokenizer_path is missing: name the sentencepiece model to train (or to use, if it "
                             "exists), e.g. checkpoints/run/spm.model")
-        if src_lang == tgt_lang:
+        if directions is not None:
+            given = [name for name, value in (("src_lang", src_lang), ("tgt_lang", tgt_lang), ("hf_name", hf_name),
+                     ("train_files", train_files), ("valid_files", valid_files), ("test_files", test_files)) if value]
+            if given:
+                raise DataError(f"data.directions is given, and so is data.{', data.'.join(given)}: give each "
+                                "direction's languages and data inside its entry of directions")
+            try:
+                check_directions(directions)
+                sampling_shares([1], weights=[1], temperature=temperature)  # (a temperature it can take)
+            except ValueError as error:
+                raise DataError(f"data.directions: {error}") from None
+        elif src_lang is None or tgt_lang is None:
+            raise DataError("data.src_lang and data.tgt_lang are missing: name the source and target languages "
+                            "(de, en), or give data.directions for a multilingual model")
+        elif src_lang == tgt_lang:
             raise DataError(f"src_lang and tgt_lang are both {src_lang!r}; choose two languages")
         if max_tokens < max_tokens_per_sentence + 1:
             raise DataError(
@@ -159,12 +187,16 @@ class TranslationDataModule(L.LightningDataModule):
             )
         # Every argument, by name, in self.hparams (and so in checkpoints): the methods read them there.
         # Copied to attributes only where other code reads them so: module.py (the languages), fit.py.
-        self.save_hyperparameters()
-        self.src_lang, self.tgt_lang, self.tokenizer_path = src_lang, tgt_lang, tokenizer_path
+        self.save_hyperparameters(ignore=["directions"])
+        # As plain data (a checkpoint's hyperparameters load with weights_only=True, which reads no classes of ours)
+        self.hparams["directions"] = None if directions is None else [asdict(d) for d in directions]
+        self.src_lang, self.tgt_lang, self.tokenizer_path = src_lang or "", tgt_lang or "", tokenizer_path
+        self.directions = directions  # None: one direction, src_lang → tgt_lang
         self.max_tokens_per_sentence = max_tokens_per_sentence
         self._tokenizer: Tokenizer | None = None
         self.datasets: dict[str, datasets.Dataset] = {}  # "train"/"valid"/"test": tokenised, filtered
         self.sizes: dict[str, np.ndarray] = {}  # (N,) padded positions of each pair in `datasets`
+        self.groups: dict[str, np.ndarray] = {}  # (N,) each pair's index in `directions` (several directions)
         self.reported: set[str] = set()  # splits whose counts were shown (prepare_data, then setup, build each)
 
     # ---- the tokenizer --------------------------------------------------------------------------
@@ -188,29 +220,42 @@ class TranslationDataModule(L.LightningDataModule):
     def vocab_size(self) -> int:
         return self.load_tokenizer().vocab_size
 
+    @property
+    def target_languages(self) -> list[str]:
+        """The languages the tokenizer needs a tag for: every direction's target (none for one direction)."""
+        return list(dict.fromkeys(d.tgt_lang for d in self.directions or ()))
+
     def _load_or_train_tokenizer(self) -> Tokenizer:
-        if self.hparams["init_from"] is not None:
-            return self._pretrained_tokenizer()
+        tokenizer = self._pretrained_tokenizer() if self.hparams["init_from"] is not None else self._own_tokenizer()
+        missing = [lang for lang in self.target_languages if lang not in tokenizer.languages]
+        if missing:
+            where = (f"model.init_from {self.hparams['init_from']}" if self.hparams["init_from"] is not None
+                     else f"data.tokenizer_path: {self.tokenizer_path}")
+            raise DataError(f"{where} has no language tag for {', '.join(missing)}, which data.directions translate "
+                            "into: a tokenizer trained for these directions has one (delete the file to train it)")
+        return tokenizer
+
+    def _own_tokenizer(self) -> Tokenizer:
         assert self.tokenizer_path is not None  # __init__ refuses a run with neither
         hp, path = self.hparams, Path(self.tokenizer_path)
         read: dict[str, Any] = {}  # if a tokenizer is trained here: when reading began, what was read
 
         def training_text() -> Iterator[str]:
-            read["start"], read["raw"] = time.perf_counter(), self._load_raw("train")
-            batches = read["raw"].iter(batch_size=10_000)
+            read["start"], read["raw"] = time.perf_counter(), [self._load_raw("train", d) for d in self._directions()]
+            batches = (batch for raw in read["raw"] for batch in raw.iter(batch_size=10_000))
             return (text for batch in batches for text in batch["src"] + batch["tgt"])
 
         try:
             tokenizer = Tokenizer.load_or_train(
                 path, training_text, vocab_size=hp["vocab_size"], model_type=hp["tokenizer_model_type"],
                 character_coverage=hp["character_coverage"], max_sentences=hp["tokenizer_max_sentences"],
-                seed=hp["seed"],
+                seed=hp["seed"], languages=self.target_languages,
             )  # fmt: skip
         except TokenizerFileError as failed:
             raise self._tokenizer_error(failed) from None
         if read:
             seconds = time.perf_counter() - read["start"]
-            info(f"trained {path} on {read['raw'].num_rows} pairs in {seconds:.1f}s")
+            info(f"trained {path} on {sum(raw.num_rows for raw in read['raw'])} pairs in {seconds:.1f}s")
         return tokenizer
 
     def _pretrained_tokenizer(self) -> Tokenizer:
@@ -241,7 +286,8 @@ class TranslationDataModule(L.LightningDataModule):
         path, error = failed.path, failed.error
         if failed.step == "train":
             train_files = self.hparams["train_files"]
-            where = f"train_files={train_files}" if train_files else f"hf_name={self.hparams['hf_name']!r}"
+            where = ("data.directions' training data" if self.directions is not None else f"train_files={train_files}"
+                     if train_files else f"hf_name={self.hparams['hf_name']!r}")
             return DataError(f"cannot train the tokenizer on {where}: {error}")
         if failed.step == "load":
             return DataError(f"data.tokenizer_path: {path} is not a usable sentencepiece model ({error}); "
@@ -256,48 +302,83 @@ class TranslationDataModule(L.LightningDataModule):
     def has_validation(self) -> bool:
         return self._has("valid")
 
-    def _has(self, split: str) -> bool:
-        hp = self.hparams
-        from_hub = hp["hf_name"] is not None and hp[f"{split}_split"] is not None
-        return hp[f"{split}_files"] is not None or from_hub
+    def _directions(self) -> list[Direction | None]:
+        """Each direction's entry; [None] for one direction (its data: the module's own options)."""
+        return list(self.directions) if self.directions is not None else [None]
 
-    def _load_raw(self, split: str) -> datasets.Dataset:
-        """The split as `src`/`tgt` text columns, as read."""
+    def _has(self, split: str, direction: Direction | None = None) -> bool:
+        """Whether `direction` (by default: any direction) has data for `split`."""
+        if direction is None and self.directions is not None:
+            return any(self._has(split, d) for d in self.directions)
+        where = self.hparams if direction is None else vars(direction)
+        from_hub = where["hf_name"] is not None and self.hparams[f"{split}_split"] is not None
+        return where[f"{split}_files"] is not None or from_hub
+
+    def _load_raw(self, split: str, direction: Direction | None = None) -> datasets.Dataset:
+        """The split as `src`/`tgt` text columns, as read: the module's own data, or `direction`'s."""
         hp, option = self.hparams, f"{split}_files"
-        files, hf_name, hf_split = hp[option], hp["hf_name"], hp[f"{split}_split"]
+        where_from = hp if direction is None else vars(direction)
+        files, hf_name, hf_split = where_from[option], where_from["hf_name"], hp[f"{split}_split"]
+        if direction is not None:
+            option = f"direction {direction.name}: {option}"
         if files is not None:
             ds, where = load_files(files, option=option, cache_dir=hp["cache_dir"]), option
         elif hf_name is not None and hf_split is not None:
-            where = f"hf_name={hf_name!r} (hf_config={hp['hf_config']!r}, split {hf_split!r})"
+            where = f"hf_name={hf_name!r} (hf_config={where_from['hf_config']!r}, split {hf_split!r})"
             try:
                 ds = datasets.load_dataset(
-                    hf_name, hp["hf_config"], data_dir=hp["hf_data_dir"], split=hf_split,
+                    hf_name, where_from["hf_config"], data_dir=where_from["hf_data_dir"], split=hf_split,
                     cache_dir=hp["cache_dir"],
                 )  # fmt: skip
             except (ValueError, FileNotFoundError, ConnectionError) as e:
                 raise DataError(f"cannot load {where}: {e}") from e
         else:
             raise DataError(f"no {split} data: set {option}, or hf_name (with {split}_split)")
-        return select_pair(ds, src_lang=self.src_lang, tgt_lang=self.tgt_lang, where=where)
+        if direction is None:
+            return select_pair(ds, src_lang=self.src_lang, tgt_lang=self.tgt_lang, where=where)
+        return select_pair(ds, src_lang=direction.src_lang, tgt_lang=direction.tgt_lang, where=where)
 
-    def _build(self, split: str) -> tuple[datasets.Dataset, np.ndarray]:
-        """Tokenise and filter a split (datasets caches both as Arrow); log what was dropped."""
-        raw, evaluation, tokenizer = self._load_raw(split), split != "train", self.load_tokenizer()
+    def _build(self, split: str) -> tuple[datasets.Dataset, np.ndarray, np.ndarray]:
+        """Tokenise and filter a split (datasets caches both as Arrow), every direction's that has it; log what
+        was dropped. The pairs, their sizes and their directions (indices into `directions`; zeros for one)."""
+        # (one direction: its split, or _load_raw's line saying what to set)
+        parts = [(k, self._tokenized(split, k, d)) for k, d in enumerate(self._directions())
+                 if d is None or self._has(split, d)]
+        if not parts:
+            raise DataError(f"no {split} data: no entry of data.directions has {split}_files or hf_name "
+                            f"(with data.{split}_split)")
+        tokenized = parts[0][1] if len(parts) == 1 else datasets.concatenate_datasets([part for _, part in parts])
+        status = tokenized.data.column("status").to_numpy()
+        kept = np.isin(status, KEPT)
+        groups = np.concatenate([np.full(len(part), k, dtype=np.int64) for k, part in parts])[kept]
+        filtered = tokenized.filter(is_kept, input_columns="status", batched=True, desc=f"filtering {split}")
+        sizes = tokenized.data.column("size").to_numpy()[kept]
+        if self.directions is not None and split == "train" and split not in self.reported:
+            info(shares_report(self.directions, pairs=np.bincount(groups, minlength=len(self.directions)),
+                               temperature=self.hparams["temperature"]))
+            self.reported.add(split)
+        return filtered, sizes, groups
+
+    def _tokenized(self, split: str, k: int, direction: Direction | None) -> datasets.Dataset:
+        """One direction's split tokenised (a multilingual source after its target's tag), each pair's status."""
+        raw, evaluation, tokenizer = self._load_raw(split, direction), split != "train", self.load_tokenizer()
         max_len, max_ratio = self.max_tokens_per_sentence, self.hparams["max_length_ratio"]
         limits = {"max_len": max_len, "max_ratio": max_ratio, "evaluation": evaluation}
+        tag = {"source_tag": tokenizer.tag_id(direction.tgt_lang), "direction": k} if direction is not None else {}
         tokenized = raw.map(
             tokenize_batch,
             batched=True,
             with_indices=True,
-            fn_kwargs={"tokenizer": tokenizer, **limits},
+            fn_kwargs={"tokenizer": tokenizer, **limits, **tag},
             remove_columns=[] if evaluation else ["src", "tgt"],  # training needs no text
-            features=datasets.Features({**(raw.features if evaluation else {}), **TOKENIZED}),
+            features=datasets.Features({**(raw.features if evaluation else {}), **TOKENIZED,
+                                        **({"direction": datasets.Value("int32")} if tag else {})}),
             num_proc=self.hparams["num_proc"] if self.hparams["num_proc"] > 1 else None,
             # The sentencepiece processor does not hash stably, so name the result ourselves.
             new_fingerprint=datasets.fingerprint.Hasher.hash(
-                [raw._fingerprint, hashlib.sha256(tokenizer.to_bytes()).hexdigest(), limits, "v1"]
+                [raw._fingerprint, hashlib.sha256(tokenizer.to_bytes()).hexdigest(), limits, "v1", *tag.values()]
             ),
-            desc=f"tokenising {split}",
+            desc=f"tokenising {split}" + (f" {direction.name}" if direction is not None else ""),
         )
         status = tokenized.data.column("status").to_numpy()
         counts, kept = np.bincount(status, minlength=len(Status)), np.isin(status, KEPT)
@@ -305,18 +386,18 @@ class TranslationDataModule(L.LightningDataModule):
         if not evaluation:
             reasons[Status.TOO_LONG] = f"with a side over max_tokens_per_sentence={max_len}"
             reasons[Status.BAD_RATIO] = f"with a length ratio over max_length_ratio={max_ratio}"
-        report = f"{split}: {len(status)} pairs read; " + ", ".join(
+        name = split if direction is None else f"{split} {direction.name}"
+        report = f"{name}: {len(status)} pairs read; " + ", ".join(
             f"dropped {counts[code]} {reason}" for code, reason in reasons.items()
         )
         report += f"; cut {counts[Status.TRUNCATED]} to max_tokens_per_sentence" if evaluation else ""
         report += f"; kept {int(kept.sum())}"
         if not kept.any():
-            raise DataError(f"no {split} data left after filtering: {report}")
-        if split not in self.reported:
+            raise DataError(f"no {name} data left after filtering: {report}")
+        if name not in self.reported:
             info(report)
-            self.reported.add(split)
-        filtered = tokenized.filter(is_kept, input_columns="status", batched=True, desc=f"filtering {split}")
-        return filtered, tokenized.data.column("size").to_numpy()[kept]
+            self.reported.add(name)
+        return tokenized
 
     def prepare_data(self) -> None:
         # One process per node tokenises everything once; `setup` on every rank then reads caches.
@@ -329,7 +410,7 @@ class TranslationDataModule(L.LightningDataModule):
         fit = ["train", "valid"] if self._has("valid") else ["train"]
         for split in {"fit": fit, "validate": ["valid"], "test": ["test"]}.get(stage, []):
             if split not in self.datasets:
-                self.datasets[split], self.sizes[split] = self._build(split)
+                self.datasets[split], self.sizes[split], self.groups[split] = self._build(split)
 
     # ---- loaders --------------------------------------------------------------------------------
 
@@ -341,6 +422,10 @@ class TranslationDataModule(L.LightningDataModule):
             rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         else:
             rank, world_size = 0, 1
+        mixed = self.directions is not None and split == "train"  # an epoch's pairs drawn in the directions' shares
+        shares = sampling_shares(np.bincount(self.groups[split], minlength=len(self.directions)).tolist(),
+                                 weights=[d.weight for d in self.directions], temperature=hp["temperature"],
+                                 ) if mixed and self.directions is not None else None
         sampler = TokenBatchSampler(
             self.sizes[split],
             max_tokens=hp["max_tokens"],
@@ -349,6 +434,8 @@ class TranslationDataModule(L.LightningDataModule):
             seed=hp["seed"],
             rank=rank,
             world_size=world_size,
+            groups=self.groups[split] if shares is not None else None,
+            shares=shares,
         )
         kwargs: dict[str, Any] = {
             "batch_sampler": sampler,

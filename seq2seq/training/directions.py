@@ -99,3 +99,10 @@ def epoch_rows(groups: np.ndarray, *, shares: np.ndarray, rng: np.random.Generat
         drawn.append(rng.choice(rows, size=rest, replace=False))
     order = np.concatenate(drawn) if drawn else np.zeros(0, dtype=np.int64)
     return rng.permutation(order)
+
+
+def shares_report(directions: list[Direction], *, pairs: np.ndarray, temperature: float) -> str:
+    """The data report's line for an epoch's mix: each direction's kept pairs and its share of an epoch."""
+    shares = sampling_shares(pairs.tolist(), weights=[d.weight for d in directions], temperature=temperature)
+    mix = "; ".join(f"{d.name} {int(n)} pairs, {share:.1%}" for d, n, share in zip(directions, pairs, shares, strict=True))
+    return f"train: an epoch draws {int(pairs.sum())} pairs at temperature {temperature:g}: {mix}"

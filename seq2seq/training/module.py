@@ -46,8 +46,8 @@ from seq2seq.training.pretrained import fine_tuning_config, load_pretrained
 from seq2seq.training.resume import RNG_KEY, gather_rng_states, restore_rng_state
 from seq2seq.training.schedule import LinearBudget, LinearToZero, LrSchedule, multiplier
 
-# (sentence index, hypothesis, reference, summed smoothed loss, summed NLL, target tokens)
-ValidationRow = tuple[int, str, str, float, float, int]
+# ((direction, sentence index), hypothesis, reference, summed smoothed loss, summed NLL, target tokens)
+ValidationRow = tuple[tuple[int, int], str, str, float, float, int]
 VAL_SEARCH = SearchConfig(beam_size=1)  # greedy: fast enough to run at every validation
 
 
@@ -164,6 +164,8 @@ class TranslationModule(L.LightningModule):
             raise ConfigError("model.transformer.pad_id", f"must be the tokenizer's pad id {self.tokenizer.pad_id}, "
                               f"got {self.config.pad_id}; leave it out")
         self.src_lang, self.tgt_lang = datamodule.src_lang, datamodule.tgt_lang
+        # a multilingual run's (src, tgt) pairs, in the data's order (validation rows index them); () for one
+        self.directions = tuple((d.src_lang, d.tgt_lang) for d in datamodule.directions or ())
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this last, after filling checkpoint["state_dict"] (and after callbacks such as
@@ -171,7 +173,7 @@ class TranslationModule(L.LightningModule):
         assert self.tokenizer is not None, "setup() takes the tokenizer before any checkpoint is written"
         checkpoint[CHECKPOINT_KEY] = inference_entry(
             state_dict=checkpoint["state_dict"], config=self.config, tokenizer=self.tokenizer.to_bytes(),
-            src_lang=self.src_lang, tgt_lang=self.tgt_lang,
+            src_lang=self.src_lang, tgt_lang=self.tgt_lang, directions=self.directions,
         )
         checkpoint[RNG_KEY] = gather_rng_states(self.device)
         seal_training_state(checkpoint)
@@ -279,8 +281,9 @@ class TranslationModule(L.LightningModule):
         loss, nll, is_real = self.token_losses(batch)
         hypotheses = self.translate_batch(batch["src"])
         indices = batch["index"].tolist() if isinstance(batch["index"], Tensor) else list(batch["index"])
+        directions = batch["direction"].tolist() if "direction" in batch else [0] * len(indices)
         rows = zip(
-            indices, hypotheses, batch["ref_text"], loss.sum(1).tolist(), nll.sum(1).tolist(),
+            zip(directions, indices, strict=True), hypotheses, batch["ref_text"], loss.sum(1).tolist(), nll.sum(1).tolist(),
             is_real.sum(1).tolist(), strict=True,
         )
         self._validation_outputs.extend(rows)
@@ -305,26 +308,41 @@ class TranslationModule(L.LightningModule):
             return
         _, hypotheses, references, losses, nlls, lengths = zip(*rows, strict=True)
         tokens = sum(lengths)
-        bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
-        bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
-        chrf_score = chrf.corpus_score(list(hypotheses), [list(references)])
+        # Per direction (one for a bilingual run): BLEU and chrF of its sentences; the run's are their means, so
+        # that best.ckpt and the length penalty serve every direction, not the largest
+        scores = {k: self._scores([row for row in rows if row[0][0] == k]) for k in sorted({row[0][0] for row in rows})}
+        bleu = sum(bleu_score.score for bleu_score, _, _ in scores.values()) / len(scores)
+        chrf = sum(chrf_score.score for _, chrf_score, _ in scores.values()) / len(scores)
         # Every rank computed the same numbers from the same gathered rows; sync_dist averages equal values
         # (a few scalars per validation) and keeps Lightning from warning about unsynced epoch metrics.
         metrics = {
             "val_loss": sum(losses) / tokens,
             "val_nll": sum(nlls) / tokens,
             "val_ppl": math.exp(min(sum(nlls) / tokens, 50.0)),
-            "val_bleu": bleu_score.score,
-            "val_chrf": chrf_score.score,
+            "val_bleu": bleu,
+            "val_chrf": chrf,
             "val_sentences": float(len(rows)),
         }
+        for k, (bleu_score, _, _) in scores.items() if self.directions else ():
+            metrics[f"val_bleu/{'-'.join(self.directions[k])}"] = bleu_score.score
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name == "val_bleu", sync_dist=True)
-        signature = str(bleu.get_signature())
+        signature = next(iter(scores.values()))[2]
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
+            mean = " (the directions' mean)" if self.directions else ""
             self.print(
-                f"epoch {self.current_epoch} step {self.global_step}: val BLEU {bleu_score.score:.2f} "
-                f"chrF {chrf_score.score:.2f} ppl {metrics['val_ppl']:.2f} "
+                f"epoch {self.current_epoch} step {self.global_step}: val BLEU {bleu:.2f} "
+                f"chrF {chrf:.2f}{mean} ppl {metrics['val_ppl']:.2f} "
                 f"on {len(rows)} sentences  [{signature}]"
             )
+            for k, (bleu_score, chrf_score, _) in scores.items() if self.directions else ():
+                self.print(f"  {'-'.join(self.directions[k])}: BLEU {bleu_score.score:.2f} chrF {chrf_score.score:.2f}")
             self.print(f"  e.g. {hypotheses[0]!r}\n   ref {references[0]!r}")
+
+    @staticmethod
+    def _scores(rows: list[ValidationRow]) -> tuple[Any, Any, str]:
+        """sacreBLEU's corpus BLEU and chrF of `rows`' hypotheses against their references, and BLEU's signature."""
+        hypotheses, references = [row[1] for row in rows], [row[2] for row in rows]
+        bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+        scores = bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])
+        return (*scores, str(bleu.get_signature()))

@@ -1,0 +1,270 @@
+"""A multilingual run end to end: several directions of Multi30k (4-way parallel) in one data config, a tag for
+each target language in the tokenizer, batches mixing directions in their temperature shares, validation per
+direction, a checkpoint that names its directions, and a Translator that translates into the language asked for."""
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import _multi30k_lines, shared_across_workers
+
+from seq2seq.checkpoint import CheckpointError, inference_entry, load_checkpoint, read_inference
+from seq2seq.inference.translator import Translator
+from seq2seq.text.tokenizer import Tokenizer
+from seq2seq.training.data import TranslationDataModule
+from seq2seq.training.directions import Direction, sampling_shares
+
+DIRECTIONS = [("en", "de"), ("en", "fr"), ("de", "en"), ("fr", "en")]
+
+CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: {steps}
+  val_check_interval: {steps}
+  check_val_every_n_epoch: null
+  enable_progress_bar: false
+  enable_model_summary: false
+  default_root_dir: {root}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {root}/checkpoints
+        filename: best
+        monitor: val_bleu
+        mode: max
+        save_last: true
+        enable_version_counter: false
+model:
+  transformer:
+    d_model: 64
+    num_heads: 4
+    d_ff: 256
+    num_encoder_layers: 2
+    num_decoder_layers: 2
+    dropout: 0.0
+    max_positions: 128
+  lr: 0.003
+  warmup_steps: 30
+  val_search:
+    beam_size: 1
+    max_len_b: 20
+data:
+  tokenizer_path: {root}/spm.model
+  vocab_size: 1200
+  temperature: 5.0
+  max_tokens: 1024
+  max_tokens_per_sentence: 64
+  cache_dir: {root}/hf_cache
+  directions:
+{directions}
+"""
+
+
+def write_data(root: Path, *, train_pairs: int, val_pairs: int) -> dict[str, Path]:
+    """Multi30k's first lines in each language (train and val), as files; the same images' captions."""
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for stem, limit in (("train", train_pairs), ("val", val_pairs)):
+        for lang in ("de", "en", "fr"):
+            files[f"{stem}.{lang}"] = data / f"{stem}.{lang}"
+            files[f"{stem}.{lang}"].write_text("\n".join(_multi30k_lines(stem, lang, limit)) + "\n", encoding="utf-8")
+    return files
+
+
+def directions_yaml(files: dict[str, Path], directions: list[tuple[str, str]], *, small: str = "fr-en") -> str:
+    """Each direction's entry; `small` trains on a tenth of the pairs, as a low-resource direction would."""
+    entries = []
+    for src, tgt in directions:
+        train = [files[f"train.{src}"], files[f"train.{tgt}"]]
+        if f"{src}-{tgt}" == small:  # (its own files: the first tenth of the lines)
+            train = [path.with_name(f"small.{path.name}") for path in train]
+            for whole, part in zip([files[f"train.{src}"], files[f"train.{tgt}"]], train, strict=True):
+                lines = whole.read_text(encoding="utf-8").splitlines()
+                part.write_text("\n".join(lines[: len(lines) // 10]) + "\n", encoding="utf-8")
+        entries.append(f"    - src_lang: {src}\n      tgt_lang: {tgt}\n"
+                       f"      train_files: [{train[0]}, {train[1]}]\n"
+                       f"      valid_files: [{files[f'val.{src}']}, {files[f'val.{tgt}']}]")
+    return "\n".join(entries)
+
+
+@pytest.fixture(scope="session")
+def multilingual_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A small model trained on four directions into three languages: (its run folder, what the run printed)."""
+    from seq2seq.training.fit import main
+
+    def train(root: Path) -> None:
+        files = write_data(root, train_pairs=3000, val_pairs=40)
+        config = root / "multilingual.yaml"
+        config.write_text(CONFIG.format(root=root, steps=400, directions=directions_yaml(files, DIRECTIONS)),
+                          encoding="utf-8")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            main(["--config", str(config)])
+        finally:
+            torch.set_num_threads(threads)
+
+    root = shared_across_workers(tmp_path_factory, "multilingual_run", train)
+    return root, ""
+
+
+def test_the_checkpoint_names_its_directions_and_its_tokenizer_has_a_tag_for_each_target(multilingual_run):
+    root, _ = multilingual_run
+    loaded = read_inference(root / "checkpoints" / "best.ckpt", load_checkpoint(root / "checkpoints" / "best.ckpt"))
+    assert loaded.directions == tuple(DIRECTIONS)
+    assert Tokenizer.from_bytes(loaded.tokenizer).languages == ["de", "fr", "en"]  # in the directions' order
+    hparams = torch.load(root / "checkpoints" / "best.ckpt", weights_only=True)["datamodule_hyper_parameters"]
+    assert [d["src_lang"] + "-" + d["tgt_lang"] for d in hparams["directions"]] == ["en-de", "en-fr", "de-en", "fr-en"]
+
+
+def test_each_direction_is_validated_and_the_run_s_bleu_is_their_mean(multilingual_run):
+    root, _ = multilingual_run
+    import csv
+
+    (metrics_file,) = root.glob("lightning_logs/version_*/metrics.csv")
+    rows = [row for row in csv.DictReader(metrics_file.open(encoding="utf-8")) if row.get("val_bleu")]
+    last = rows[-1]
+    per_direction = [float(last[f"val_bleu/{src}-{tgt}"]) for src, tgt in DIRECTIONS]
+    assert float(last["val_bleu"]) == pytest.approx(sum(per_direction) / len(per_direction), abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def translator(multilingual_run) -> Translator:
+    return Translator.from_checkpoint(multilingual_run[0] / "checkpoints" / "best.ckpt", precision="fp32")
+
+
+def test_each_target_s_tag_steers_the_output_language(translator: Translator):
+    """The English validation captions translated into German and into French: a language identifier (lingua,
+    the server's) reads most outputs as the language asked for; the model is small and briefly trained, so a
+    few outputs may be too short or mixed to read."""
+    from seq2seq.serve.languages import Detector
+
+    detector = Detector({"de", "fr", "en"})
+    sources = _multi30k_lines("val", "en", 40)[20:40]  # (lines it validated on, not trained on)
+    assert translator.targets == ["de", "fr", "en"] and translator.tgt_lang == ""
+    for tgt in ("de", "fr"):
+        outputs = translator.translate(sources, tgt_lang=tgt)
+        detected = [detector.detect(text, among=["de", "fr", "en"])[0] if text.strip() else None for text in outputs]
+        assert sum(lang == tgt for lang in detected) >= 0.8 * len(sources), (tgt, list(zip(outputs, detected, strict=True)))
+
+
+def test_a_multilingual_model_asks_for_its_target_and_refuses_one_it_lacks(translator: Translator):
+    with pytest.raises(ValueError, match="this model translates into de, fr, en: choose the target language"):
+        translator.translate(["Ein Mann."])
+    with pytest.raises(ValueError, match="cannot translate into 'cs': this model translates into de, fr, en"):
+        translator.translate(["A man."], tgt_lang="cs")
+    french = translator.for_target("fr")
+    assert french.tgt_lang == "fr" and translator.tgt_lang == "" and french.model is translator.model
+    tag = translator.tokenizer.tag_id("fr")
+    inputs = french.prepare_inputs(["A man.", ""])
+    assert inputs.ids[0][0] == tag and inputs.ids[1] == []  # an empty line stays empty: no tag alone
+    [scored] = french.score(["A man."], ["Un homme."])
+    assert scored is not None
+
+
+def test_directions_are_reported_tagged_and_mixed_in_their_temperature_shares(tmp_path, caplog):
+    """Each direction's pairs counted, its sources after its target's tag, an epoch drawing the small direction
+    far above its share of the pairs (temperature 5), batches holding several directions, and validation rows
+    of every direction, each with its direction."""
+    files = write_data(tmp_path, train_pairs=1000, val_pairs=10)
+    small = [str(tmp_path / f"small.{lang}") for lang in ("en", "fr")]
+    for lang, path in zip(("en", "fr"), small, strict=True):  # en-fr: 100 pairs beside en-de's 1,000
+        lines = files[f"train.{lang}"].read_text(encoding="utf-8").splitlines()
+        Path(path).write_text("\n".join(lines[:100]) + "\n", encoding="utf-8")
+    data = TranslationDataModule(tokenizer_path=str(tmp_path / "spm.model"), vocab_size=600, temperature=5.0,
+                                 max_tokens=512, cache_dir=str(tmp_path / "cache"), directions=[
+        Direction(src_lang="en", tgt_lang="de", train_files=[str(files["train.en"]), str(files["train.de"])],
+                  valid_files=[str(files["val.en"]), str(files["val.de"])]),
+        Direction(src_lang="en", tgt_lang="fr", train_files=small,
+                  valid_files=[str(files["val.en"]), str(files["val.fr"])])])
+    with caplog.at_level(logging.INFO, logger="seq2seq.training"):
+        data.setup("fit")
+    assert "train en-de: 1000 pairs read" in caplog.text and "train en-fr: 100 pairs read" in caplog.text
+    assert "train: an epoch draws 1100 pairs at temperature 5: en-de 1000 pairs, 61.3%; en-fr 100 pairs, 38.7%" in caplog.text
+    tokenizer = data.tokenizer
+    assert tokenizer.languages == ["de", "fr"]
+    train = data.datasets["train"]
+    tags = [ids[0] for ids in train["src_ids"]]
+    assert tags == [tokenizer.tag_id("de")] * 1000 + [tokenizer.tag_id("fr")] * 100
+    assert list(data.groups["train"]) == [0] * 1000 + [1] * 100
+    batches = list(data.train_dataloader().batch_sampler)
+    drawn = Counter(int(data.groups["train"][i]) for batch in batches for i in batch)
+    shares = sampling_shares([1000, 100], weights=[1, 1], temperature=5.0)
+    assert drawn == {0: 1100 - round(1100 * shares[1]), 1: round(1100 * shares[1])}  # (en-fr's 100 drawn ~4 times)
+    assert sum(len({int(data.groups["train"][i]) for i in batch}) > 1 for batch in batches) > len(batches) / 2
+    directions = torch.cat([batch["direction"] for batch in data.val_dataloader()]).tolist()
+    assert sorted(directions) == [0] * 10 + [1] * 10
+
+
+def test_the_data_module_refuses_directions_beside_a_pair_and_names_what_is_wrong(tmp_path):
+    from seq2seq.training.corpus import DataError
+
+    direction = Direction(src_lang="de", tgt_lang="en", train_files=["a.de", "a.en"])
+    for kwargs, message in [
+        (dict(directions=[direction], src_lang="de"), "data.directions is given, and so is data.src_lang"),
+        (dict(directions=[direction], train_files=["x", "y"]), "and so is data.train_files"),
+        (dict(directions=[direction, direction]), "data.directions: direction de-en is listed twice"),
+        (dict(directions=[direction], temperature=0), "data.directions: temperature must be a positive number"),
+        (dict(), "data.src_lang and data.tgt_lang are missing"),
+    ]:
+        with pytest.raises(DataError, match=message):
+            TranslationDataModule(tokenizer_path=str(tmp_path / "spm.model"), **kwargs)
+
+
+def test_a_tokenizer_without_a_target_s_tag_is_refused_in_one_line(tmp_path):
+    from seq2seq.training.corpus import DataError
+
+    files = write_data(tmp_path, train_pairs=300, val_pairs=5)
+    texts = [line for path in files.values() for line in path.read_text(encoding="utf-8").splitlines()]
+    Tokenizer.train(texts, vocab_size=600, languages=["de"]).save(tmp_path / "spm.model")
+    data = TranslationDataModule(tokenizer_path=str(tmp_path / "spm.model"), directions=[
+        Direction(src_lang="en", tgt_lang="de", train_files=[str(files["train.en"]), str(files["train.de"])]),
+        Direction(src_lang="en", tgt_lang="fr", train_files=[str(files["train.en"]), str(files["train.fr"])])])
+    with pytest.raises(DataError, match=r"spm.model has no language tag for fr, which data.directions translate into"):
+        data.load_tokenizer()
+    (tmp_path / "spm.model").unlink()
+    with pytest.raises(DataError, match="no test data: no entry of data.directions has test_files or hf_name"):
+        data.setup("test")
+
+
+def test_directions_a_checkpoint_cannot_hold_are_refused_as_damage(multilingual_run, tmp_path):
+    root, _ = multilingual_run
+    checkpoint = load_checkpoint(root / "checkpoints" / "best.ckpt")
+    loaded = read_inference(root / "checkpoints" / "best.ckpt", checkpoint)
+    # (checksummed as written: a file that says so consistently, as a writer's mistake would)
+    checkpoint["seq2seq"] = inference_entry(state_dict=checkpoint["state_dict"], config=loaded.config,
+                                            tokenizer=loaded.tokenizer, src_lang="", tgt_lang="",
+                                            directions=[("en", "cs")])  # (cs has no tag in its tokenizer)
+    with pytest.raises(CheckpointError, match="its directions translate into cs, which its tokenizer has no tag"):
+        read_inference(tmp_path / "x.ckpt", checkpoint)
+    checkpoint["seq2seq"]["directions"] = [["en"]]
+    with pytest.raises(CheckpointError, match="'directions' is not a list of distinct"):
+        read_inference(tmp_path / "x.ckpt", checkpoint)
+    checkpoint["seq2seq"]["directions"] = [["en", "de"]]  # (well formed, but not what was checksummed)
+    with pytest.raises(CheckpointError, match="is damaged: its weights or tokenizer do not match the checksum"):
+        read_inference(tmp_path / "x.ckpt", checkpoint)
+
+
+def test_the_translate_command_takes_the_target_language_and_asks_for_one(multilingual_run, tmp_path, capsys):
+    from seq2seq.serve.server import main as serve
+    from seq2seq.translate import main as translate
+
+    checkpoint = str(multilingual_run[0] / "checkpoints" / "best.ckpt")
+    (tmp_path / "in.en").write_text("A man is sleeping.\n\nTwo dogs run.\n", encoding="utf-8")
+    translate(["--checkpoint", checkpoint, "--input", str(tmp_path / "in.en"), "--output", str(tmp_path / "out.fr"),
+               "--tgt-lang", "fr", "--beam", "2", "--precision", "fp32"])
+    lines = (tmp_path / "out.fr").read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[0] and lines[2]  # three lines in, three out
+    for flags, message in [([], "error: --tgt-lang: this model translates into de, fr, en: choose the target language"),
+                           (["--tgt-lang", "cs"], "error: --tgt-lang: cannot translate into 'cs'")]:
+        with pytest.raises(SystemExit) as stopped:
+            translate(["--checkpoint", checkpoint, "--input", str(tmp_path / "in.en"), "--output",
+                       str(tmp_path / "other"), *flags])
+        assert str(stopped.value).startswith(message)
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(SystemExit, match="a multilingual model .* is not served yet"):
+        serve(["--checkpoint", checkpoint, "--tgt-lang", "fr", "--port", "0"])
