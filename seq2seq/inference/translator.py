@@ -163,11 +163,11 @@ class Translator:
         """This multilingual Translator translating into `tgt_lang` (from `src_lang`, which only sentence
         splitting reads): the same model, decoder threads and settings, shared. ValueError (one line, naming the
         targets there are) for a language it does not translate into, or a bilingual model's other language."""
+        if not self.targets and tgt_lang == self.tgt_lang:  # (a bilingual model asked for its own target)
+            return self
         if tgt_lang not in self.targets:
             have = (f"this model translates into {', '.join(self.targets)}" if self.targets
                     else f"this model translates {self.src_lang or '?'}→{self.tgt_lang or '?'} only")
-            if not self.targets and tgt_lang == self.tgt_lang:
-                return self
             raise ValueError(f"cannot translate into {tgt_lang!r}: {have}")
         chosen = copy.copy(self)  # (the attributes shared: model, pool, decoder; two strings its own)
         chosen.tgt_lang, chosen.src_lang = tgt_lang, src_lang or self.src_lang

@@ -422,10 +422,10 @@ class TranslationDataModule(L.LightningDataModule):
             rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         else:
             rank, world_size = 0, 1
-        mixed = self.directions is not None and split == "train"  # an epoch's pairs drawn in the directions' shares
+        # several directions' training pairs: an epoch's drawn in the directions' shares
         shares = sampling_shares(np.bincount(self.groups[split], minlength=len(self.directions)).tolist(),
                                  weights=[d.weight for d in self.directions], temperature=hp["temperature"],
-                                 ) if mixed and self.directions is not None else None
+                                 ) if self.directions is not None and split == "train" else None
         sampler = TokenBatchSampler(
             self.sizes[split],
             max_tokens=hp["max_tokens"],
