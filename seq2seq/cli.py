@@ -40,8 +40,9 @@ def search_flags() -> dict[str, list[str]]:
             for f in fields(SearchConfig)}
 
 
-def add_search_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per SearchConfig field (its name with dashes; older spellings kept), and the run's options."""
+def add_search_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> None:
+    """One flag per SearchConfig field (its name with dashes; older spellings kept), and the run's options:
+    `--tgt-lang` unless `target` is False (a face whose requests name their target: the server)."""
     group = parser.add_argument_group("search (SearchConfig in seq2seq/decoding/config.py)")
     hints = typing.get_type_hints(SearchConfig)
     all_flags = search_flags()
@@ -55,8 +56,9 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
             # None: not given. The checkpoint's tuned value (its search defaults) then applies, else ours.
             group.add_argument(*flags, dest=f.name, type=kind, default=None,
                                help=f"{f.metadata['help']} (default: the checkpoint's, else {f.default})")
-    parser.add_argument("--tgt-lang", default=None,
-                        help="a multilingual model's target language (one of its checkpoint's; default: its only one)")
+    if target:
+        parser.add_argument("--tgt-lang", default=None,
+                            help="a multilingual model's target language (one of its checkpoint's; default: its only one)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="source tokens per batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--workers", type=int, default=None,
@@ -134,9 +136,9 @@ def parallelism(args: argparse.Namespace) -> tuple[int, int]:
 
 def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *, parallel: bool = True,
                     served_by: tuple[int, int] | None = None) -> tuple[Translator, SearchConfig]:
-    """The checkpoint's Translator (`--checkpoint`, `--device`, `--precision`, `--compile`, `--tgt-lang`, and unless
-    `parallel` is False, `--workers` and `--threads`) and the search to run: the flags given over the checkpoint's tuned
-    defaults, checked against its vocabulary. Anything wrong is one line naming the file or the flag,
+    """The checkpoint's Translator (`--checkpoint`, `--device`, `--precision`, `--compile`, `--tgt-lang` where the face
+    has it, and unless `parallel` is False, `--workers` and `--threads`) and the search to run: the flags given over
+    the checkpoint's tuned defaults, checked against its vocabulary. Anything wrong is one line naming the file or the flag,
     and an exit."""
     workers, threads = parallelism(args) if parallel else (1, None)
     try:
@@ -148,8 +150,9 @@ def open_translator(parser: argparse.ArgumentParser, args: argparse.Namespace, *
     except CompileError as error:  # (--compile building the kept decoder)
         raise SystemExit(f"error: {error}; run it with --compile off") from None
     try:
-        translator = translator.for_target(args.tgt_lang) if args.tgt_lang else translator
-        translator.source_tag()  # (a multilingual model's target chosen: said before any input is read)
+        if "tgt_lang" in args:  # (a face without it routes each request to its target: the server)
+            translator = translator.for_target(args.tgt_lang) if args.tgt_lang else translator
+            translator.source_tag()  # (a multilingual model's target chosen: said before any input is read)
     except ValueError as error:
         raise SystemExit(f"error: --tgt-lang: {error}") from None
     if translator.compiled is False and translator.kept_at is not None and args.compile == "auto":
@@ -185,8 +188,7 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
     what is not started ("the server"). Nothing to do for a kept compiled decoder (Translator.package): it is whole."""
     if not translator.compiled or translator.package is not None:
         return
-    pair = f"{translator.src_lang}→{translator.tgt_lang}"
-    print(f"{pair}: compiling the encoder and the decoding steps (--compile; seconds to a minute a kind, in every run)",
+    print(f"{translator.pairs}: compiling the encoder and the decoding steps (--compile; seconds to a minute a kind, in every run)",
           file=sys.stderr, flush=True)
     started = time.perf_counter()
     try:
@@ -204,7 +206,7 @@ def compile_before_answering(translator: Translator, *, threads: int | None = No
 
 def compiled_line(translator: Translator, *, kinds: int, seconds: float) -> str:
     """The line a tool prints once `kinds` kinds of call were compiled (compile_before_answering; the server's app)."""
-    return (f"{translator.src_lang}→{translator.tgt_lang}: {kinds} kinds of call (encoder, cross-attention "
+    return (f"{translator.pairs}: {kinds} kinds of call (encoder, cross-attention "
             f"projection, decoding step) compiled in {seconds:.0f} s (--compile)")
 
 

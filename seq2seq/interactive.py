@@ -47,11 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     stdout = utf8_stdout()
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"{translator.src_lang}→{translator.tgt_lang}, {describe(search)}; Ctrl-D quits.", file=sys.stderr)
+        print(f"{translator.pairs}, {describe(search)}; Ctrl-D quits.", file=sys.stderr)
     number = 0
     while True:
         if interactive:
-            print(f"{translator.src_lang}> ", end="", file=sys.stderr, flush=True)
+            print(f"{translator.src_lang}> " if translator.src_lang else "> ", end="", file=sys.stderr, flush=True)
         raw = stdin.readline(MAX_LINE_BYTES + 3)  # bounded (/dev/zero has no line end): the text, "\r\n", one more
         if not raw:
             break

@@ -221,7 +221,7 @@ def say_compiling(translator: Translator) -> None:
     """--compile compiling in this process (int8, a GPU): a line before the first batch, which otherwise waits
     silently while its kinds compile."""
     if translator.compiled and translator.package is None:
-        print(f"{translator.src_lang}→{translator.tgt_lang}: --compile: each kind of decoding step compiles at its "
+        print(f"{translator.pairs}: --compile: each kind of decoding step compiles at its "
               "first batch (seconds to a minute each, in every run)", file=sys.stderr, flush=True)
 
 

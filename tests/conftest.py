@@ -273,6 +273,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "checkpoints" / "last.ckpt"
 
 
+@pytest.fixture(scope="session")
+def multilingual_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small model trained on four directions into three languages (tests/multilingual.py, ~40 s): its run folder,
+    with checkpoints/best.ckpt."""
+    from multilingual import train
+
+    return shared_across_workers(tmp_path_factory, "multilingual_run", train)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread (the Translator's tests and its faces', `pytestmark`): on a small, busy machine two threads spinning on tiny matrices are ~10x slower."""

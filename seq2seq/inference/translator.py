@@ -159,6 +159,13 @@ class Translator:
         """The languages a multilingual model translates into, in its directions' order; [] for a bilingual one."""
         return list(dict.fromkeys(tgt for _, tgt in self.directions))
 
+    @property
+    def pairs(self) -> str:
+        """What it translates, as a log line names it: "de→en", or a multilingual model's "de→en, en→fr, ..." (those
+        into its chosen target, where one is chosen)."""
+        chosen = [(src, tgt) for src, tgt in self.directions if self.tgt_lang in ("", tgt)]
+        return ", ".join(f"{src}→{tgt}" for src, tgt in chosen) or f"{self.src_lang}→{self.tgt_lang}"
+
     def for_target(self, tgt_lang: str, *, src_lang: str = "") -> "Translator":
         """This multilingual Translator translating into `tgt_lang` (from `src_lang`, which only sentence
         splitting reads): the same model, decoder threads and settings, shared. ValueError (one line, naming the

@@ -74,15 +74,14 @@ async def until_disconnected(request: Request) -> None:
 
 @dataclass
 class Model:
-    """One checkpoint behind the server: its Batcher (and Translator) and its requests' default search
-    (the command line's options over the checkpoint's tuned ones)."""
+    """One direction the server translates: the Translator into its target (a multilingual checkpoint's
+    `for_target`, sharing the model), the Batcher of its checkpoint (shared by a multilingual model's directions:
+    each source carries its target's tag, so one batch may mix them) and its requests' default search (the
+    command line's options over the checkpoint's tuned ones)."""
 
     batcher: Batcher
     search: SearchConfig
-
-    @property
-    def translator(self) -> Translator:
-        return self.batcher.translator
+    translator: Translator
 
     @property
     def pair(self) -> tuple[str, str]:
@@ -91,7 +90,7 @@ class Model:
 
 @dataclass
 class Server:
-    """The endpoints over the models (one per language pair) and their batchers."""
+    """The endpoints over the models (one per language pair: `routes`) and their batchers."""
 
     models: dict[tuple[str, str], Model]
     detector: Detector
@@ -377,12 +376,40 @@ class Server:
                              for code in codes])
 
     async def health(self, request: Request) -> JSONResponse:
-        models: list[dict[str, Any]] = [{"source": source, "target": target, "batches": m.batcher.stats.batches,
-                   "requests": m.batcher.stats.requests, "sentences": m.batcher.stats.sentences,
-                   "queued": m.batcher.queue.qsize(), "precision": m.translator.precision}
-                  for (source, target), m in sorted(self.models.items())]
+        served: dict[int, list[tuple[str, str]]] = {}  # per batcher (checkpoint), the directions it serves
+        batchers: dict[int, Batcher] = {}
+        for pair, m in sorted(self.models.items()):
+            served.setdefault(id(m.batcher), []).append(pair)
+            batchers[id(m.batcher)] = m.batcher
+        models: list[dict[str, Any]] = []
+        for key, pairs in served.items():
+            batcher = batchers[key]
+            one = {"source": pairs[0][0], "target": pairs[0][1]} if len(pairs) == 1 else {}
+            models.append({**one, "directions": [list(pair) for pair in pairs], "batches": batcher.stats.batches,
+                           "requests": batcher.stats.requests, "sentences": batcher.stats.sentences,
+                           "queued": batcher.queue.qsize(), "precision": batcher.translator.precision})
         totals = {key: sum(m[key] for m in models) for key in ("batches", "requests", "sentences", "queued")}
         return JSONResponse({"status": "ok", **totals, "precision": models[0]["precision"], "models": models})
+
+
+def routes(translators: Sequence[Translator]) -> dict[tuple[str, str], int]:
+    """Each language pair the translators serve, and the one that serves it: the most specific, a bilingual
+    model before a multilingual one and a model of fewer directions before one of more (then the first given).
+    ValueError (one line) for two bilingual models of one pair, or a model left with no pair to serve."""
+    chosen: dict[tuple[str, str], int] = {}
+    for i, translator in enumerate(translators):
+        for pair in translator.directions or ((translator.src_lang, translator.tgt_lang),):
+            other = chosen.get(pair)
+            if other is not None and not translator.directions and not translators[other].directions:
+                raise ValueError(f"two models translate {pair[0]} to {pair[1]} (the {other + 1}. and {i + 1}. "
+                                 "--checkpoint); give one per language pair")
+            if other is None or len(translator.directions) < len(translators[other].directions):  # (bilingual: 0)
+                chosen[pair] = i
+    for i in range(len(translators)):
+        if i not in chosen.values():
+            raise ValueError(f"the {i + 1}. --checkpoint would serve nothing: each of its directions has a more "
+                             "specific model before it; leave it out")
+    return chosen
 
 
 def create_app(translators: Translator | Sequence[Translator],
@@ -391,8 +418,9 @@ def create_app(translators: Translator | Sequence[Translator],
                timeout: float = 60.0, max_request_tokens: int = 16384, max_batch_tokens: int = 8192,
                max_beam_size: int = 16, max_body_size: int = 1 << 20, max_glossary_chars: int = 100_000,
                max_stored_bytes: int = 64 << 20, workers: int = 1, threads: int | None = None) -> Starlette:
-    """The ASGI app over one Translator per language pair; their batchers start and drain with the
-    app's lifespan. `search`: the requests' defaults, one for all or one per translator (each
+    """The ASGI app over Translators, a bilingual one serving its language pair and a multilingual one each of
+    its directions (`routes`: the most specific model for each pair); their batchers, one per translator, start
+    and drain with the app's lifespan. `search`: the requests' defaults, one for all or one per translator (each
     translator's own, tuned on validation where its checkpoint stores them, if None). `workers` decoder
     calls run at once (each model's batcher gathers that many batches), each on a thread with `threads`
     intra-op threads (None: torch's count). The limits are the server's flags of the same names
@@ -402,17 +430,12 @@ def create_app(translators: Translator | Sequence[Translator],
                 [search] * len(translators) if isinstance(search, SearchConfig) else list(search))
     if not translators or len(searches) != len(translators):
         raise ValueError(f"{len(translators)} translators but {len(searches)} search configurations")
-    pairs: dict[tuple[str, str], int] = {}
-    for i, (translator, defaults) in enumerate(zip(translators, searches, strict=True)):
-        pair = (translator.src_lang, translator.tgt_lang)
-        if pair in pairs:
-            raise ValueError(f"two models translate {pair[0]} to {pair[1]} (the {pairs[pair] + 1}. and {i + 1}. "
-                             "--checkpoint); give one per language pair")
-        pairs[pair] = i
+    chosen = routes(translators)
+    for defaults in searches:
         if not defaults.sampling and defaults.beam_size > max_beam_size:
             raise ValueError(f"the default beam size {defaults.beam_size} is over --max-beam-size {max_beam_size}; "
                              "raise --max-beam-size or lower --beam-size")
-    detector = Detector({t.src_lang for t in translators})
+    detector = Detector({source for source, _ in chosen})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -423,10 +446,11 @@ def create_app(translators: Translator | Sequence[Translator],
         executor = (ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decoder",
                                        initializer=start_decoder_thread, initargs=(threads,)) if threads
                     else ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decoder"))
-        models = {(t.src_lang, t.tgt_lang): Model(Batcher(t, max_tokens=max_tokens, max_batch_tokens=max_batch_tokens,
-                                                          max_wait=max_wait, batching=batching, max_queue=max_queue,
-                                                          executor=executor), defaults)
-                  for t, defaults in zip(translators, searches, strict=True)}
+        batchers = [Batcher(t, max_tokens=max_tokens, max_batch_tokens=max_batch_tokens, max_wait=max_wait,
+                            batching=batching, max_queue=max_queue, executor=executor) for t in translators]
+        models = {(source, target): Model(batchers[i], searches[i], translators[i].for_target(target, src_lang=source)
+                                          if translators[i].directions else translators[i])
+                  for (source, target), i in chosen.items()}
         for translator in translators:  # before the first request: compiling a kind takes long (main()
             started = time.perf_counter()  # compiled them already: here for create_app's other callers)
             if kinds := await loop.run_in_executor(executor, translator.compile_decoding):
@@ -435,7 +459,7 @@ def create_app(translators: Translator | Sequence[Translator],
         app.state.server = Server(models, detector, char_limit=char_limit, timeout=timeout,
                                   max_request_tokens=max_request_tokens, max_beam_size=max_beam_size,
                                   max_glossary_chars=max_glossary_chars, files=FileStore(max_bytes=max_stored_bytes))
-        tasks = [asyncio.create_task(model.batcher.run()) for model in models.values() for _ in range(workers)]
+        tasks = [asyncio.create_task(batcher.run()) for batcher in batchers for _ in range(workers)]
         try:
             yield
         finally:  # uvicorn has stopped accepting and waited for the open requests
@@ -444,8 +468,8 @@ def create_app(translators: Translator | Sequence[Translator],
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            for model in models.values():
-                await model.batcher.drain()
+            for batcher in batchers:
+                await batcher.drain()
             executor.shutdown(wait=True)
 
     def route(path: str, name: str, methods: list[str]) -> Route:
@@ -455,8 +479,8 @@ def create_app(translators: Translator | Sequence[Translator],
 
         return Route(path, answer_errors(endpoint), methods=methods)
 
-    routes = [route("/translate", "libretranslate", ["POST"]), route("/translate_file", "translate_file", ["POST"]),
-              route("/download_file/{name}", "download_file", ["GET"]), route("/detect", "detect", ["POST"]),
-              route("/v1/translate", "v1_translate", ["POST"]), route("/languages", "languages", ["GET"]),
-              route("/health", "health", ["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(BodyLimit, max_bytes=max_body_size)])
+    endpoints = [route("/translate", "libretranslate", ["POST"]), route("/translate_file", "translate_file", ["POST"]),
+                 route("/download_file/{name}", "download_file", ["GET"]), route("/detect", "detect", ["POST"]),
+                 route("/v1/translate", "v1_translate", ["POST"]), route("/languages", "languages", ["GET"]),
+                 route("/health", "health", ["GET"])]
+    return Starlette(routes=endpoints, lifespan=lifespan, middleware=[Middleware(BodyLimit, max_bytes=max_body_size)])

@@ -2,6 +2,8 @@
 
     python -m seq2seq.serve --checkpoint checkpoints/multi30k/best.ckpt --port 5000 [--beam-size 5]
     python -m seq2seq.serve --checkpoint de-en.ckpt --checkpoint fr-en.ckpt ...   # one per language pair
+    python -m seq2seq.serve --checkpoint multilingual.ckpt --checkpoint de-en.ckpt  # every direction of the first,
+                                                                                    # de→en by the second
     curl -s localhost:5000/translate -H 'Content-Type: application/json' \
          -d '{"q": "Ein Hund läuft.", "source": "de", "target": "en"}'
     {"translatedText":"A dog is running."}
@@ -14,9 +16,10 @@ Endpoints (JSON or form bodies, as LibreTranslate takes them; errors are `{"erro
     POST /translate_file file (.txt, .html, .srt), source, target -> {"translatedFileUrl": ...}
     GET  /download_file/NAME  the translated file
     POST /detect         q -> [{"confidence": ..., "language": ...}, ...]    (all LibreTranslate's)
-    GET  /languages      [{"code": "de", "name": "German", "targets": ["en"]}, ...]
+    GET  /languages      [{"code": "de", "name": "German", "targets": ["en"]}, ...]: every direction of every
+                         model (a multilingual model's each), each pair routed to its most specific model
     GET  /health         {"status": "ok", "batches": ..., "requests": ..., "sentences": ..., "queued": ...,
-                          "models": [the same per model]}
+                          "models": [the same per model, with the "directions" it serves]}
     POST /v1/translate   {"q": [...], "beam_size": 5, "nbest": 2, ...any SearchConfig field, and source and
                           target where the server has several models}
                          -> {"translations": [[{"text": ..., "score": ...}, ...], ...]}; with
@@ -86,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     options every decoding face takes (add_search_arguments)."""
     parser = argparse.ArgumentParser(prog="python -m seq2seq.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True, action="append",
-                        help="a .ckpt written by python -m seq2seq.fit (or seq2seq.convert); repeat it to serve several "
-                             "language pairs, one checkpoint each")
+                        help="a .ckpt written by python -m seq2seq.fit (or seq2seq.convert); repeat it to serve several: "
+                             "each language pair is served by the most specific model that has it (a bilingual one "
+                             "before a multilingual one)")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     parser.add_argument("--port", type=int, default=5000, help="0 to 65535 (0: any free port) (default: 5000)")
     parser.add_argument("--max-wait-ms", type=float, default=5.0,
@@ -114,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a client has to send a whole request; then 408 and closed (default: 10)")
     parser.add_argument("--max-connections", type=int, default=512,
                         help="open connections at most; idle ones are closed first, then 503 (default: 512)")
-    add_search_arguments(parser)
+    add_search_arguments(parser, target=False)  # (requests choose the target: a multilingual model serves them all)
     return parser
 
 
@@ -150,10 +154,6 @@ def main(argv: list[str] | None = None) -> None:
         stop, status = interruption(error)
         print(f"\n{stop} while loading the model; the server was not started", file=sys.stderr)
         raise SystemExit(status) from None
-    for path, (translator, _) in zip(args.checkpoint, loaded, strict=True):
-        if translator.directions:  # (its routes need each direction: the server takes bilingual models for now)
-            raise SystemExit(f"error: {path}: a multilingual model ({', '.join(translator.targets)} as targets) is "
-                             "not served yet; translate with it: python -m seq2seq.translate --tgt-lang")
     try:
         app = create_app([t for t, _ in loaded], [search for _, search in loaded], max_tokens=args.max_tokens,
                          max_wait=args.max_wait_ms / 1000,
@@ -162,12 +162,12 @@ def main(argv: list[str] | None = None) -> None:
                          max_batch_tokens=args.max_batch_tokens, max_beam_size=args.max_beam_size,
                          max_body_size=args.max_body_size, max_glossary_chars=args.max_glossary_chars,
                          max_stored_bytes=args.max_stored_bytes, workers=workers, threads=threads)
-    except ValueError as error:  # a checkpoint's tuned beam over --max-beam-size, two models for one pair
+    except ValueError as error:  # a checkpoint's tuned beam over --max-beam-size, two models for one pair, ...
         parser.error(str(error))
     for translator, _ in loaded:  # for the decoder threads' count, before uvicorn: a failure or Ctrl-C is one line
         compile_before_answering(translator, threads=threads, face="the server")
     for translator, search in loaded:
-        print(f"{translator.src_lang}→{translator.tgt_lang} on http://{args.host}:{args.port} ({translator.precision}"
+        print(f"{translator.pairs} on http://{args.host}:{args.port} ({translator.precision}"
               f"{' compiled' if translator.compiled else ''}, "
               f"{workers} decoder threads x {threads} threads, {describe(search)})", file=sys.stderr, flush=True)
 

@@ -331,6 +331,7 @@ class Blocking:
 
     sentence_spans = Translator.sentence_spans
     compiled = False
+    directions: tuple[tuple[str, str], ...] = ()  # bilingual
 
     def compile_decoding(self) -> int:
         return 0
@@ -561,6 +562,7 @@ class Recording:
 
     sentence_spans = Translator.sentence_spans
     compiled = False
+    directions: tuple[tuple[str, str], ...] = ()  # bilingual
 
     def compile_decoding(self) -> int:
         return 0

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _multi30k_lines, shared_across_workers
+from conftest import _multi30k_lines
+from multilingual import DIRECTIONS, write_data
 
 from seq2seq.checkpoint import CheckpointError, inference_entry, load_checkpoint, read_inference
 from seq2seq.inference.translator import Translator
@@ -16,104 +17,9 @@ from seq2seq.text.tokenizer import Tokenizer
 from seq2seq.training.data import TranslationDataModule
 from seq2seq.training.directions import Direction, sampling_shares
 
-DIRECTIONS = [("en", "de"), ("en", "fr"), ("de", "en"), ("fr", "en")]
-
-CONFIG = """
-trainer:
-  accelerator: cpu
-  devices: 1
-  max_steps: {steps}
-  val_check_interval: {steps}
-  check_val_every_n_epoch: null
-  enable_progress_bar: false
-  enable_model_summary: false
-  default_root_dir: {root}
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args:
-        dirpath: {root}/checkpoints
-        filename: best
-        monitor: val_bleu
-        mode: max
-        save_last: true
-        enable_version_counter: false
-model:
-  transformer:
-    d_model: 64
-    num_heads: 4
-    d_ff: 256
-    num_encoder_layers: 2
-    num_decoder_layers: 2
-    dropout: 0.0
-    max_positions: 128
-  lr: 0.003
-  warmup_steps: 30
-  val_search:
-    beam_size: 1
-    max_len_b: 20
-data:
-  tokenizer_path: {root}/spm.model
-  vocab_size: 1200
-  temperature: 5.0
-  max_tokens: 1024
-  max_tokens_per_sentence: 64
-  cache_dir: {root}/hf_cache
-  directions:
-{directions}
-"""
-
-
-def write_data(root: Path, *, train_pairs: int, val_pairs: int) -> dict[str, Path]:
-    """Multi30k's first lines in each language (train and val), as files; the same images' captions."""
-    data = root / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    files = {}
-    for stem, limit in (("train", train_pairs), ("val", val_pairs)):
-        for lang in ("de", "en", "fr"):
-            files[f"{stem}.{lang}"] = data / f"{stem}.{lang}"
-            files[f"{stem}.{lang}"].write_text("\n".join(_multi30k_lines(stem, lang, limit)) + "\n", encoding="utf-8")
-    return files
-
-
-def directions_yaml(files: dict[str, Path], directions: list[tuple[str, str]], *, small: str = "fr-en") -> str:
-    """Each direction's entry; `small` trains on a tenth of the pairs, as a low-resource direction would."""
-    entries = []
-    for src, tgt in directions:
-        train = [files[f"train.{src}"], files[f"train.{tgt}"]]
-        if f"{src}-{tgt}" == small:  # (its own files: the first tenth of the lines)
-            train = [path.with_name(f"small.{path.name}") for path in train]
-            for whole, part in zip([files[f"train.{src}"], files[f"train.{tgt}"]], train, strict=True):
-                lines = whole.read_text(encoding="utf-8").splitlines()
-                part.write_text("\n".join(lines[: len(lines) // 10]) + "\n", encoding="utf-8")
-        entries.append(f"    - src_lang: {src}\n      tgt_lang: {tgt}\n"
-                       f"      train_files: [{train[0]}, {train[1]}]\n"
-                       f"      valid_files: [{files[f'val.{src}']}, {files[f'val.{tgt}']}]")
-    return "\n".join(entries)
-
-
-@pytest.fixture(scope="session")
-def multilingual_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A small model trained on four directions into three languages: (its run folder, what the run printed)."""
-    from seq2seq.training.fit import main
-
-    def train(root: Path) -> None:
-        files = write_data(root, train_pairs=3000, val_pairs=40)
-        config = root / "multilingual.yaml"
-        config.write_text(CONFIG.format(root=root, steps=400, directions=directions_yaml(files, DIRECTIONS)),
-                          encoding="utf-8")
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            main(["--config", str(config)])
-        finally:
-            torch.set_num_threads(threads)
-
-    root = shared_across_workers(tmp_path_factory, "multilingual_run", train)
-    return root, ""
-
 
 def test_the_checkpoint_names_its_directions_and_its_tokenizer_has_a_tag_for_each_target(multilingual_run):
-    root, _ = multilingual_run
+    root = multilingual_run
     loaded = read_inference(root / "checkpoints" / "best.ckpt", load_checkpoint(root / "checkpoints" / "best.ckpt"))
     assert loaded.directions == tuple(DIRECTIONS)
     assert Tokenizer.from_bytes(loaded.tokenizer).languages == ["de", "fr", "en"]  # in the directions' order
@@ -122,7 +28,7 @@ def test_the_checkpoint_names_its_directions_and_its_tokenizer_has_a_tag_for_eac
 
 
 def test_each_direction_is_validated_and_the_run_s_bleu_is_their_mean(multilingual_run):
-    root, _ = multilingual_run
+    root = multilingual_run
     import csv
 
     (metrics_file,) = root.glob("lightning_logs/version_*/metrics.csv")
@@ -134,7 +40,7 @@ def test_each_direction_is_validated_and_the_run_s_bleu_is_their_mean(multilingu
 
 @pytest.fixture(scope="module")
 def translator(multilingual_run) -> Translator:
-    return Translator.from_checkpoint(multilingual_run[0] / "checkpoints" / "best.ckpt", precision="fp32")
+    return Translator.from_checkpoint(multilingual_run / "checkpoints" / "best.ckpt", precision="fp32")
 
 
 def test_each_target_s_tag_steers_the_output_language(translator: Translator):
@@ -232,7 +138,7 @@ def test_a_tokenizer_without_a_target_s_tag_is_refused_in_one_line(tmp_path):
 
 
 def test_directions_a_checkpoint_cannot_hold_are_refused_as_damage(multilingual_run, tmp_path):
-    root, _ = multilingual_run
+    root = multilingual_run
     checkpoint = load_checkpoint(root / "checkpoints" / "best.ckpt")
     loaded = read_inference(root / "checkpoints" / "best.ckpt", checkpoint)
     # (checksummed as written: a file that says so consistently, as a writer's mistake would)
@@ -250,10 +156,9 @@ def test_directions_a_checkpoint_cannot_hold_are_refused_as_damage(multilingual_
 
 
 def test_the_translate_command_takes_the_target_language_and_asks_for_one(multilingual_run, tmp_path, capsys):
-    from seq2seq.serve.server import main as serve
     from seq2seq.translate import main as translate
 
-    checkpoint = str(multilingual_run[0] / "checkpoints" / "best.ckpt")
+    checkpoint = str(multilingual_run / "checkpoints" / "best.ckpt")
     (tmp_path / "in.en").write_text("A man is sleeping.\n\nTwo dogs run.\n", encoding="utf-8")
     translate(["--checkpoint", checkpoint, "--input", str(tmp_path / "in.en"), "--output", str(tmp_path / "out.fr"),
                "--tgt-lang", "fr", "--beam", "2", "--precision", "fp32"])
@@ -266,5 +171,3 @@ def test_the_translate_command_takes_the_target_language_and_asks_for_one(multil
                        str(tmp_path / "other"), *flags])
         assert str(stopped.value).startswith(message)
     assert not (tmp_path / "other").exists()
-    with pytest.raises(SystemExit, match="a multilingual model .* is not served yet"):
-        serve(["--checkpoint", checkpoint, "--tgt-lang", "fr", "--port", "0"])
