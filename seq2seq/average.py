@@ -63,7 +63,7 @@ def average(paths: list[str], *, weights: str = "inference") -> InferenceCheckpo
     sums: dict[str, Tensor] = {name: tensor.double() for name, tensor in first.weights.items()}
     for path in paths[1:]:
         other = read_weights(path, weights=weights)
-        for field in ("config", "tokenizer", "src_lang", "tgt_lang"):
+        for field in ("config", "tokenizer", "src_lang", "tgt_lang", "directions", "target_tag"):
             if getattr(other, field) != getattr(first, field):
                 raise CheckpointError(f"{path} has another {field.replace('_', ' ')} than {paths[0]}: only "
                                       "checkpoints of one training run can be averaged")
@@ -76,7 +76,8 @@ def average(paths: list[str], *, weights: str = "inference") -> InferenceCheckpo
 def write(checkpoint: InferenceCheckpoint, path: str | Path) -> None:
     state_dict = {f"model.{name}": tensor for name, tensor in checkpoint.weights.items()}
     entry = inference_entry(state_dict=state_dict, config=checkpoint.config, tokenizer=checkpoint.tokenizer,
-                            src_lang=checkpoint.src_lang, tgt_lang=checkpoint.tgt_lang, directions=checkpoint.directions)
+                            src_lang=checkpoint.src_lang, tgt_lang=checkpoint.tgt_lang, directions=checkpoint.directions,
+                            target_tag=checkpoint.target_tag)
     save_atomic({"state_dict": state_dict, CHECKPOINT_KEY: entry}, path, create_folder=False)
 
 

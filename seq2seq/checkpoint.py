@@ -40,11 +40,12 @@ from torch.overrides import TorchFunctionMode
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.transformer import position_table_bytes
-from seq2seq.text.tokenizer import TAG, Tokenizer
+from seq2seq.text.tokenizer import TAG, TARGET_TAGS, Tokenizer
 
 CHECKPOINT_KEY = "seq2seq"
-CHECKPOINT_FORMAT = 5  # 2 added "sha256", 3 "search", 4 "training_sha256", 5 "directions"; bump on any change
-READABLE_FORMATS = (1, 2, 3, 4, 5)
+CHECKPOINT_FORMAT = 6  # 2 added "sha256", 3 "search", 4 "training_sha256", 5 "directions", 6 "target_tag"; bump on
+READABLE_FORMATS = (1, 2, 3, 4, 5, 6)  # any change
+
 # What the entry's "sha256" covers; "training_sha256" covers every other key of the file.
 INFERENCE_KEYS = (CHECKPOINT_KEY, "state_dict")  # format 1 has no checksum: read, with a warning that it cannot be verified
 # Position tables are computed from max_positions, not stored; a config asking for more than this
@@ -67,13 +68,15 @@ class InferenceCheckpoint(NamedTuple):
     # a multilingual model's trained (src, tgt) directions, each target's tag in the tokenizer; () for a bilingual
     # model (src_lang, tgt_lang), whose sources carry no tag
     directions: tuple[tuple[str, str], ...] = ()
+    target_tag: str = "encoder"  # where a multilingual model's tag goes: TARGET_TAGS
 
 
 # ---- writing -----------------------------------------------------------------------------------
 
 
 def checksum(*, weights: dict[str, Tensor], config: dict[str, Any], tokenizer: bytes, src_lang: str,
-             tgt_lang: str, search: dict[str, Any] | None = None, directions: Sequence[Sequence[str]] = ()) -> str:
+             tgt_lang: str, search: dict[str, Any] | None = None, directions: Sequence[Sequence[str]] = (),
+             target_tag: str = "encoder") -> str:
     """SHA-256 over everything inference reads: each weight's name, dtype, shape and bytes, and the entry."""
     digest = hashlib.sha256()
     header: dict[str, Any] = {"config": config, "src_lang": src_lang, "tgt_lang": tgt_lang}
@@ -81,6 +84,8 @@ def checksum(*, weights: dict[str, Tensor], config: dict[str, Any], tokenizer: b
         header["search"] = search
     if directions:  # (likewise: a bilingual model's checksum is what it was)
         header["directions"] = [list(pair) for pair in directions]
+    if target_tag != "encoder":  # (likewise: format 5's checksums stay what they were)
+        header["target_tag"] = target_tag
     digest.update(json.dumps(header, sort_keys=True).encode())
     digest.update(hashlib.sha256(tokenizer).digest())
     for name in sorted(weights):
@@ -92,10 +97,10 @@ def checksum(*, weights: dict[str, Tensor], config: dict[str, Any], tokenizer: b
 
 def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig, tokenizer: bytes,
                     src_lang: str, tgt_lang: str, search: dict[str, Any] | None = None,
-                    directions: Sequence[Sequence[str]] = ()) -> dict[str, Any]:
+                    directions: Sequence[Sequence[str]] = (), target_tag: str = "encoder") -> dict[str, Any]:
     """What goes under checkpoint["seq2seq"]; `state_dict` is the LightningModule's ("model.*" keys);
     `search`: SearchConfig fields tuned on validation, the translation defaults; `directions`: a multilingual
-    model's (src, tgt) pairs."""
+    model's (src, tgt) pairs, `target_tag` where its tags go (TARGET_TAGS)."""
     config_dict = config.to_dict()
     entry = {
         "format": CHECKPOINT_FORMAT,
@@ -104,12 +109,15 @@ def inference_entry(*, state_dict: dict[str, Tensor], config: TransformerConfig,
         "src_lang": src_lang,
         "tgt_lang": tgt_lang,
         "sha256": checksum(weights=model_weights(state_dict), config=config_dict, tokenizer=tokenizer,
-                           src_lang=src_lang, tgt_lang=tgt_lang, search=search, directions=directions),
+                           src_lang=src_lang, tgt_lang=tgt_lang, search=search, directions=directions,
+                           target_tag=target_tag),
     }
     if search:
         entry["search"] = dict(search)
     if directions:
         entry["directions"] = [list(pair) for pair in directions]
+    if target_tag != "encoder":
+        entry["target_tag"] = target_tag
     return entry
 
 
@@ -158,6 +166,7 @@ def store_search_defaults(path: str | Path, search: dict[str, Any]) -> None:
     checkpoint[CHECKPOINT_KEY] = inference_entry(
         state_dict=checkpoint["state_dict"], config=loaded.config, tokenizer=loaded.tokenizer,
         src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang, search=search, directions=loaded.directions,
+        target_tag=loaded.target_tag,
     )
     seal_training_state(checkpoint)
     save_atomic(checkpoint, path)
@@ -278,6 +287,10 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
     _check_layer_counts(path, config, weights)
     _check_shapes(path, config, weights)
     directions = _directions(path, entry.get("directions", []))
+    target_tag = entry.get("target_tag", "encoder")
+    if target_tag not in TARGET_TAGS or (target_tag != "encoder" and not directions):
+        raise CheckpointError(f"{path}: its '{CHECKPOINT_KEY}' entry is damaged: 'target_tag' is {target_tag!r}, "
+                              f"not one of {', '.join(TARGET_TAGS)} for a multilingual model")
     stored_search = entry.get("search", {})
     try:
         if not isinstance(stored_search, dict):
@@ -292,7 +305,7 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
         stored = entry["sha256"]
         actual = checksum(weights=weights, config=entry["model_config"], tokenizer=entry["tokenizer"],
                           src_lang=entry["src_lang"], tgt_lang=entry["tgt_lang"], search=entry.get("search"),
-                          directions=directions)
+                          directions=directions, target_tag=target_tag)
         if actual != stored:
             raise CheckpointError(f"{path} is damaged: its weights or tokenizer do not match the checksum stored "
                                   "when it was written; copy it again or use another checkpoint")
@@ -302,7 +315,7 @@ def read_inference(path: str | Path, checkpoint: dict[str, Any]) -> InferenceChe
         raise CheckpointError(f"{path}: its weight '{bad}' holds NaN or infinite values (the training run "
                               "diverged); use an earlier checkpoint")
     return InferenceCheckpoint(config, weights, entry["tokenizer"], entry["src_lang"], entry["tgt_lang"], search,
-                               entry.get("sha256"), directions)
+                               entry.get("sha256"), directions, target_tag)
 
 
 def _directions(path: str | Path, stored: Any) -> tuple[tuple[str, str], ...]:

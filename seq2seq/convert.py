@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("source", metavar="SRC", help="a model folder, or a Hub id (Helsinki-NLP/opus-mt-de-en)")
     parser.add_argument("--output", required=True, help="the checkpoint to write (.ckpt), in a folder that exists")
     parser.add_argument("--src-lang", default=None, help="source language code (default: the model's record)")
-    parser.add_argument("--tgt-lang", default=None, help="target language code (default: the model's record)")
+    parser.add_argument("--tgt-lang", default=None,
+                        help="target language code (default: the model's record); for a multi-target model (>>fra<< "
+                             "tags), the one target to keep (default: every tagged language)")
     parser.add_argument("--force", action="store_true", help="replace --output if it is a file that holds anything")
     args = parser.parse_args(argv)
     try:

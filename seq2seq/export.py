@@ -27,6 +27,7 @@ from seq2seq.interop.export import (
     check_output,
     export_ctranslate2,
     export_huggingface,
+    tag_usage,
 )
 
 PACKAGED_PRECISIONS_FLAG = ("auto", *PACKAGED_PRECISIONS)
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     except (CheckpointError, ExportError) as error:
         raise SystemExit(f"error: {error}") from None
     print(f"wrote {output} ({args.to}{', ' + args.quantization if args.quantization else ''})")
+    usage = tag_usage(args.checkpoint, args.to)
+    if usage is not None:
+        print(usage)
 
 
 def compile_for_this_machine(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

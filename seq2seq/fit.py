@@ -29,7 +29,8 @@ def main(args: list[str] | None = None) -> TranslationCLI:
             try:
                 tune_length_penalty(checkpoint=request.checkpoint, sources=request.sources,
                                     references=request.references, beam_size=request.beam_size,
-                                    length_penalties=request.length_penalties, device=request.device)
+                                    length_penalties=request.length_penalties, device=request.device,
+                                    directions=request.directions)
             except (CheckpointError, OSError, ValueError) as error:
                 raise SystemExit(f"error: tuning the length penalty failed ({error}); the training run is kept in "
                                  f"{request.checkpoint}") from None

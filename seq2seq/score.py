@@ -11,7 +11,8 @@ final EOS, space-separated; they sum to the first. Computed as translation compu
 batches. A pair that cannot be scored (an empty source, a side longer than the model reads) gives an
 empty line, and a warning naming its line. --src and --tgt must have as many lines; they are read,
 checked and written as python -m seq2seq.translate reads, checks and writes (UTF-8, one line per
-pair, whole lines written as they are done).
+pair, whole lines written as they are done). A multilingual model scores one direction a run: `--tgt-lang` names
+the targets' language.
 """
 
 import argparse
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
                                                        "written into)")
     parser.add_argument("--force", action="store_true",
                         help="replace --output if it is a file that holds anything (an empty one is written without)")
+    parser.add_argument("--tgt-lang", default=None,
+                        help="a multilingual model's target language, the targets' (one of its checkpoint's; default: "
+                             "its only one)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="padded positions per batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -87,6 +91,11 @@ def score_input(args: argparse.Namespace) -> None:
         translator = Translator.from_checkpoint(args.checkpoint, device=args.device, precision=args.precision)
     except (CheckpointError, OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
+    try:
+        translator = translator.for_target(args.tgt_lang) if args.tgt_lang else translator
+        translator.source_tag()  # (a multilingual model's target chosen: said before any pair is scored)
+    except ValueError as error:
+        raise SystemExit(f"error: --tgt-lang: {error}") from None
     start = time.perf_counter()
     output = Output(args.output)
     pairs = iter(zip(sources, targets, strict=True))

@@ -85,9 +85,10 @@ def spm_pieces(model: bytes) -> list[str]:
             if not (sp.is_control(i) or sp.is_unknown(i)) and sp.id_to_piece(i) not in SPM_CONTROL]
 
 
-def build_vocab(source_model: bytes, target_model: bytes) -> dict[str, int]:
-    """vocab.json as OPUS-MT ships it: "</s>" 0, "<unk>" 1, the union of both models' pieces, "<pad>" last."""
-    vocab: dict[str, int] = {"</s>": 0, "<unk>": 1}
+def build_vocab(source_model: bytes, target_model: bytes, *, language_codes: tuple[str, ...] = ()) -> dict[str, int]:
+    """vocab.json as OPUS-MT ships it: "</s>" 0, "<unk>" 1, a multi-target model's `>>fra<<` tags, the union of
+    both models' pieces, "<pad>" last."""
+    vocab: dict[str, int] = {"</s>": 0, "<unk>": 1, **{f">>{code}<<": 2 + i for i, code in enumerate(language_codes)}}
     for piece in spm_pieces(source_model) + spm_pieces(target_model):
         vocab.setdefault(piece, len(vocab))
     vocab["<pad>"] = len(vocab)
@@ -179,6 +180,7 @@ def write_marian_folder(
     max_position_embeddings: int = 128, max_length: int | None = None, num_beams: int = 4,
     renormalize_logits: bool | None = None, eos_logit_bias: float = 0.0, source_lang: str = "de",
     target_lang: str = "en", train_lines: int = TRAIN_LINES, train_steps: int = 0,
+    language_codes: tuple[str, ...] = (),
 ) -> Path:
     """Write an OPUS-MT-like Marian model folder into `folder` (created; files in it overwritten); returns it.
 
@@ -192,6 +194,7 @@ def write_marian_folder(
     decoder cannot read more positions); `renormalize_logits` is written only when given.
     `eos_logit_bias` is added to final_logits_bias[eos] (0: none) to make random models end sooner.
     Deterministic in `seed`; source_lang/target_lang pick the Multi30k languages and the tokenizer's.
+    `language_codes` (`fra`, `spa`): a multi-target model's, a `>>fra<<` piece each in vocab.json before `<pad>`.
     `train_steps` > 0 trains the random model that many AdamW steps on the same Multi30k lines (one thread,
     ~40 ms a step at the default size): a random model repeats one token forever, a briefly trained one
     writes varied sentences of natural lengths, which is what a test of search agreement needs.
@@ -206,7 +209,7 @@ def write_marian_folder(
     target_model = train_spm(read_multi30k(target_lang, lines=train_lines), vocab_pieces=vocab_pieces)
     (folder / "source.spm").write_bytes(source_model)
     (folder / "target.spm").write_bytes(target_model)
-    vocab = build_vocab(source_model, target_model)
+    vocab = build_vocab(source_model, target_model, language_codes=language_codes)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=2), encoding="utf-8")
     vocab_size, pad, eos = len(vocab), len(vocab) - 1, 0
 

@@ -8,8 +8,9 @@ so a text is tokenised once however many checks it passes.
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from seq2seq.decoding.config import SearchConfig
 from seq2seq.text.tokenizer import Tokenizer
@@ -24,14 +25,17 @@ Phrases = tuple[list[str], list[list[int]]]
 """One text's constraints: the phrases (deduplicated, their spaces made single) and each phrase's target ids."""
 
 
-def decoding_cost(length: int, search: SearchConfig, *, max_positions: int, at_least: int = 0) -> int:
+def decoding_cost(length: int, search: SearchConfig, *, max_positions: int, at_least: int = 0,
+                  forced_steps: int = 0) -> int:
     """The decoder tokens one sentence of `length` source tokens may cost: its hypotheses times its steps (the
-    output limit as decoding/steps.py's max_lengths computes it, raised to the `at_least` tokens a target prefix
-    and constraints need, plus EOS), at least MIN_STEPS_CHARGED. 0 for a sentence with nothing to decode."""
+    output limit as decoding/steps.py's max_lengths computes it, `forced_steps` more for a decoder-side tag, raised
+    to the `at_least` tokens a target prefix and constraints need, plus EOS), at least MIN_STEPS_CHARGED. 0 for a
+    sentence with nothing to decode."""
     if length == 0:
         return 0  # an empty line is answered without decoding
     length = min(length, max_positions)  # a longer line is truncated
-    limit = min(max(math.floor(search.max_len_a * length + search.max_len_b), at_least, 0), max_positions - 1)
+    limit = min(max(math.floor(search.max_len_a * length + search.max_len_b) + forced_steps, at_least, 0),
+                max_positions - 1)
     return search.hypotheses * max(limit + 1, MIN_STEPS_CHARGED)
 
 
@@ -44,14 +48,17 @@ class Inputs:
     """Per text its target prefix's ids (the start its translations must have), or None for no prefixes."""
     phrases: list[Phrases] | None = None
     """Per text its constraints (given, and a glossary's terms found in it), or None for no constraints."""
+    forced_steps: int = 0
+    """The steps every translation spends on a forced tag before its own words (a multilingual model's tags on the
+    decoder side: the search gets that many more, Translator's `_decode_batches`)."""
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def costs(self, search: SearchConfig, *, max_positions: int) -> list[int]:
         """Each text's decoding_cost under `search`: its output limit raised to hold its prefix and phrases."""
-        return [decoding_cost(len(ids), search, max_positions=max_positions, at_least=self.at_least(i))
-                for i, ids in enumerate(self.ids)]
+        return [decoding_cost(len(ids), search, max_positions=max_positions, at_least=self.at_least(i),
+                              forced_steps=self.forced_steps) for i, ids in enumerate(self.ids)]
 
     def at_least(self, i: int) -> int:
         """The target tokens text i's translations must hold: its prefix's and its phrases'."""
@@ -70,7 +77,8 @@ class Inputs:
                       forced=[inputs.forced[i] if inputs.forced is not None else [] for inputs, i in chosen]
                       if with_prefixes else None,
                       phrases=[inputs.phrases[i] if inputs.phrases is not None else none for inputs, i in chosen]
-                      if with_phrases else None)
+                      if with_phrases else None,
+                      forced_steps=max((inputs.forced_steps for inputs, _ in chosen), default=0))
 
 
 def as_lines(texts: Iterable[str], *, first_line: int = 1) -> list[str]:
@@ -150,3 +158,35 @@ def truncated(ids: list[list[int]], *, numbers: Sequence[int], tokenizer: Tokeni
             )
             ids[i] = tokenizer.cut_source(sentence, limit)
     return ids
+
+
+def windows(texts: Iterable[str], *, window: int, prefixes: Iterable[str] | None = None,
+            constraints: Iterable[Sequence[str]] | None = None,
+            ) -> Iterator[tuple[int, list[str], list[str] | None, list[Sequence[str]] | None]]:
+    """`texts` read `window` lines at a time, with their prefixes and constraint lists read alongside: (the window's
+    first line number, its texts, prefixes, constraints). A ValueError where prefixes or constraints end before the
+    texts, or go on after them; a TypeError for a string where lines are due."""
+    if isinstance(texts, str | bytes):
+        as_lines(texts)  # the same TypeError as a whole call's
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive number of lines, got {window!r}")
+    if isinstance(constraints, str | bytes):
+        as_constraint_lists(constraints)  # the TypeError
+    iterator, done = iter(texts), 0
+    prefix_iterator = iter(prefixes) if prefixes is not None else None
+    constraint_iterator = iter(constraints) if constraints is not None else None
+    while chunk := list(islice(iterator, window)):
+        chunk_prefixes = list(islice(prefix_iterator, len(chunk))) if prefix_iterator is not None else None
+        if chunk_prefixes is not None and len(chunk_prefixes) < len(chunk):
+            raise ValueError(f"the target prefixes end after line {done + len(chunk_prefixes)}, before the texts "
+                             "do: give one per text (an empty one for none)")
+        chunk_constraints = list(islice(constraint_iterator, len(chunk))) if constraint_iterator is not None else None
+        if chunk_constraints is not None and len(chunk_constraints) < len(chunk):
+            raise ValueError(f"the constraints end after line {done + len(chunk_constraints)}, before the texts "
+                             "do: give one list per text (an empty one for none)")
+        yield done + 1, chunk, chunk_prefixes, chunk_constraints
+        done += len(chunk)
+    if prefix_iterator is not None and next(prefix_iterator, None) is not None:
+        raise ValueError(f"there are more target prefixes than the {done} texts: give one per text")
+    if constraint_iterator is not None and next(constraint_iterator, None) is not None:
+        raise ValueError(f"there are more constraint lists than the {done} texts: give one per text")

@@ -20,17 +20,16 @@ the program's to make, not the library's: a program translating much through a T
 """
 
 import copy
+import dataclasses
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import islice
 from pathlib import Path
 
 import torch
 
 from seq2seq.checkpoint import inference_model, load_checkpoint, read_inference
-from seq2seq.decoding.config import Hypothesis, SearchConfig
-from seq2seq.decoding.constraints import holds
+from seq2seq.decoding.config import SearchConfig
 from seq2seq.decoding.scoring import Forced, force_decode
 from seq2seq.decoding.search import decode
 from seq2seq.inference.documents import (
@@ -50,8 +49,10 @@ from seq2seq.inference.inputs import (
     constraint_ids,
     prefix_ids,
     truncated,
+    windows,
 )
 from seq2seq.inference.kept import kept_decoder
+from seq2seq.inference.outputs import translations as translations_of
 from seq2seq.inference.pool import DecoderPool, decoder_threads, length_sorted_batches
 from seq2seq.inference.preparation import Compiled, prepare, warn_of_workers_off_the_cpu
 from seq2seq.model import Transformer
@@ -84,6 +85,7 @@ class Translator:
         served_by: tuple[int, int] | None = None,
         checksum: str | None = None,
         directions: Sequence[tuple[str, str]] = (),
+        target_tag: str = "encoder",
     ):
         """`model` is prepared in place for `device` and `precision` (inference/preparation.py's `prepare`: auto
         picks bf16 where bf16 matmuls are fast, else fp32; int8 is a CPU option; the kernels the machine's timed
@@ -111,7 +113,9 @@ class Translator:
         count, as many of them running it at once). `checksum`: the checkpoint's verified checksum (from_checkpoint's),
         which names the kept package in place of a hash of the weights. `directions`: a multilingual model's
         (src, tgt) pairs (its checkpoint's), whose sources start with their target language's tag: `tgt_lang`
-        picks it (by default the one target where there is one; `for_target` gives another)."""
+        picks it (by default the one target where there is one; `for_target` gives another). `target_tag`: where
+        its tag goes, `encoder` (first in the source) or `decoder` (forced as the translation's first token, which
+        no output shows)."""
         torch.set_flush_denormal(True)  # denormal floats run far slower on x86 CPUs (docs/performance/precision.md)
         runners, threads_each = served_by or (workers, decoder_threads(workers=workers, threads=threads))
         prepared = prepare(model, device=device, precision=precision, compiled=compiled, threads=threads_each,
@@ -133,6 +137,7 @@ class Translator:
         warn_of_workers_off_the_cpu(workers, self.device)
         self.tokenizer = tokenizer
         self.directions = tuple(directions)
+        self.target_tag = target_tag
         targets = self.targets
         self.src_lang = src_lang
         self.tgt_lang = tgt_lang if not targets else targets[0] if len(targets) == 1 else ""
@@ -152,7 +157,7 @@ class Translator:
         return cls(model=model, tokenizer=tokenizer, src_lang=loaded.src_lang, tgt_lang=loaded.tgt_lang,
                    device=device, precision=precision, search=loaded.search, workers=workers, threads=threads,
                    compiled=compiled, progress=progress, served_by=served_by, checksum=loaded.checksum,
-                   directions=loaded.directions)
+                   directions=loaded.directions, target_tag=loaded.target_tag)
 
     @property
     def targets(self) -> list[str]:
@@ -181,8 +186,22 @@ class Translator:
         return chosen
 
     def source_tag(self) -> list[int]:
-        """What every source starts with: a multilingual model's tag of `tgt_lang`; nothing for a bilingual one.
-        ValueError (one line) where a multilingual model has no target chosen."""
+        """What every source starts with: a multilingual model's tag of `tgt_lang` where its tags go on the encoder
+        side; nothing for a bilingual one. ValueError (one line) where a multilingual model has no target chosen."""
+        tag = self._tag()  # (its ValueError wherever the tags go: the target must be chosen either way)
+        return tag if self.target_tag == "encoder" else []
+
+    def decoder_tag(self) -> list[int]:
+        """What every translation starts with, forced and then dropped: the tag of `tgt_lang` where a multilingual
+        model's tags go on the decoder side; else nothing."""
+        return self._tag() if self.target_tag == "decoder" else []
+
+    @property
+    def _tags_on_the_decoder(self) -> bool:
+        """Every hypothesis starts with a forced tag (whichever target: one batch may mix them, as a server's does)."""
+        return bool(self.directions) and self.target_tag == "decoder"
+
+    def _tag(self) -> list[int]:
         if not self.directions:
             return []
         if not self.tgt_lang:
@@ -303,8 +322,12 @@ class Translator:
             raise ValueError("constraints and glossaries need a search (beam_size >= 1), not sampling")
         glossary = as_glossary(glossary) if glossary else None  # a Mapping compiled once for all the lines
         tokenizer, max_positions = self.tokenizer, self.model.config.max_positions
-        forced = (prefix_ids(prefixes, len(lines), first_line=first_line, tokenizer=tokenizer, max_positions=max_positions)
+        tag, decoder_tag = self.source_tag(), self.decoder_tag()
+        forced = (prefix_ids(prefixes, len(lines), first_line=first_line, tokenizer=tokenizer,
+                             max_positions=max_positions - len(decoder_tag))
                   if prefixes is not None else None)
+        if decoder_tag:  # the translation's first token, before any prefix of the caller's
+            forced = [[*decoder_tag, *ids] for ids in forced or [[] for _ in lines]]
         if glossary:
             found = [glossary.terms_in(text) for text in lines]
             given = as_constraint_lists(constraints) if constraints is not None else [[] for _ in lines]
@@ -314,14 +337,13 @@ class Translator:
                                   max_positions=max_positions)
                    if constraints is not None else None)
         numbers = line_numbers if line_numbers is not None else range(first_line, first_line + len(lines))
-        tag = self.source_tag()
         ids = truncated(tokenizer.encode_source([text.strip() for text in lines]), numbers=numbers, tokenizer=tokenizer,
                         max_positions=max_positions - len(tag))
         # Without text tokens (a Marian source keeps its eos; a normalising model may encode text to nothing)
         for i, (text, sentence) in enumerate(zip(lines, ids, strict=True)):
             empty = not text.strip() or self.tokenizer.source_tokens(sentence) <= 0
             ids[i] = [] if empty else [*tag, *sentence]
-        return Inputs(ids=ids, forced=forced, phrases=phrases)
+        return Inputs(ids=ids, forced=forced, phrases=phrases, forced_steps=len(decoder_tag))
 
     def decode_inputs(self, inputs: Inputs, search: SearchConfig | None = None, *, max_tokens: int = 8192,
                       generator: torch.Generator | None = None) -> list[list[Translation]]:
@@ -345,12 +367,15 @@ class Translator:
         """(index, translations) of every text: those with nothing to decode ([]) first, then batch by batch
         (longest first)."""
         search = self._checked(search)
+        if inputs.forced_steps:  # a forced tag is not the translation's: steps to write it beside the output limit
+            search = dataclasses.replace(search, max_len_b=search.max_len_b + inputs.forced_steps)
         check_max_tokens(max_tokens)
         if generator is None and search.sampling and search.seed is not None:  # one for all the batches
             generator = self._generator(search)
         ids, forced, phrases, tokenizer = inputs.ids, inputs.forced, inputs.phrases, self.tokenizer
         yield from ((i, []) for i, sentence in enumerate(ids) if not sentence)
         continuing = self.continuing_ids() if phrases is not None else frozenset()
+        source_tags = 1 if self.directions and self.target_tag == "encoder" else 0  # (whichever target each has)
 
         def translate_batch(batch: list[int]) -> list[tuple[int, list[Translation]]]:
             src = pad_batch([ids[i] for i in batch], pad=tokenizer.pad_id, device=self.device)  # (B, S)
@@ -359,7 +384,9 @@ class Translator:
             nbest = decode(self.decoding, src, search, bos=bos, eos=eos, pad=pad, generator=generator, prefix=prefix,
                            constraints=[phrases[i][1] for i in batch] if phrases is not None else None,
                            continuing=continuing)
-            return [(i, self._detokenize(sentence_hyps, source=ids[i], phrases=phrases[i] if phrases is not None else None))
+            return [(i, translations_of(sentence_hyps, tokenizer=tokenizer, source=ids[i], source_tags=source_tags,
+                                     decoder_tag=self._tags_on_the_decoder, continuing=continuing,
+                                     phrases=phrases[i] if phrases is not None else None))
                     for i, sentence_hyps in zip(batch, nbest, strict=True)]
 
         batches = length_sorted_batches(ids, max_tokens=max_tokens)
@@ -401,33 +428,16 @@ class Translator:
         translate_nbest's, read alongside the texts; a ValueError if they end before the texts, or go on
         after them. `glossary`: as translate_nbest's (a Mapping compiled once for the whole stream).
         """
-        if isinstance(texts, str | bytes):
-            as_lines(texts)  # the same TypeError as translate_nbest
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive number of lines, got {window!r}")
-        iterator, done = iter(texts), 0
-        prefix_iterator = iter(prefixes) if prefixes is not None else None
-        if isinstance(constraints, str | bytes):
-            as_constraint_lists(constraints)  # the TypeError
-        constraint_iterator = iter(constraints) if constraints is not None else None
         search = self.search if search is None else search
         # One generator for the whole stream: a new one per window would replay the same draws.
         generator = self._generator(search) if search.sampling and search.seed is not None else None
         # Compiled once here, not once per window: a large glossary's automaton costs more than matching it
         glossary = as_glossary(glossary) if glossary else None
-        while chunk := list(islice(iterator, window)):
-            chunk_prefixes = list(islice(prefix_iterator, len(chunk))) if prefix_iterator is not None else None
-            if chunk_prefixes is not None and len(chunk_prefixes) < len(chunk):
-                raise ValueError(f"the target prefixes end after line {done + len(chunk_prefixes)}, before the texts "
-                                 "do: give one per text (an empty one for none)")
-            chunk_constraints = (list(islice(constraint_iterator, len(chunk))) if constraint_iterator is not None
-                                 else None)
-            if chunk_constraints is not None and len(chunk_constraints) < len(chunk):
-                raise ValueError(f"the constraints end after line {done + len(chunk_constraints)}, before the texts "
-                                 "do: give one list per text (an empty one for none)")
+        for first_line, chunk, chunk_prefixes, chunk_constraints in windows(texts, window=window, prefixes=prefixes,
+                                                                            constraints=constraints):
             ready: dict[int, list[Translation]] = {}
             next_line = 0
-            inputs = self.prepare_inputs(chunk, search, first_line=done + 1, prefixes=chunk_prefixes,
+            inputs = self.prepare_inputs(chunk, search, first_line=first_line, prefixes=chunk_prefixes,
                                          constraints=chunk_constraints, glossary=glossary)
             for i, translations in self._decode_batches(inputs, search, max_tokens=max_tokens, generator=generator):
                 ready[i] = translations
@@ -435,11 +445,6 @@ class Translator:
                     yield ready.pop(next_line)
                     next_line += 1
             assert next_line == len(chunk), "every line of the window is yielded"
-            done += len(chunk)
-        if prefix_iterator is not None and next(prefix_iterator, None) is not None:
-            raise ValueError(f"there are more target prefixes than the {done} texts: give one per text")
-        if constraint_iterator is not None and next(constraint_iterator, None) is not None:
-            raise ValueError(f"there are more constraint lists than the {done} texts: give one per text")
 
     def score(self, sources: Iterable[str], targets: Iterable[str], *, max_tokens: int = 8192,
               first_line: int = 1) -> list[Forced | None]:
@@ -451,9 +456,9 @@ class Translator:
         if len(sources) != len(targets):
             raise ValueError(f"{len(sources)} sources but {len(targets)} targets: they must be line-aligned")
         check_max_tokens(max_tokens)
-        tokenizer, limit, tag = self.tokenizer, self.model.config.max_positions, self.source_tag()
+        tokenizer, limit, tag, decoder_tag = self.tokenizer, self.model.config.max_positions, self.source_tag(), self.decoder_tag()
         src_ids = [[*tag, *ids] for ids in tokenizer.encode_source([text.strip() for text in sources])]
-        tgt_ids = tokenizer.encode_target([text.strip() for text in targets])
+        tgt_ids = [[*decoder_tag, *ids] for ids in tokenizer.encode_target([text.strip() for text in targets])]
         scored: list[Forced | None] = [None] * len(sources)
         sizes: list[list[int]] = []  # what a pair costs in padded positions, for batching
         for i, (source, target) in enumerate(zip(src_ids, tgt_ids, strict=True)):
@@ -471,8 +476,9 @@ class Translator:
                 forced = force_decode(self.model, self.model.encode(src), src != tokenizer.pad_id,
                                       [tgt_ids[i] for i in batch], bos=tokenizer.bos_id, eos=tokenizer.eos_id,
                                       pad=tokenizer.pad_id)
-            for i, f in zip(batch, forced, strict=True):
-                scored[i] = f
+            for i, f in zip(batch, forced, strict=True):  # (a decoder-side tag is the model's, not the target's)
+                scored[i] = Forced(f.token_log_probs[len(decoder_tag):], f.source_positions and
+                                   f.source_positions[len(decoder_tag):]) if decoder_tag else f
         return scored
 
     def continuing_ids(self) -> frozenset[int]:
@@ -488,31 +494,6 @@ class Translator:
     def _generator(self, search: SearchConfig) -> torch.Generator:
         assert search.seed is not None
         return torch.Generator(device=self.device).manual_seed(search.seed)
-
-    def _detokenize(self, hyps: list[Hypothesis], *, source: list[int],
-                    phrases: tuple[list[str], list[list[int]]] | None = None) -> list[Translation]:
-        texts = self.tokenizer.decode([h.tokens for h in hyps])
-        return [Translation(text=t, score=h.score, tokens=h.tokens, token_scores=h.token_log_probs,
-                            alignment=self._word_alignment(source, h),
-                            unmet_constraints=None if phrases is None else [
-                                text for text, ids in zip(*phrases, strict=True)
-                                if not holds(h.tokens, ids, continuing=self.continuing_ids())])
-                for t, h in zip(texts, hyps, strict=True)]
-
-    def _word_alignment(self, source: list[int], hyp: Hypothesis) -> list[tuple[int, int]] | None:
-        """The hypothesis' token alignment (each token's most attended source position) as word pairs;
-        a token that attended to no text token (a Marian source's eos) aligns nothing."""
-        if hyp.source_positions is None:
-            return None
-        source_words = self.tokenizer.word_indices(source[: self.tokenizer.source_tokens(source)])
-        target_words = self.tokenizer.word_indices(hyp.tokens)
-        # Pieces the text leaves out (a dropped <unk>, spaces a Marian decode collapses) must not point past it
-        words = len(self.tokenizer.decode([hyp.tokens])[0].split(" "))
-        return sorted({(source_words[p], target_words[j]) for j, p in enumerate(hyp.source_positions)
-                       if p < len(source_words) and target_words[j] < words})
-
-
-
 
 def pad_batch(sentences: list[list[int]], *, pad: int, device: torch.device) -> torch.Tensor:
     length = max(len(s) for s in sentences)

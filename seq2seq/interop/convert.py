@@ -40,7 +40,7 @@ from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, save_atomic
 from seq2seq.interop.marian import channel_order, layer_modules
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.positions import sinusoidal_table
-from seq2seq.text.tokenizer import Tokenizer
+from seq2seq.text.tokenizer import TAG, Tokenizer
 from seq2seq.textio import OutputRefused, check_output
 
 
@@ -241,6 +241,22 @@ def language_pair(folder: Path, source: str, *, src_lang: str | None, tgt_lang: 
     return src, tgt
 
 
+def target_directions(tokenizer: Tokenizer, src: str, *, tgt_lang: str | None, where: Path) -> list[tuple[str, str]]:
+    """A multi-target model's directions (its vocabulary has a `>>fra<<` piece per target, which starts each source,
+    as OPUS-MT's multilingual models read it): from `src` into each, or into --tgt-lang alone; [] for a model of one
+    target."""
+    languages = tokenizer.languages
+    if not languages:
+        return []
+    if tgt_lang is not None and tgt_lang not in languages:
+        shown = ", ".join(languages[:20]) + (f" and {len(languages) - 20} more" if len(languages) > 20 else "")
+        raise ConvertError(f"{where}: --tgt-lang {tgt_lang} has no tag in this multi-target model; its targets are "
+                           f"{shown}")
+    if not TAG.fullmatch(f">>{src}<<"):
+        raise ConvertError(f"{where}: source language {src!r} is not a language code; give --src-lang (en, deu, ...)")
+    return [(src, target) for target in ([tgt_lang] if tgt_lang is not None else languages)]
+
+
 # ---- the weights ---------------------------------------------------------------------------------
 
 
@@ -438,8 +454,9 @@ def convert_huggingface(source: str, output: str | Path, *, src_lang: str | None
                                 output_bias=bias is not None and bool(bias.any()))
     state = our_weights(weights, config, where=folder)
     state_dict = {f"model.{name}": tensor for name, tensor in state.items()}
+    directions = target_directions(tokenizer, src, tgt_lang=tgt_lang, where=folder)
     entry = inference_entry(state_dict=state_dict, config=config, tokenizer=tokenizer.to_bytes(), src_lang=src,
-                            tgt_lang=tgt)
+                            tgt_lang="" if directions else tgt, directions=directions)
     try:
         save_atomic({CHECKPOINT_KEY: entry, "state_dict": state_dict}, output, create_folder=False)
     except OSError as error:

@@ -326,6 +326,23 @@ def ctranslate2_spec(loaded: InferenceCheckpoint, tokenizer: Tokenizer) -> Any:
     return spec
 
 
+def tag_usage(checkpoint: str | Path, engine: str) -> str | None:
+    """For a multilingual checkpoint, how the exported model is told its target language (None for a bilingual
+    one): the tag as the engine takes it. Both engines' vocabularies hold the tags as pieces of their own."""
+    loaded = read_inference(checkpoint, load_checkpoint(checkpoint))
+    if not loaded.directions:
+        return None
+    targets = list(dict.fromkeys(tgt for _, tgt in loaded.directions))
+    tag = f">>{targets[0]}<<"
+    how = {("ctranslate2", "encoder"): f'start each source\'s tokens with its target\'s tag (["{tag}", "▁A", ...])',
+           ("ctranslate2", "decoder"): f'give each source target_prefix=["{tag}"] and drop that first token of '
+                                       "each hypothesis",
+           ("huggingface", "encoder"): f'start each text with its target\'s tag: tokenizer("{tag} " + text)',
+           ("huggingface", "decoder"): f'generate(..., forced_bos_token_id=tokenizer.convert_tokens_to_ids("{tag}"))'}
+    return (f"a multilingual model ({', '.join(f'{s}→{t}' for s, t in loaded.directions)}): "
+            f"{how[(engine, loaded.target_tag)]}, for {', '.join(targets)} (docs/interop.md#multilingual)")
+
+
 def export_ctranslate2(checkpoint: str | Path, output: str | Path, *, quantization: str | None = None,
                        force: bool = False) -> Path:
     """Write a CTranslate2 model folder (model.bin, vocabularies, config, source.spm / target.spm);

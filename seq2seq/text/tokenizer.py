@@ -46,6 +46,9 @@ EOS_ID = 3
 TAG = re.compile(r">>([A-Za-z][A-Za-z0-9_-]*)<<")
 """A language tag and its code: `>>fr<<`, `>>fra<<`, `>>zh_Hant<<` (OPUS-MT's form: an imported multilingual Marian
 model's vocabulary holds them, and a joint model trained for several target languages holds its own)."""
+TARGET_TAGS = ("encoder", "decoder")
+"""Where a multilingual model's target-language tag goes: first in the source (what the encoder reads), or the
+decoder's first token (forced when translating, as NLLB's target language is)."""
 
 
 def language_tag(lang: str) -> str:

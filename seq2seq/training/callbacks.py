@@ -59,6 +59,7 @@ class TuningRequest:
     beam_size: int
     length_penalties: list[float]
     device: str
+    directions: list[tuple[str, str]] | None = None  # a multilingual run's (src, tgt) of each validation pair
 
 
 class TuneLengthPenalty(Callback):
@@ -87,6 +88,8 @@ class TuneLengthPenalty(Callback):
             print("TuneLengthPenalty: no best checkpoint or no validation set; nothing tuned", flush=True)
             return
         # The strategy's device: by on_fit_end Lightning has already moved the module back to the CPU.
+        several = getattr(trainer.datamodule, "directions", None)  # type: ignore[attr-defined]
+        directions = [(several[k].src_lang, several[k].tgt_lang) for k in valid["direction"]] if several else None
         self.request = TuningRequest(checkpoint=path, sources=list(valid["src"]), references=list(valid["tgt"]),
                                      beam_size=self.beam_size, length_penalties=self.length_penalties,
-                                     device=str(trainer.strategy.root_device))
+                                     device=str(trainer.strategy.root_device), directions=directions)

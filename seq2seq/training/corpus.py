@@ -169,23 +169,26 @@ def status_of(src: int, tgt: int, *, max_len: int, max_ratio: float, evaluation:
 
 def tokenize_batch(
     batch: dict, indices: list[int], *, tokenizer: Tokenizer, max_len: int, max_ratio: float, evaluation: bool,
-    source_tag: int | None = None, direction: int | None = None,
+    source_tag: int | None = None, target_tag: int | None = None, direction: int | None = None,
 ) -> dict:
-    """Ids, sizes and statuses of a batch of pairs; with `source_tag` (a multilingual run's: the id of the target
-    language's tag) every source starts with it, counted in its length (a source empty but for it is still
-    empty), and each row records its `direction`."""
+    """Ids, sizes and statuses of a batch of pairs. A multilingual run's tag (the id of the target language's tag)
+    starts every source (`source_tag`) or every target (`target_tag`, the decoder's first token), counted in its
+    length (a side empty but for it is still empty); each row records its `direction`."""
     src_ids = tokenizer.encode_source([text or "" for text in batch["src"]])
     tgt_ids = tokenizer.encode_target([text or "" for text in batch["tgt"]])
     # An empty source is one without text tokens (a Marian source of an empty text is its eos alone)
-    tag, room = ([source_tag], max_len - 1) if source_tag is not None else ([], max_len)
+    src_tag = [source_tag] if source_tag is not None else []
+    tgt_tag = [target_tag] if target_tag is not None else []
     status = [
-        status_of(len(s) + len(tag) if tokenizer.source_tokens(s) else 0, len(t), max_len=max_len,
-                  max_ratio=max_ratio, evaluation=evaluation)
+        status_of(len(s) + len(src_tag) if tokenizer.source_tokens(s) else 0, len(t) + len(tgt_tag) if t else 0,
+                  max_len=max_len, max_ratio=max_ratio, evaluation=evaluation)
         for s, t in zip(src_ids, tgt_ids, strict=True)
     ]
     # Dropped pairs are filtered out next, so store no ids for them; kept ones are cut to max_len.
-    src_ids = [[*tag, *tokenizer.cut_source(s, room)] if code in KEPT else [] for s, code in zip(src_ids, status, strict=True)]
-    tgt_ids = [t[:max_len] if code in KEPT else [] for t, code in zip(tgt_ids, status, strict=True)]
+    src_ids = [[*src_tag, *tokenizer.cut_source(s, max_len - len(src_tag))] if code in KEPT else []
+               for s, code in zip(src_ids, status, strict=True)]
+    tgt_ids = [[*tgt_tag, *t[: max_len - len(tgt_tag)]] if code in KEPT else []
+               for t, code in zip(tgt_ids, status, strict=True)]
     sizes = [max(len(s), len(t) + 1) for s, t in zip(src_ids, tgt_ids, strict=True)]
     out = {"src_ids": src_ids, "tgt_ids": tgt_ids, "size": sizes, "status": status, "index": indices}
     return out if direction is None else {**out, "direction": [direction] * len(indices)}

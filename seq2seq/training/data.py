@@ -12,7 +12,8 @@ the token budget are described in batching.py.
 
 Several directions (a multilingual model: `directions`, each a training/directions.py `Direction` with its own
 languages and data): the tokenizer gets a tag for each target language, every source starts with its target's
-tag (on the encoder side, as Johnson et al. 2017 and OPUS-MT put it), an epoch draws each direction's pairs in its
+tag (on the encoder side, as Johnson et al. 2017 and OPUS-MT put it; with `target_tag: decoder` every target does,
+as its first token), an epoch draws each direction's pairs in its
 temperature share, and evaluation splits are every direction's together, each row with its direction.
 
 Distributed: the batch sampler deals batches to ranks itself, so fit.py builds the Trainer with
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from seq2seq.text.tokenizer import Tokenizer, TokenizerFileError
+from seq2seq.text.tokenizer import TARGET_TAGS, Tokenizer, TokenizerFileError
 from seq2seq.training.batching import TokenBatchSampler, collate
 from seq2seq.training.corpus import (
     KEPT,
@@ -99,6 +100,7 @@ class TranslationDataModule(L.LightningDataModule):
         tgt_lang: str | None = None,
         directions: list[Direction] | None = None,
         temperature: float = 5.0,
+        target_tag: str = "encoder",
         tokenizer_path: str | None = None,
         vocab_size: int = 8000,
         tokenizer_model_type: str = "bpe",
@@ -131,6 +133,8 @@ class TranslationDataModule(L.LightningDataModule):
                 run's directions, each with its languages, its data and a weight.
             temperature: how evenly an epoch draws the directions: 1 in proportion to their sizes (times their
                 weights), higher towards equal shares (training/directions.py).
+            target_tag: where a multilingual run puts the target language's tag: `encoder` (first in the source)
+                or `decoder` (the target's first token, forced when translating).
             tokenizer_path: the sentencepiece .model file; trained and written if missing. With
                 init_from: optional; the pretrained tokenizer is written there, or must be what is there.
             vocab_size: pieces of a tokenizer trained here.
@@ -170,11 +174,15 @@ class TranslationDataModule(L.LightningDataModule):
             if given:
                 raise DataError(f"data.directions is given, and so is data.{', data.'.join(given)}: give each "
                                 "direction's languages and data inside its entry of directions")
+            if target_tag not in TARGET_TAGS:
+                raise DataError(f"data.target_tag is {target_tag!r}; give one of {', '.join(TARGET_TAGS)}")
             try:
                 check_directions(directions)
                 sampling_shares([1], weights=[1], temperature=temperature)  # (a temperature it can take)
             except ValueError as error:
                 raise DataError(f"data.directions: {error}") from None
+        elif target_tag != "encoder":
+            raise DataError("data.target_tag is for data.directions (a multilingual model); leave it out for one pair")
         elif src_lang is None or tgt_lang is None:
             raise DataError("data.src_lang and data.tgt_lang are missing: name the source and target languages "
                             "(de, en), or give data.directions for a multilingual model")
@@ -192,6 +200,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.hparams["directions"] = None if directions is None else [asdict(d) for d in directions]
         self.src_lang, self.tgt_lang, self.tokenizer_path = src_lang or "", tgt_lang or "", tokenizer_path
         self.directions = directions  # None: one direction, src_lang → tgt_lang
+        self.target_tag = target_tag
         self.max_tokens_per_sentence = max_tokens_per_sentence
         self._tokenizer: Tokenizer | None = None
         self.datasets: dict[str, datasets.Dataset] = {}  # "train"/"valid"/"test": tokenised, filtered
@@ -364,7 +373,8 @@ class TranslationDataModule(L.LightningDataModule):
         raw, evaluation, tokenizer = self._load_raw(split, direction), split != "train", self.load_tokenizer()
         max_len, max_ratio = self.max_tokens_per_sentence, self.hparams["max_length_ratio"]
         limits = {"max_len": max_len, "max_ratio": max_ratio, "evaluation": evaluation}
-        tag = {"source_tag": tokenizer.tag_id(direction.tgt_lang), "direction": k} if direction is not None else {}
+        side = "source_tag" if self.target_tag == "encoder" else "target_tag"
+        tag = {side: tokenizer.tag_id(direction.tgt_lang), "direction": k} if direction is not None else {}
         tokenized = raw.map(
             tokenize_batch,
             batched=True,
@@ -376,7 +386,7 @@ class TranslationDataModule(L.LightningDataModule):
             num_proc=self.hparams["num_proc"] if self.hparams["num_proc"] > 1 else None,
             # The sentencepiece processor does not hash stably, so name the result ourselves.
             new_fingerprint=datasets.fingerprint.Hasher.hash(
-                [raw._fingerprint, hashlib.sha256(tokenizer.to_bytes()).hexdigest(), limits, "v1", *tag.values()]
+                [raw._fingerprint, hashlib.sha256(tokenizer.to_bytes()).hexdigest(), limits, "v1", *tag.items()]
             ),
             desc=f"tokenising {split}" + (f" {direction.name}" if direction is not None else ""),
         )

@@ -145,6 +145,8 @@ class TranslationModule(L.LightningModule):
         if pretrained is not None:
             self.model.load_state_dict(pretrained.weights)  # names and shapes checked against the same shapes
         self.tokenizer: Tokenizer | None = None  # taken from the data module in setup()
+        self.target_tag = "encoder"  # setup(): the data module's (where a multilingual run's tags go)
+        self._decoder_tags: list[int] | None = None
         self._validation_outputs: list[ValidationRow] = []
         self._step_started = 0.0  # on_train_batch_start's clock, read at the batch's end
         self._step_tokens = 0  # training_step's target tokens, read at the batch's end
@@ -166,6 +168,10 @@ class TranslationModule(L.LightningModule):
         self.src_lang, self.tgt_lang = datamodule.src_lang, datamodule.tgt_lang
         # a multilingual run's (src, tgt) pairs, in the data's order (validation rows index them); () for one
         self.directions = tuple((d.src_lang, d.tgt_lang) for d in datamodule.directions or ())
+        self.target_tag = getattr(datamodule, "target_tag", "encoder")
+        # with the tag as the decoder's first token, validation forces each row's: by direction, its tag's id
+        self._decoder_tags = ([self.tokenizer.tag_id(tgt) for _, tgt in self.directions]
+                              if self.target_tag == "decoder" else None)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this last, after filling checkpoint["state_dict"] (and after callbacks such as
@@ -173,7 +179,7 @@ class TranslationModule(L.LightningModule):
         assert self.tokenizer is not None, "setup() takes the tokenizer before any checkpoint is written"
         checkpoint[CHECKPOINT_KEY] = inference_entry(
             state_dict=checkpoint["state_dict"], config=self.config, tokenizer=self.tokenizer.to_bytes(),
-            src_lang=self.src_lang, tgt_lang=self.tgt_lang, directions=self.directions,
+            src_lang=self.src_lang, tgt_lang=self.tgt_lang, directions=self.directions, target_tag=self.target_tag,
         )
         checkpoint[RNG_KEY] = gather_rng_states(self.device)
         seal_training_state(checkpoint)
@@ -279,21 +285,26 @@ class TranslationModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         loss, nll, is_real = self.token_losses(batch)
-        hypotheses = self.translate_batch(batch["src"])
         indices = batch["index"].tolist() if isinstance(batch["index"], Tensor) else list(batch["index"])
         directions = batch["direction"].tolist() if "direction" in batch else [0] * len(indices)
+        hypotheses = self.translate_batch(batch["src"], directions=directions)
         rows = zip(
             zip(directions, indices, strict=True), hypotheses, batch["ref_text"], loss.sum(1).tolist(), nll.sum(1).tolist(),
             is_real.sum(1).tolist(), strict=True,
         )
         self._validation_outputs.extend(rows)
 
-    def translate_batch(self, src: Tensor) -> list[str]:
+    def translate_batch(self, src: Tensor, *, directions: list[int] | None = None) -> list[str]:
+        """The greedy (val_search) text of each source; `directions`: each row's (a multilingual run's, whose
+        decoder-side tags are forced as the first token; decoding drops them from the text)."""
         assert self.tokenizer is not None
         tokenizer = self.tokenizer
         # Validation reads the text alone: without scores greedy search skips the normaliser (the same tokens)
         search = replace(self.val_search, scores=False)
-        nbest = decode(self.model, src, search, bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id)
+        tags = self._decoder_tags
+        prefix = [[tags[k]] for k in directions or [0] * src.size(0)] if tags is not None else None
+        nbest = decode(self.model, src, search, bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id,
+                       prefix=prefix)
         return self.tokenizer.decode([hyps[0].tokens for hyps in nbest])
 
     def on_validation_epoch_end(self) -> None:

@@ -193,6 +193,33 @@ def test_an_imported_model_translates_exports_and_serves(marian: Path, imported:
     assert (tmp_path / "ct2" / "target.spm").read_bytes() == (marian / "target.spm").read_bytes()
 
 
+def test_a_multi_target_model_imports_with_a_direction_per_tag(tmp_path: Path):
+    """An OPUS-MT-like en→{fra, spa} model (a `>>fra<<` piece per target in vocab.json, as opus-mt-en-ROMANCE's):
+    imported as a multilingual model whose sources start with their target's tag, as MarianTokenizer starts them
+    from a leading `>>fra<<`, computing what MarianMTModel computes on them."""
+    folder = write_marian_folder(tmp_path / "opus-mt-en-ROMANCE", source_lang="en", target_lang="fr",
+                                 language_codes=("fra", "spa"), seed=3)
+    checkpoint = convert_huggingface(str(folder), tmp_path / "en-mul.ckpt")
+    translator = Translator.from_checkpoint(checkpoint, precision="fp32")
+    assert translator.directions == (("en", "fra"), ("en", "spa")) and translator.targets == ["fra", "spa"]
+    marian_model, marian_tokenizer = hf(folder)
+    text, target = "A dog runs in the snow.", "Un chien court dans la neige."
+    for code in ("fra", "spa"):
+        chosen = translator.for_target(code)
+        [ids] = chosen.prepare_inputs([text]).ids
+        assert ids == marian_tokenizer(f">>{code}<< {text}").input_ids  # the tag first, the source's </s> last
+        [scored] = chosen.score([text], [target])
+        labels = marian_tokenizer(text_target=target).input_ids
+        with torch.no_grad():
+            logits = marian_model.double()(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).logits
+        theirs = torch.log_softmax(logits[0], dim=-1).gather(1, torch.tensor([labels]).T)[:, 0]
+        assert scored is not None and scored.token_log_probs == pytest.approx(theirs.tolist(), abs=1e-4)
+    only = convert_huggingface(str(folder), tmp_path / "en-spa.ckpt", tgt_lang="spa")
+    assert Translator.from_checkpoint(only, precision="fp32").directions == (("en", "spa"),)
+    with pytest.raises(ConvertError, match="--tgt-lang ita has no tag in this multi-target model; its targets are fra, spa"):
+        convert_huggingface(str(folder), tmp_path / "en-ita.ckpt", tgt_lang="ita")
+
+
 def test_an_imported_model_through_the_cli_and_the_server(imported: Path, tmp_path: Path):
     """python -m seq2seq.translate and serve/server.py on the converted checkpoint: what Translator gives."""
 

@@ -590,3 +590,82 @@ def test_a_decoder_compiled_for_the_machine_is_what_the_translate_command_runs_w
             "print(translator.package is not None, 'torch._dynamo' in sys.modules)\n")
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert fresh.stdout.split() == ["True", "False"], fresh.stderr
+
+
+# ---- A multilingual model: the tag as each engine takes it -----------------------------------
+
+
+def with_target_tag(checkpoint: Path, path: Path, target_tag: str) -> Path:
+    """The checkpoint's weights as a model whose tags go where `target_tag` says (the same numbers either way)."""
+    from seq2seq.checkpoint import load_checkpoint, read_inference
+
+    loaded = read_inference(checkpoint, load_checkpoint(checkpoint))
+    state_dict = {f"model.{name}": value for name, value in loaded.weights.items()}
+    entry = inference_entry(state_dict=state_dict, config=loaded.config, tokenizer=loaded.tokenizer, src_lang="",
+                            tgt_lang="", directions=loaded.directions, target_tag=target_tag)
+    save_atomic({"state_dict": state_dict, CHECKPOINT_KEY: entry}, path)
+    return path
+
+
+@pytest.mark.parametrize("target_tag", ["encoder", "decoder"])
+def test_a_multilingual_model_in_ctranslate2_translates_as_ours_with_the_tag_where_it_goes(
+        target_tag: str, multilingual_run: Path, multi30k_lines, tmp_path: Path, capsys):
+    """Greedy into German and into French: CTranslate2 given the tag first in the source (encoder side) or as the
+    target prefix (decoder side) writes what ours writes, but for near-ties; the export says how to give it."""
+    checkpoint = with_target_tag(multilingual_run / "checkpoints" / "best.ckpt", tmp_path / "m.ckpt", target_tag)
+    main(["--checkpoint", str(checkpoint), "--to", "ctranslate2", "--output", str(tmp_path / "ct2")])
+    said = capsys.readouterr().out
+    assert "a multilingual model (en→de, en→fr, de→en, fr→en): " in said and "for de, fr, en" in said
+    assert ("target_prefix" in said) == (target_tag == "decoder")
+    translator = Translator.from_checkpoint(checkpoint, precision="fp32")
+    tokenizer, reference = translator.tokenizer, reference_model(checkpoint)
+    pieces = tokenizer.pieces()
+    index = {piece: i for i, piece in enumerate(pieces)}
+    engine = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    sources = multi30k_lines("val", "en", 40)[20:40]
+    # 60 tokens at most, the tag aside (a forced tag gets a step of its own; CTranslate2 counts its prefix)
+    search = SearchConfig(beam_size=1, length_penalty=0.0, max_len_a=0.0, max_len_b=60)
+    for tgt in ("de", "fr"):
+        chosen, tag = translator.for_target(tgt), tokenizer.tag_id(tgt)
+        src = chosen.prepare_inputs(sources).ids
+        ours = [hyps[0].tokens for hyps in chosen.translate_nbest(sources, search)]
+        prefix = {"target_prefix": [[pieces[tag]]] * len(src)} if target_tag == "decoder" else {}
+        results = engine.translate_batch([[pieces[i] for i in ids] for ids in src], beam_size=1,
+                                         max_decoding_length=60 + len(prefix), suppress_sequences=[["<pad>"], ["<s>"]],
+                                         **prefix)
+        theirs = [[index[p] for p in result.hypotheses[0]] for result in results]
+        if target_tag == "decoder":  # (CTranslate2 returns the prefix; the search ran from it, as ours did)
+            assert all(t[0] == tag for t in theirs) and all(ids[0] != tag for ids in src)
+            ours = [[tag, *o] for o in ours]
+        else:
+            assert all(ids[0] == tag for ids in src)
+        assert len({tuple(o) for o in ours}) > len(sources) / 2  # they write, and vary
+        problems = greedy_near_ties(reference, src, ours, theirs, precision="fp32", bos=BOS_ID, eos=EOS_ID)
+        assert not problems, f"into {tgt}: " + "; ".join(problems)
+
+
+def test_a_multilingual_model_in_hugging_face_reads_the_tag_from_the_text(multilingual_run: Path, tmp_path: Path):
+    """MarianTokenizer takes a leading `>>fr<<` as the tag's one token, as our sources start, and MarianMTModel
+    computes on it what ours does (random post-norm weights over the multilingual tokenizer: Marian hosts post-norm)."""
+    from transformers import MarianMTModel, MarianTokenizer
+
+    multilingual = Translator.from_checkpoint(multilingual_run / "checkpoints" / "best.ckpt", precision="fp32")
+    tokenizer = multilingual.tokenizer
+    model = random_model(tokenizer)
+    state_dict = {f"model.{name}": value for name, value in model.state_dict().items()}
+    entry = inference_entry(state_dict=state_dict, config=model.config, tokenizer=tokenizer.to_bytes(), src_lang="",
+                            tgt_lang="", directions=multilingual.directions)
+    save_atomic({"state_dict": state_dict, CHECKPOINT_KEY: entry}, tmp_path / "m.ckpt")
+    folder = export_huggingface(tmp_path / "m.ckpt", tmp_path / "hf")
+    hf_tokenizer, marian = MarianTokenizer.from_pretrained(folder), MarianMTModel.from_pretrained(folder).eval().double()
+    assert {">>de<<", ">>fr<<", ">>en<<"} <= set(hf_tokenizer.supported_language_codes)
+    ours = Translator(model=model, tokenizer=tokenizer, directions=multilingual.directions, precision="fp32")
+    for tgt in ("de", "fr"):
+        [src_ids] = ours.for_target(tgt).prepare_inputs(["A man is sleeping."]).ids
+        assert hf_tokenizer(f">>{tgt}<< A man is sleeping.", add_special_tokens=False).input_ids == src_ids
+        src, tgt_in = torch.tensor([src_ids]), torch.tensor([[BOS_ID, *tokenizer.encode_target(["Un homme."])[0]]])
+        with torch.no_grad():
+            expected = torch.log_softmax(model.double()(src, tgt_in), dim=-1)
+            model.float()
+            got = torch.log_softmax(marian(input_ids=src, decoder_input_ids=tgt_in).logits, dim=-1)
+        assert torch.allclose(got, expected, atol=1e-9)

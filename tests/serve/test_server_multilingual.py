@@ -3,6 +3,7 @@
 for, one batch mixing directions, and the command serving such a checkpoint."""
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -53,8 +54,11 @@ def test_every_direction_is_listed_and_each_pair_goes_to_its_most_specific_model
     assert french == multilingual.for_target("fr").translate(ENGLISH, SEARCH)
     german = httpx.post(url, json={"q": ENGLISH[0], "source": "en", "target": "de"}).json()["translatedText"]
     assert german == bilingual.translate(ENGLISH[:1], SEARCH)[0]  # the bilingual model, not the multilingual one
-    v1 = httpx.post(server.url + "/v1/translate", json={"q": ENGLISH[:1], "source": "en", "target": "fr"}).json()
+    v1 = httpx.post(server.url + "/v1/translate", json={"q": ENGLISH[:1], "source": "en", "target": "fr",
+                                                        "alignments": True}).json()
     assert v1["translations"][0][0]["text"] == french[0]
+    [[expected]] = multilingual.for_target("fr").translate_nbest(ENGLISH[:1], dataclasses.replace(SEARCH, alignments=True))
+    assert v1["translations"][0][0]["alignment"] == [list(pair) for pair in expected.alignment]
     health = httpx.get(server.url + "/health").json()
     assert [m["directions"] for m in health["models"]] == [[["de", "en"], ["en", "fr"], ["fr", "en"]], [["en", "de"]]]
     assert "source" not in health["models"][0] and health["models"][1]["source"] == "en"

@@ -22,6 +22,7 @@ def test_the_checkpoint_names_its_directions_and_its_tokenizer_has_a_tag_for_eac
     root = multilingual_run
     loaded = read_inference(root / "checkpoints" / "best.ckpt", load_checkpoint(root / "checkpoints" / "best.ckpt"))
     assert loaded.directions == tuple(DIRECTIONS)
+    assert loaded.search.beam_size == 2  # TuneLengthPenalty tuned it on every direction (their mean BLEU)
     assert Tokenizer.from_bytes(loaded.tokenizer).languages == ["de", "fr", "en"]  # in the directions' order
     hparams = torch.load(root / "checkpoints" / "best.ckpt", weights_only=True)["datamodule_hyper_parameters"]
     assert [d["src_lang"] + "-" + d["tgt_lang"] for d in hparams["directions"]] == ["en-de", "en-fr", "de-en", "fr-en"]
@@ -72,6 +73,37 @@ def test_a_multilingual_model_asks_for_its_target_and_refuses_one_it_lacks(trans
     assert scored is not None
 
 
+def test_a_decoder_side_tag_is_forced_first_and_no_output_shows_it(translator: Translator):
+    """The same weights read as a model whose tags go on the decoder side: its sources carry no tag, every
+    translation is forced to start with the target's tag, and the tag is dropped from what comes out (tokens,
+    token scores, alignments, scores of a given target)."""
+    from seq2seq.decoding.config import SearchConfig
+    from seq2seq.decoding.scoring import force_decode
+    from seq2seq.decoding.search import decode
+
+    decoder_side = Translator(model=translator.model, tokenizer=translator.tokenizer, directions=translator.directions,
+                              target_tag="decoder", precision="fp32").for_target("fr")
+    tokenizer, tag = decoder_side.tokenizer, decoder_side.tokenizer.tag_id("fr")
+    search = SearchConfig(beam_size=1, max_len_b=12, token_scores=True, alignments=True)
+    inputs = decoder_side.prepare_inputs(["A man is sleeping.", ""], search, prefixes=["Un", ""])
+    assert tag not in inputs.ids[0] and inputs.ids[1] == []
+    assert inputs.forced == [[tag, *tokenizer.encode_target(["Un"])[0]], [tag]]
+    assert inputs.forced_steps == 1  # charged and searched beside the output limit
+    [[ours]] = decoder_side.translate_nbest(["A man is sleeping."], search)
+    [[raw]] = decode(decoder_side.model, torch.tensor([inputs.ids[0]]), search, bos=tokenizer.bos_id,
+                     eos=tokenizer.eos_id, pad=tokenizer.pad_id, prefix=[[tag]])
+    assert raw.tokens[0] == tag and ours.tokens == raw.tokens[1:]
+    assert ours.token_scores == raw.token_log_probs[1:] and len(ours.token_scores) == len(ours.tokens) + 1
+    assert ours.text == tokenizer.decode([raw.tokens])[0]
+    [scored] = decoder_side.score(["A man."], ["Un homme."])
+    target = tokenizer.encode_target(["Un homme."])[0]
+    src = torch.tensor([tokenizer.encode_source(["A man."])[0]])
+    with torch.inference_mode():
+        [whole] = force_decode(decoder_side.model, decoder_side.model.encode(src), src != tokenizer.pad_id,
+                               [[tag, *target]], bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id)
+    assert scored is not None and scored.token_log_probs == pytest.approx(whole.token_log_probs[1:])
+
+
 def test_directions_are_reported_tagged_and_mixed_in_their_temperature_shares(tmp_path, caplog):
     """Each direction's pairs counted, its sources after its target's tag, an epoch drawing the small direction
     far above its share of the pairs (temperature 5), batches holding several directions, and validation rows
@@ -106,6 +138,23 @@ def test_directions_are_reported_tagged_and_mixed_in_their_temperature_shares(tm
     assert sorted(directions) == [0] * 10 + [1] * 10
 
 
+def test_with_target_tag_decoder_every_target_starts_with_its_tag_and_no_source_does(tmp_path):
+    files = write_data(tmp_path, train_pairs=200, val_pairs=5)
+    data = TranslationDataModule(tokenizer_path=str(tmp_path / "spm.model"), vocab_size=600, target_tag="decoder",
+                                 max_tokens=512, cache_dir=str(tmp_path / "cache"), directions=[
+        Direction(src_lang="en", tgt_lang=tgt, train_files=[str(files["train.en"]), str(files[f"train.{tgt}"])],
+                  valid_files=[str(files["val.en"]), str(files[f"val.{tgt}"])]) for tgt in ("de", "fr")])
+    data.setup("fit")
+    tokenizer = data.tokenizer
+    tags = {tokenizer.tag_id("de"), tokenizer.tag_id("fr")}
+    for split, count in (("train", 200), ("valid", 5)):
+        rows = data.datasets[split]
+        assert [ids[0] for ids in rows["tgt_ids"]] == [tokenizer.tag_id("de")] * count + [tokenizer.tag_id("fr")] * count
+        assert not any(ids[0] in tags for ids in rows["src_ids"])
+    batch = next(iter(data.train_dataloader()))
+    assert set(batch["tgt_out"][:, 0].tolist()) <= tags  # the decoder learns to write the tag after BOS
+
+
 def test_the_data_module_refuses_directions_beside_a_pair_and_names_what_is_wrong(tmp_path):
     from seq2seq.training.corpus import DataError
 
@@ -115,6 +164,8 @@ def test_the_data_module_refuses_directions_beside_a_pair_and_names_what_is_wron
         (dict(directions=[direction], train_files=["x", "y"]), "and so is data.train_files"),
         (dict(directions=[direction, direction]), "data.directions: direction de-en is listed twice"),
         (dict(directions=[direction], temperature=0), "data.directions: temperature must be a positive number"),
+        (dict(directions=[direction], target_tag="middle"), "data.target_tag is 'middle'; give one of encoder, decoder"),
+        (dict(src_lang="de", tgt_lang="en", target_tag="decoder"), "data.target_tag is for data.directions"),
         (dict(), "data.src_lang and data.tgt_lang are missing"),
     ]:
         with pytest.raises(DataError, match=message):
@@ -153,6 +204,15 @@ def test_directions_a_checkpoint_cannot_hold_are_refused_as_damage(multilingual_
     checkpoint["seq2seq"]["directions"] = [["en", "de"]]  # (well formed, but not what was checksummed)
     with pytest.raises(CheckpointError, match="is damaged: its weights or tokenizer do not match the checksum"):
         read_inference(tmp_path / "x.ckpt", checkpoint)
+    checkpoint["seq2seq"] = inference_entry(state_dict=checkpoint["state_dict"], config=loaded.config,
+                                            tokenizer=loaded.tokenizer, src_lang="", tgt_lang="",
+                                            directions=loaded.directions, target_tag="decoder")
+    assert read_inference(tmp_path / "x.ckpt", checkpoint).target_tag == "decoder"
+    assert checkpoint["seq2seq"]["sha256"] != loaded.checksum  # (where the tags go is checksummed)
+    for tag in ("middle", None):
+        checkpoint["seq2seq"]["target_tag"] = tag
+        with pytest.raises(CheckpointError, match="'target_tag' is .*, not one of encoder, decoder"):
+            read_inference(tmp_path / "x.ckpt", checkpoint)
 
 
 def test_the_translate_command_takes_the_target_language_and_asks_for_one(multilingual_run, tmp_path, capsys):
@@ -170,4 +230,22 @@ def test_the_translate_command_takes_the_target_language_and_asks_for_one(multil
             translate(["--checkpoint", checkpoint, "--input", str(tmp_path / "in.en"), "--output",
                        str(tmp_path / "other"), *flags])
         assert str(stopped.value).startswith(message)
+    assert not (tmp_path / "other").exists()
+
+
+def test_the_score_command_scores_one_direction_a_run(multilingual_run, translator: Translator, tmp_path, capsys):
+    from seq2seq.score import main as score
+
+    checkpoint = str(multilingual_run / "checkpoints" / "best.ckpt")
+    (tmp_path / "src").write_text("A man is sleeping.\nTwo dogs run.\n", encoding="utf-8")
+    (tmp_path / "tgt").write_text("Un homme dort.\nDeux chiens courent.\n", encoding="utf-8")
+    score(["--checkpoint", checkpoint, "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"), "--output",
+           str(tmp_path / "scores"), "--tgt-lang", "fr", "--precision", "fp32"])
+    lines = (tmp_path / "scores").read_text(encoding="utf-8").splitlines()
+    expected = translator.for_target("fr").score(["A man is sleeping.", "Two dogs run."],
+                                                 ["Un homme dort.", "Deux chiens courent."])
+    assert [float(line.split("\t")[0]) for line in lines] == pytest.approx([f.log_prob for f in expected], abs=1e-3)
+    with pytest.raises(SystemExit, match="error: --tgt-lang: this model translates into de, fr, en: choose"):
+        score(["--checkpoint", checkpoint, "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"),
+               "--output", str(tmp_path / "other")])
     assert not (tmp_path / "other").exists()
