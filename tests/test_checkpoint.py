@@ -375,7 +375,7 @@ def test_the_training_state_is_checksummed_and_kept_so_by_stored_search_defaults
         check_training_state(older, load_checkpoint(older))
 
 
-@pytest.mark.parametrize("name,version", [("format2.ckpt", 2), ("format3.ckpt", 3)])
+@pytest.mark.parametrize("name,version", [("format2.ckpt", 2), ("format3.ckpt", 3), ("format5.ckpt", 5)])
 def test_checkpoints_written_by_earlier_versions_still_load(name: str, version: int, tmp_path: Path):
     """Files written by earlier versions of fit (tests/data/README.md), loaded by today's code: checked
     (format, checksum, shapes, tokenizer), translated with, averaged."""
@@ -389,6 +389,20 @@ def test_checkpoints_written_by_earlier_versions_still_load(name: str, version: 
     averaged = tmp_path / "averaged.ckpt"
     average_main(["--checkpoints", str(path), str(path), "--output", str(averaged)])
     assert Translator.from_checkpoint(averaged).model.config == translator.model.config
+
+
+def test_a_multilingual_checkpoint_of_format_5_still_loads_with_its_tags_in_the_source(tmp_path: Path):
+    path = REPO / "tests" / "data" / "format5-multilingual.ckpt"
+    assert load_checkpoint(path)[CHECKPOINT_KEY]["format"] == 5
+    translator = Translator.from_checkpoint(path, precision="fp32")
+    assert translator.directions == (("en", "de"), ("en", "fr"), ("de", "en"), ("fr", "en"))
+    assert translator.target_tag == "encoder"
+    french = translator.for_target("fr")
+    assert french.prepare_inputs(["A dog."]).ids[0][0] == translator.tokenizer.tag_id("fr")
+    assert len(french.translate(["A dog runs.", "", "Two men."])) == 3
+    averaged = tmp_path / "averaged.ckpt"
+    average_main(["--checkpoints", str(path), str(path), "--output", str(averaged)])
+    assert Translator.from_checkpoint(averaged).directions == translator.directions
 
 
 
