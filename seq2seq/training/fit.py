@@ -198,16 +198,24 @@ def check_model_section(model: Any, *, given_fields: Collection[str]) -> None:
 
 
 def check_fine_tuning_data(data: Any, *, init_from: str, given_fields: Collection[str]) -> None:
-    """What the `data:` section says that model.init_from decides: the direction and the tokenizer."""
+    """What the `data:` section says that model.init_from decides: the directions, where the tags go, the tokenizer."""
     pretrained = load_pretrained(init_from)
-    pair, ours = (pretrained.src_lang, pretrained.tgt_lang), (data.src_lang, data.tgt_lang)
-    if ours == pair[::-1]:
+    several = getattr(data, "directions", None)
+    theirs = list(pretrained.directions) or [(pretrained.src_lang, pretrained.tgt_lang)]
+    ours = [_pair(d) for d in several] if several else [(data.src_lang, data.tgt_lang)]
+    if not several and not pretrained.directions and ours[0] == theirs[0][::-1]:
         raise ConfigError("data.src_lang", f"is {data.src_lang} and data.tgt_lang {data.tgt_lang}, but model.init_from "
-                                           f"{init_from} translates {pair[0]} to {pair[1]}: this data would train it "
-                                           "backwards; swap them, or start from a model of this direction")
-    if ours != pair:  # another name for a language (deu, de), or a multilingual model (mul): said, not refused
-        log.warning(f"note: model.init_from {init_from} translates {pair[0]} to {pair[1]}; this run's data is "
-                    f"{ours[0]} to {ours[1]}, which the fine-tuned checkpoint will say")
+                                           f"{init_from} translates {theirs[0][0]} to {theirs[0][1]}: this data would "
+                                           "train it backwards; swap them, or start from a model of this direction")
+    target_tag = getattr(data, "target_tag", "encoder")
+    if several and pretrained.directions and target_tag != pretrained.target_tag:
+        raise ConfigError("data.target_tag", f"is {target_tag}, but model.init_from {init_from} was trained with its "
+                                             f"tags on the {pretrained.target_tag} side; give {pretrained.target_tag}")
+    if set(ours) != set(theirs):  # another name for a language (deu, de), new directions, a model made bilingual
+        shown = {"them": ", ".join(f"{s}→{t}" for s, t in theirs), "us": ", ".join(f"{s}→{t}" for s, t in ours)}
+        log.warning(f"note: model.init_from {init_from} translates {shown['them']}; this run's data is {shown['us']}, "
+                    "which the fine-tuned checkpoint will say"
+                    + ("" if several or not pretrained.directions else " (a bilingual model: its sources without tags)"))
     vocab_size = Tokenizer.from_bytes(pretrained.tokenizer).vocab_size
     if "vocab_size" in given_fields and data.vocab_size != vocab_size:
         raise ConfigError("data.vocab_size", f"is {data.vocab_size}, but the data is tokenised with model.init_from "
@@ -217,6 +225,13 @@ def check_fine_tuning_data(data: Any, *, init_from: str, given_fields: Collectio
     if ignored:
         log.warning(f"note: data.{' and data.'.join(ignored)} ignored: no tokenizer is trained, model.init_from "
                     f"{init_from}'s is used")
+
+
+def _pair(direction: Any) -> tuple[str, str]:
+    """A data.directions entry's (src, tgt), as the config holds it before it is instantiated (or after)."""
+    if isinstance(direction, dict):
+        return direction["src_lang"], direction["tgt_lang"]
+    return direction.src_lang, direction.tgt_lang
 
 
 def check_writable(folder: str | Path, *, option: str) -> None:

@@ -79,6 +79,17 @@ def test_every_config_parses_and_builds_offline(name: str, tmp_path: Path, monke
             assert config.data.vocab_size == 32000
             assert sum(p.numel() for p in model.parameters()) == 60_522_496  # transformer-base, closed form
         return
+    if name == "multi30k_multilingual.yaml":  # six directions of the Multi30k files, each a Direction
+        from seq2seq.training.directions import Direction, check_directions
+
+        directions = [Direction(**vars(d)) for d in config.data.directions]
+        check_directions(directions)
+        assert [d.name for d in directions] == ["de-en", "en-de", "fr-en", "en-fr", "cs-en", "en-cs"]
+        if MULTI30K.is_dir():  # (relative to the repository, where the commands run: ../shared/data/multi30k)
+            assert all((REPO / path).is_file() for d in directions
+                       for path in (*d.train_files, *(d.valid_files or []), *(d.test_files or [])))
+        build(config.data.vocab_size)  # (its tokenizer trains on all six: left to the multilingual tests' smaller run)
+        return
     if name == "multi30k_local.yaml" and not MULTI30K.is_dir():
         pytest.skip(f"Multi30k not found at {MULTI30K}")
     data = TranslationDataModule(**config.data)

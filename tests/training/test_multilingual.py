@@ -249,3 +249,24 @@ def test_the_score_command_scores_one_direction_a_run(multilingual_run, translat
         score(["--checkpoint", checkpoint, "--src", str(tmp_path / "src"), "--tgt", str(tmp_path / "tgt"),
                "--output", str(tmp_path / "other")])
     assert not (tmp_path / "other").exists()
+
+
+def test_fine_tuning_a_multilingual_model_keeps_its_tag_side_and_says_what_changes(multilingual_run, caplog):
+    from types import SimpleNamespace
+
+    from seq2seq.model import ConfigError
+    from seq2seq.training.fit import check_fine_tuning_data
+
+    init_from = str(multilingual_run / "checkpoints" / "best.ckpt")
+    same = [{"src_lang": src, "tgt_lang": tgt} for src, tgt in DIRECTIONS]
+    check_fine_tuning_data(SimpleNamespace(src_lang=None, tgt_lang=None, directions=same, target_tag="encoder",
+                                           vocab_size=8000), init_from=init_from, given_fields=[])
+    with pytest.raises(ConfigError, match="data.target_tag: is decoder, but model.init_from .* was trained with its "
+                                          "tags on the encoder side; give encoder"):
+        check_fine_tuning_data(SimpleNamespace(src_lang=None, tgt_lang=None, directions=same, target_tag="decoder",
+                                               vocab_size=8000), init_from=init_from, given_fields=[])
+    with caplog.at_level(logging.WARNING, logger="seq2seq.training"):
+        check_fine_tuning_data(SimpleNamespace(src_lang="de", tgt_lang="en", directions=None, target_tag="encoder",
+                                               vocab_size=8000), init_from=init_from, given_fields=[])
+    assert ("translates en→de, en→fr, de→en, fr→en; this run's data is de→en, which the fine-tuned checkpoint will "
+            "say (a bilingual model: its sources without tags)") in caplog.text
