@@ -3,7 +3,8 @@
     python bench/multilingual.py --checkpoint checkpoints/multi30k_multilingual/best.ckpt [--checkpoint ...]
                                  [--zero-shot de-fr fr-de] [--beam 5] [--length-penalty 1.0] [--lines N]
 
-For each checkpoint (a multilingual model of `python -m seq2seq.fit`, e.g. configs/multi30k_multilingual.yaml's):
+For each checkpoint (a multilingual model of `python -m seq2seq.fit`, e.g. configs/multi30k_multilingual.yaml's, or
+a bilingual one to compare with, whose one direction is scored alike):
 every direction it was trained on, then each --zero-shot direction (never trained) translated directly (the target's
 tag on a source it never saw with it) and by pivoting through English with the same model (src→en, then en→tgt), all
 scored with sacreBLEU against test_2016_flickr's references (Multi30k is 4-way parallel: the same images' captions).
@@ -50,10 +51,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for path in args.checkpoint:
         translator = Translator.from_checkpoint(path, precision=args.precision)
-        languages = sorted({lang for pair in translator.directions for lang in pair})
+        trained = list(translator.directions) or [(translator.src_lang, translator.tgt_lang)]  # (a bilingual baseline)
+        languages = sorted({lang for pair in trained for lang in pair})
         detector = Detector(languages)
-        rows = [(src, tgt, "trained") for src, tgt in translator.directions]
-        rows += [(*pair.split("-"), "zero-shot") for pair in args.zero_shot]
+        rows = [(src, tgt, "trained") for src, tgt in trained]
+        rows += [(*pair.split("-"), "zero-shot") for pair in args.zero_shot if translator.directions]
         for src, tgt, kind in rows:
             sources, references = test_lines(src, args.lines), test_lines(tgt, args.lines)
             ways = [(kind, translator.for_target(tgt, src_lang=src).translate(sources, search))]
