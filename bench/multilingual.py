@@ -55,6 +55,7 @@ def main() -> None:
         languages = sorted({lang for pair in trained for lang in pair})
         detector = Detector(languages)
         rows = [(src, tgt, "trained") for src, tgt in trained]
+        tags = translator.target_tag if translator.directions else "none"
         rows += [(*pair.split("-"), "zero-shot") for pair in args.zero_shot if translator.directions]
         for src, tgt, kind in rows:
             sources, references = test_lines(src, args.lines), test_lines(tgt, args.lines)
@@ -67,7 +68,7 @@ def main() -> None:
                 chrf = sacrebleu.corpus_chrf(outputs, [references]).score
                 detected = [detector.detect(text, among=languages)[0] for text in outputs if text.strip()]
                 off = sum(lang != tgt for lang in detected) / max(len(detected), 1)
-                print(f"| {Path(path).parent.name}/{Path(path).name} | {translator.target_tag} | {src}→{tgt} | {name} | {bleu:.2f} | {chrf:.2f} "
+                print(f"| {Path(path).parent.name}/{Path(path).name} | {tags} | {src}→{tgt} | {name} | {bleu:.2f} | {chrf:.2f} "
                       f"| {100 * off:.1f}% |", flush=True)
 
 
