@@ -52,6 +52,7 @@ from seq2seq.inference.inputs import (
     windows,
 )
 from seq2seq.inference.kept import kept_decoder
+from seq2seq.inference.languages import Languages
 from seq2seq.inference.outputs import translations as translations_of
 from seq2seq.inference.pool import DecoderPool, decoder_threads, length_sorted_batches
 from seq2seq.inference.preparation import Compiled, prepare, warn_of_workers_off_the_cpu
@@ -136,11 +137,9 @@ class Translator:
                 decoding, folder, runners=runners, progress=progress or (lambda _line: None)))
         warn_of_workers_off_the_cpu(workers, self.device)
         self.tokenizer = tokenizer
-        self.directions = tuple(directions)
-        self.target_tag = target_tag
-        targets = self.targets
-        self.src_lang = src_lang
-        self.tgt_lang = tgt_lang if not targets else targets[0] if len(targets) == 1 else ""
+        self.languages = Languages.of(src_lang=src_lang, tgt_lang=tgt_lang, directions=tuple(directions),
+                                      target_tag=target_tag)
+        """What it translates (inference/languages.py); `for_target` gives a Translator of other ones."""
         self.search = search
         self._continuing: frozenset[int] | None = None  # continuing_ids(), made on first use
 
@@ -159,55 +158,52 @@ class Translator:
                    compiled=compiled, progress=progress, served_by=served_by, checksum=loaded.checksum,
                    directions=loaded.directions, target_tag=loaded.target_tag)
 
+    # What it translates: its Languages' (inference/languages.py), read here as a Translator's own.
+    @property
+    def src_lang(self) -> str:
+        return self.languages.src_lang
+
+    @property
+    def tgt_lang(self) -> str:
+        return self.languages.tgt_lang
+
+    @property
+    def directions(self) -> tuple[tuple[str, str], ...]:
+        return self.languages.directions
+
+    @property
+    def target_tag(self) -> str:
+        return self.languages.target_tag
+
     @property
     def targets(self) -> list[str]:
-        """The languages a multilingual model translates into, in its directions' order; [] for a bilingual one."""
-        return list(dict.fromkeys(tgt for _, tgt in self.directions))
+        return self.languages.targets
 
     @property
     def pairs(self) -> str:
-        """What it translates, as a log line names it: "de→en", or a multilingual model's "de→en, en→fr, ..." (those
-        into its chosen target, where one is chosen)."""
-        chosen = [(src, tgt) for src, tgt in self.directions if self.tgt_lang in ("", tgt)]
-        return ", ".join(f"{src}→{tgt}" for src, tgt in chosen) or f"{self.src_lang}→{self.tgt_lang}"
+        return self.languages.pairs
 
     def for_target(self, tgt_lang: str, *, src_lang: str = "") -> "Translator":
         """This multilingual Translator translating into `tgt_lang` (from `src_lang`, which only sentence
         splitting reads): the same model, decoder threads and settings, shared. ValueError (one line, naming the
         targets there are) for a language it does not translate into, or a bilingual model's other language."""
-        if not self.targets and tgt_lang == self.tgt_lang:  # (a bilingual model asked for its own target)
+        languages = self.languages.chosen(tgt_lang, src_lang=src_lang)
+        if languages is self.languages:
             return self
-        if tgt_lang not in self.targets:
-            have = (f"this model translates into {', '.join(self.targets)}" if self.targets
-                    else f"this model translates {self.src_lang or '?'}→{self.tgt_lang or '?'} only")
-            raise ValueError(f"cannot translate into {tgt_lang!r}: {have}")
-        chosen = copy.copy(self)  # (the attributes shared: model, pool, decoder; two strings its own)
-        chosen.tgt_lang, chosen.src_lang = tgt_lang, src_lang or self.src_lang
+        chosen = copy.copy(self)  # (the attributes shared: model, pool, decoder; its languages its own)
+        chosen.languages = languages
         return chosen
 
     def source_tag(self) -> list[int]:
         """What every source starts with: a multilingual model's tag of `tgt_lang` where its tags go on the encoder
         side; nothing for a bilingual one. ValueError (one line) where a multilingual model has no target chosen."""
-        tag = self._tag()  # (its ValueError wherever the tags go: the target must be chosen either way)
+        tag = self.languages.tag(self.tokenizer)  # (its ValueError wherever the tags go)
         return tag if self.target_tag == "encoder" else []
 
     def decoder_tag(self) -> list[int]:
         """What every translation starts with, forced and then dropped: the tag of `tgt_lang` where a multilingual
         model's tags go on the decoder side; else nothing."""
-        return self._tag() if self.target_tag == "decoder" else []
-
-    @property
-    def _tags_on_the_decoder(self) -> bool:
-        """Every hypothesis starts with a forced tag (whichever target: one batch may mix them, as a server's does)."""
-        return bool(self.directions) and self.target_tag == "decoder"
-
-    def _tag(self) -> list[int]:
-        if not self.directions:
-            return []
-        if not self.tgt_lang:
-            raise ValueError(f"this model translates into {', '.join(self.targets)}: choose the target language "
-                             "(tgt_lang=..., --tgt-lang)")
-        return [self.tokenizer.tag_id(self.tgt_lang)]
+        return self.languages.tag(self.tokenizer) if self.target_tag == "decoder" else []
 
     def compile_decoding(self, *, threads: int | None = None) -> int:
         """With `compiled`, every kind of decoding step compiled now (seq2seq/model/compiled.py), for decoder threads
@@ -375,7 +371,7 @@ class Translator:
         ids, forced, phrases, tokenizer = inputs.ids, inputs.forced, inputs.phrases, self.tokenizer
         yield from ((i, []) for i, sentence in enumerate(ids) if not sentence)
         continuing = self.continuing_ids() if phrases is not None else frozenset()
-        source_tags = 1 if self.directions and self.target_tag == "encoder" else 0  # (whichever target each has)
+        source_tags, decoder_tags = self.languages.source_tags, self.languages.tags_on_the_decoder  # (whichever target)
 
         def translate_batch(batch: list[int]) -> list[tuple[int, list[Translation]]]:
             src = pad_batch([ids[i] for i in batch], pad=tokenizer.pad_id, device=self.device)  # (B, S)
@@ -385,7 +381,7 @@ class Translator:
                            constraints=[phrases[i][1] for i in batch] if phrases is not None else None,
                            continuing=continuing)
             return [(i, translations_of(sentence_hyps, tokenizer=tokenizer, source=ids[i], source_tags=source_tags,
-                                     decoder_tag=self._tags_on_the_decoder, continuing=continuing,
+                                     decoder_tag=decoder_tags, continuing=continuing,
                                      phrases=phrases[i] if phrases is not None else None))
                     for i, sentence_hyps in zip(batch, nbest, strict=True)]
 
