@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -52,9 +53,14 @@ class Job:
 
 @dataclass
 class Stats:
+    """What a batcher has done, read by /health and /metrics (seq2seq/serve/metrics.py) when they are asked."""
+
     batches: int = 0  # decoder calls (translate_nbest), each one length-sorted batch of sentences
     requests: int = 0
     sentences: int = 0
+    tokens: int = 0  # output tokens of the best translations (EOS aside)
+    busy_seconds: float = 0.0  # decoder-thread time spent in this model's calls
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # sentences in a decoder call -> how many calls
 
 
 @dataclass
@@ -146,10 +152,15 @@ class Batcher:
         jobs = list({id(job): job for job, _ in call}.values())
         inputs = Inputs.gathered((job.inputs, i) for job, i in call)
         search = replace(jobs[0].search, scores=any(j.search.scores for j in jobs))
+
+        def decode() -> tuple[list[list[Translation]], float]:
+            started = time.perf_counter()  # in the decoder thread: the call's own time, not its wait for a thread
+            results = self.translator.decode_inputs(inputs, search, max_tokens=self.max_tokens,
+                                                    generator=jobs[0].generator)
+            return results, time.perf_counter() - started
+
         try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self.pool, lambda: self.translator.decode_inputs(inputs, search, max_tokens=self.max_tokens,
-                                                                 generator=jobs[0].generator))
+            results, seconds = await asyncio.get_running_loop().run_in_executor(self.pool, decode)
         except Exception as error:  # noqa: BLE001  # every waiting request must hear of it
             if len(jobs) == 1:
                 if not jobs[0].result.done():
@@ -160,8 +171,11 @@ class Batcher:
             for job in jobs:  # only the request that fails alone gets the error
                 await self._decode_call([(j, i) for j, i in call if j is job])
             return
-        self.stats.batches += 1
+        self.stats.batches += 1  # (on the event loop: one writer, however many decoder threads)
+        self.stats.busy_seconds += seconds
         self.stats.sentences += len(inputs)
+        self.stats.tokens += sum(len(translations[0].tokens) for translations in results if translations)
+        self.stats.batch_sizes[len(inputs)] = self.stats.batch_sizes.get(len(inputs), 0) + 1
         for (job, i), translations in zip(call, results, strict=True):
             job.answer(i, translations)
 

@@ -21,6 +21,11 @@ class BadRequest(Exception):
     """A client error: answered 400 with this message."""
 
 
+class TooCostly(BadRequest):
+    """A request over one of the server's bounds on its cost (characters, decoder tokens, beam, glossary): a 400
+    that /metrics counts as a rejection for its cost."""
+
+
 @dataclass(frozen=True)
 class Upload:
     """A file part of a multipart form (/translate_file's `file`): its name as the client gave it, and
@@ -162,7 +167,7 @@ def texts_of(body: dict[str, Any], *, char_limit: int, keep_layout: bool = False
                              "send valid Unicode") from None
     chars = sum(len(t) for t in texts)
     if chars > char_limit:
-        raise BadRequest(f"q has {chars} characters, more than this server's limit of {char_limit}; "
+        raise TooCostly(f"q has {chars} characters, more than this server's limit of {char_limit}; "
                          "split the text over several requests")
     if keep_layout:
         return list(texts), single
@@ -181,3 +186,20 @@ def int_field(body: dict[str, Any], name: str, default: int) -> int:
     if number is None or (isinstance(value, float) and value != number):
         raise BadRequest(f"{name} must be a whole number, got {shown(value)}")
     return number
+
+
+def api_key(request: Request, body: dict[str, Any]) -> str | None:
+    """The request's API key: an `Authorization: Bearer` header, or LibreTranslate's `api_key` field ("" is none);
+    None without one. A header of another scheme, or two different keys, is a BadRequest."""
+    header = request.headers.get("authorization")
+    given = body.get("api_key")
+    if given is not None and not isinstance(given, str):
+        raise BadRequest("api_key must be a string: the API key")
+    if header is not None:
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise BadRequest("the Authorization header must be \"Bearer\" and the API key")
+        if given and given != token.strip():
+            raise BadRequest("the Authorization header and api_key hold different keys; send one")
+        return token.strip()
+    return given or None

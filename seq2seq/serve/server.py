@@ -26,6 +26,13 @@ Endpoints (JSON or form bodies, as LibreTranslate takes them; errors are `{"erro
                          "alignments": true each also has "alignment": [[i, j], ...], with
                          "token_scores": true "token_scores": [...]; "target_prefix": the start of
                          each translation (a string, or a list as long as q)
+    GET  /               the translation page (seq2seq/serve/web.py; --no-web-ui: none)
+    GET  /frontend/settings  what the page needs: keyRequired, charLimit, ... (LibreTranslate's names)
+    GET  /metrics        Prometheus' text format (--metrics; behind --metrics-token where given)
+
+With --api-keys DB every translating request needs a key of DB (python -m seq2seq.serve keys --db DB add), and
+--req-limit / --daily-char-limit bound each key's or client address's requests a minute and characters a day
+(seq2seq/serve/access.py: 429 with Retry-After, counted in the SQLite file that every process given it shares).
 
 Dynamic batching: a request's sentences join its model's queue; a batcher task takes whatever has
 arrived within --max-wait-ms of the first, decodes it in a decoder thread (the event loop keeps
@@ -58,9 +65,11 @@ endpoint takes JSON and form bodies alike and the options are already one valida
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -76,12 +85,15 @@ from seq2seq.cli import (
     stop_on_sigterm,
 )
 from seq2seq.precision import DECODING_KERNEL_CACHE_CAPACITY, tune_process_memory
+from seq2seq.serve import keys
+from seq2seq.serve.access import AccessError, Gate, Limits
 from seq2seq.serve.app import create_app
 from seq2seq.serve.guards import (
     FD_RESERVE,
     open_file_limit,
     uvicorn_config,
 )
+from seq2seq.serve.metrics import Metrics
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,17 +130,47 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a client has to send a whole request; then 408 and closed (default: 10)")
     parser.add_argument("--max-connections", type=int, default=512,
                         help="open connections at most; idle ones are closed first, then 503 (default: 512)")
+    access = parser.add_argument_group("keys, limits, metrics and the web page (docs/serving.md#keys-and-limits)")
+    access.add_argument("--api-keys", type=Path, default=None, metavar="DB",
+                        help="require an API key from this database (python -m seq2seq.serve keys --db DB add), as "
+                             "api_key in the body or an Authorization: Bearer header; else 401 (none) or 403 (wrong)")
+    access.add_argument("--limits-db", type=Path, default=None, metavar="DB",
+                        help="count the limits in this SQLite file (created if missing) instead of in memory, so that "
+                             "every server process given it shares them (the --api-keys file does this by itself)")
+    access.add_argument("--req-limit", type=int, default=None,
+                        help="requests a minute per client address, and per key without its own; then 429 with "
+                             "Retry-After (default: no limit)")
+    access.add_argument("--daily-char-limit", type=int, default=None,
+                        help="characters a day (UTC) per client address, and per key without its own; then 429 "
+                             "with Retry-After (default: no limit)")
+    access.add_argument("--metrics", action="store_true", help="serve GET /metrics in Prometheus' format")
+    access.add_argument("--metrics-token", default=os.environ.get("SEQ2SEQ_METRICS_TOKEN"),
+                        help="/metrics only with Authorization: Bearer TOKEN (default: $SEQ2SEQ_METRICS_TOKEN; the "
+                             "variable keeps it out of the process list)")
+    access.add_argument("--no-web-ui", action="store_true", help="no translation page at /")
+    access.add_argument("--root-path", default=None,
+                        help="the path prefix a reverse proxy serves this server under (e.g. /translate-api), for "
+                             "the URLs it writes (/translate_file's link)")
+    access.add_argument("--trusted-proxies", default=None, metavar="IPS",
+                        help="comma-separated addresses (or *) of reverse proxies whose X-Forwarded-For and "
+                             "X-Forwarded-Proto are believed: the client's address (for --req-limit) is taken from "
+                             "them only for these (default: none, the connection's address)")
     add_search_arguments(parser, target=False)  # (requests choose the target: a multilingual model serves them all)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keys"]:  # python -m seq2seq.serve keys ...: the API keys (seq2seq/serve/keys.py)
+        keys.main(argv[1:])
+        return
     parser = build_parser()
     args = parser.parse_args(argv)
     search = check_flags(parser, args)
     for name in ("max_queue", "char_limit", "max_request_tokens", "max_batch_tokens", "max_beam_size",
-                 "max_body_size", "max_connections", "max_glossary_chars", "max_stored_bytes"):
-        if getattr(args, name) < 1:
+                 "max_body_size", "max_connections", "max_glossary_chars", "max_stored_bytes", "req_limit",
+                 "daily_char_limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.port <= 65535:  # before the model loads: uvicorn would fail with three tracebacks
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
@@ -143,6 +185,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"warning: --max-connections {args.max_connections} lowered to {files - FD_RESERVE}: this process may "
               f"open {files} files (ulimit -n); raise it to allow more", file=sys.stderr)
         args.max_connections = files - FD_RESERVE
+    if args.metrics_token is not None and not args.metrics:
+        parser.error("--metrics-token is for --metrics: give both, or neither")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        parser.error(f"--root-path must start with / and not end with one, e.g. /translate-api; got {args.root_path!r}")
+    try:  # before the model loads: a missing or read-only key database is one line at once
+        gate = Gate(keys_path=args.api_keys, limits_path=args.limits_db,
+                    limits=Limits(req_limit=args.req_limit, char_limit=args.daily_char_limit))
+    except (AccessError, ValueError) as error:
+        parser.error(f"--{'api-keys' if args.api_keys else 'limits-db'} {error}" if isinstance(error, AccessError)
+                     else str(error))
     one_line_warnings()
     stop_on_sigterm()  # until uvicorn runs (below): loading and compiling stopped with a line, as Ctrl-C is
     workers, threads = parallelism(args)
@@ -161,7 +213,10 @@ def main(argv: list[str] | None = None) -> None:
                          timeout=args.timeout, max_request_tokens=args.max_request_tokens,
                          max_batch_tokens=args.max_batch_tokens, max_beam_size=args.max_beam_size,
                          max_body_size=args.max_body_size, max_glossary_chars=args.max_glossary_chars,
-                         max_stored_bytes=args.max_stored_bytes, workers=workers, threads=threads)
+                         max_stored_bytes=args.max_stored_bytes, workers=workers, threads=threads,
+                         gate=gate if gate.active else None,
+                         metrics=Metrics(token=args.metrics_token) if args.metrics else None,
+                         web_ui=not args.no_web_ui)
     except ValueError as error:  # a checkpoint's tuned beam over --max-beam-size, two models for one pair, ...
         parser.error(str(error))
     for translator, _ in loaded:  # for the decoder threads' count, before uvicorn: a failure or Ctrl-C is one line
@@ -180,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     server = uvicorn.Server(uvicorn_config(app, max_connections=args.max_connections, read_timeout=args.read_timeout,
                                            host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=args.timeout))
+                                           timeout_graceful_shutdown=args.timeout, root_path=args.root_path or "",
+                                           proxy_headers=args.trusted_proxies is not None,
+                                           forwarded_allow_ips=args.trusted_proxies or ""))
     server.run()
     if not server.started:  # uvicorn has said why (the port is taken, ...), as uvicorn.run exits
         sys.exit(3)
