@@ -20,7 +20,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from seq2seq.cli import compiled_line
 from seq2seq.decoding.config import SearchConfig
@@ -29,9 +29,10 @@ from seq2seq.inference.inputs import MIN_STEPS_CHARGED
 from seq2seq.inference.pool import start_decoder_thread
 from seq2seq.inference.translator import Translator
 from seq2seq.model import ConfigError
+from seq2seq.serve.access import Gate
 from seq2seq.serve.answers import answer_errors, translation_json
 from seq2seq.serve.batcher import Batcher
-from seq2seq.serve.bodies import BadRequest, Upload, int_field, read_body, shown, texts_of
+from seq2seq.serve.bodies import BadRequest, TooCostly, Upload, api_key, int_field, read_body, shown, texts_of
 from seq2seq.serve.documents import (
     FORMATS,
     FileStore,
@@ -45,6 +46,8 @@ from seq2seq.serve.guards import (
     BodyLimit,
 )
 from seq2seq.serve.languages import NAMES, Detector
+from seq2seq.serve.metrics import Measured, Metrics
+from seq2seq.serve.web import page_routes
 from seq2seq.text.glossary import Glossary
 
 T = TypeVar("T")
@@ -100,6 +103,7 @@ class Server:
     max_beam_size: int = 16
     max_glossary_chars: int = 100_000
     files: FileStore = field(default_factory=FileStore)
+    gate: Gate | None = None  # API keys and limits (seq2seq/serve/access.py); None: neither
 
     # -- languages -------------------------------------------------------------------------------
 
@@ -135,7 +139,17 @@ class Server:
                              f"(got {shown(body.get('source'))} to {shown(body.get('target'))})")
         return model
 
-    # -- costs and waiting -----------------------------------------------------------------------
+    # -- who may ask, costs and waiting ----------------------------------------------------------
+
+    async def admit(self, request: Request, body: dict[str, Any], *, characters: int) -> None:
+        """The request's key checked and one request of `characters` charged to it or to the client's address
+        (Gate.admit, in the gate's thread), before any work on it; Refused (401, 403, 429) otherwise."""
+        if self.gate is None or not self.gate.active:
+            return
+        key, address = api_key(request, body), request.client.host if request.client is not None else ""
+        await asyncio.get_running_loop().run_in_executor(
+            self.gate.thread, functools.partial(self.gate.admit, key=key, address=address, characters=characters))
+
 
     def check_search(self, model: Model, texts: list[str], search: SearchConfig) -> None:
         """A BadRequest for a search this model or server does not take, or for more sentences than the request
@@ -147,7 +161,7 @@ class Server:
         except ConfigError as error:
             raise BadRequest(f"{error.field}: {error.problem}") from None
         if not search.sampling and search.beam_size > self.max_beam_size:
-            raise BadRequest(f"beam_size {search.beam_size} is more than this server's limit of {self.max_beam_size} "
+            raise TooCostly(f"beam_size {search.beam_size} is more than this server's limit of {self.max_beam_size} "
                              "(--max-beam-size); ask for a smaller beam")
         floor = sum(1 for text in texts if text) * search.hypotheses * MIN_STEPS_CHARGED
         if floor > self.max_request_tokens:
@@ -155,7 +169,7 @@ class Server:
 
     def over_budget(self, tokens: int, texts: list[str], search: SearchConfig, steps: str) -> BadRequest:
         sentences, rows = sum(1 for text in texts if text), search.hypotheses
-        return BadRequest(
+        return TooCostly(
             f"this request may decode {tokens} tokens ({sentences} sentences x {rows} hypotheses x {steps} steps), "
             f"more than this server's limit of {self.max_request_tokens} per request (--max-request-tokens); send "
             "fewer or shorter sentences per request" + (", or ask for a smaller beam" if rows > 1 else ""))
@@ -213,6 +227,7 @@ class Server:
     async def libretranslate(self, request: Request) -> JSONResponse:
         body = await read_body(request)
         texts, single = texts_of(body, char_limit=self.char_limit, keep_layout=True)
+        await self.admit(request, body, characters=sum(map(len, texts)))
         format = body.get("format", "text")
         if format not in ("text", "html"):
             raise BadRequest(f"format {shown(format)} is not one this server reads; send text or html")
@@ -263,13 +278,14 @@ class Server:
             raise BadRequest("missing file: send the file to translate as the form field file (multipart/form-data), "
                              f"a {', '.join(FORMATS)} file")
         format = file_format(upload.filename)
+        await self.admit(request, body, characters=len(upload.text))
         client = request.client.host if request.client is not None else ""
         self.files.check_room(len(upload.text.encode("utf-8")), client=client)  # its keeping is charged first
         # The text a reader sees is counted before the file is split into sentences (splitting takes
         # time that grows faster than the text), and both happen off the event loop.
         characters = len(await off_loop(lambda: visible_text(upload.text, format=format, name=upload.filename)))
         if characters > self.char_limit:
-            raise BadRequest(f"{shown(upload.filename)} has {characters} characters of text, more than this server's "
+            raise TooCostly(f"{shown(upload.filename)} has {characters} characters of text, more than this server's "
                              f"limit of {self.char_limit}; split the file")
         (model,), _ = self.route(body, [upload.text], format=format)
         doc = await off_loop(lambda: document(upload.text, format=format, translator=model.translator,
@@ -289,6 +305,7 @@ class Server:
     async def detect(self, request: Request) -> JSONResponse:
         body = await read_body(request)
         texts, _ = texts_of(body, char_limit=self.char_limit)
+        await self.admit(request, body, characters=sum(map(len, texts)))
         among = sorted({source for source, _ in self.models})
         return JSONResponse([{"confidence": confidence, "language": code}
                              for code, confidence in self.detector.rank(" ".join(texts), among=among)])
@@ -297,11 +314,12 @@ class Server:
         body = await read_body(request)
         self.check_glossary_size(body)
         texts, single = texts_of(body, char_limit=self.char_limit)
+        await self.admit(request, body, characters=sum(map(len, texts)))
         model = self.only_model(body)
         prefixes = self.target_prefixes(body, texts, single=single)
         constraints = await self.constraints(body, texts, single=single)
         options = {k: v for k, v in body.items()
-                   if k not in ("q", "target_prefix", "constraints", "glossary", "source", "target")}
+                   if k not in ("q", "target_prefix", "constraints", "glossary", "source", "target", "api_key")}
         names = {f.name for f in dataclasses.fields(SearchConfig)}
         unknown = sorted(set(options) - names)
         if unknown:
@@ -321,7 +339,7 @@ class Server:
         if isinstance(glossary, dict):  # anything else is refused by `constraints`
             characters = sum(len(term) for pair in glossary.items() for term in pair if isinstance(term, str))
             if characters > self.max_glossary_chars:
-                raise BadRequest(f"the glossary has {characters} characters of terms, more than this server's limit "
+                raise TooCostly(f"the glossary has {characters} characters of terms, more than this server's limit "
                                  f"of {self.max_glossary_chars} per request (--max-glossary-chars); send a smaller one")
 
     async def constraints(self, body: dict[str, Any], texts: list[str], *, single: bool) -> list[list[str]] | None:
@@ -367,6 +385,16 @@ class Server:
         if sum(len(p) for p in prefixes) > self.char_limit:
             raise BadRequest(f"target_prefix has more than this server's limit of {self.char_limit} characters")
         return [" ".join(p.split()) for p in prefixes]  # (their tokens are checked as the texts are prepared: submit)
+
+    async def settings(self, request: Request) -> JSONResponse:
+        """What the web page needs to know of this server (LibreTranslate's /frontend/settings, its field names)."""
+        return JSONResponse({"keyRequired": self.gate is not None and self.gate.keys_required,
+                             "apiKeys": self.gate is not None and self.gate.keys_required,
+                             "charLimit": self.char_limit, "filesTranslation": True,
+                             "supportedFilesFormat": list(FORMATS),
+                             "maxAlternatives": min(9, self.max_beam_size - 1),
+                             "beamSize": max(1, *(m.search.beam_size for m in self.models.values()
+                                                  if not m.search.sampling))})
 
     async def languages(self, request: Request) -> JSONResponse:
         sources = sorted({source for source, _ in self.models})
@@ -417,14 +445,16 @@ def create_app(translators: Translator | Sequence[Translator],
                max_wait: float = 0.005, batching: bool = True, max_queue: int = 1024, char_limit: int = 5000,
                timeout: float = 60.0, max_request_tokens: int = 16384, max_batch_tokens: int = 8192,
                max_beam_size: int = 16, max_body_size: int = 1 << 20, max_glossary_chars: int = 100_000,
-               max_stored_bytes: int = 64 << 20, workers: int = 1, threads: int | None = None) -> Starlette:
+               max_stored_bytes: int = 64 << 20, workers: int = 1, threads: int | None = None,
+               gate: Gate | None = None, metrics: Metrics | None = None, web_ui: bool = True) -> Starlette:
     """The ASGI app over Translators, a bilingual one serving its language pair and a multilingual one each of
     its directions (`routes`: the most specific model for each pair); their batchers, one per translator, start
     and drain with the app's lifespan. `search`: the requests' defaults, one for all or one per translator (each
     translator's own, tuned on validation where its checkpoint stores them, if None). `workers` decoder
     calls run at once (each model's batcher gathers that many batches), each on a thread with `threads`
     intra-op threads (None: torch's count). The limits are the server's flags of the same names
-    (docs/serving.md#limits)."""
+    (docs/serving.md#limits). `gate`: API keys and limits; `metrics`: /metrics and the request counts; `web_ui`:
+    the translation page at / (seq2seq/serve/web/)."""
     translators = list(translators) if isinstance(translators, (list, tuple)) else [translators]  # type: ignore[list-item]
     searches = ([t.search for t in translators] if search is None else
                 [search] * len(translators) if isinstance(search, SearchConfig) else list(search))
@@ -458,7 +488,12 @@ def create_app(translators: Translator | Sequence[Translator],
                       flush=True)
         app.state.server = Server(models, detector, char_limit=char_limit, timeout=timeout,
                                   max_request_tokens=max_request_tokens, max_beam_size=max_beam_size,
-                                  max_glossary_chars=max_glossary_chars, files=FileStore(max_bytes=max_stored_bytes))
+                                  max_glossary_chars=max_glossary_chars, files=FileStore(max_bytes=max_stored_bytes),
+                                  gate=gate)
+        if metrics is not None:
+            labels = [", ".join(f"{s}-{t}" for s, t in sorted(p for p, i in chosen.items() if i == n))
+                      for n in range(len(translators))]  # a model by the directions it serves here
+            metrics.watch(lambda: list(zip(labels, batchers, strict=True)))
         tasks = [asyncio.create_task(batcher.run()) for batcher in batchers for _ in range(workers)]
         try:
             yield
@@ -479,8 +514,15 @@ def create_app(translators: Translator | Sequence[Translator],
 
         return Route(path, answer_errors(endpoint), methods=methods)
 
-    endpoints = [route("/translate", "libretranslate", ["POST"]), route("/translate_file", "translate_file", ["POST"]),
+    endpoints: list[BaseRoute] = [route("/translate", "libretranslate", ["POST"]), route("/translate_file", "translate_file", ["POST"]),
                  route("/download_file/{name}", "download_file", ["GET"]), route("/detect", "detect", ["POST"]),
                  route("/v1/translate", "v1_translate", ["POST"]), route("/languages", "languages", ["GET"]),
-                 route("/health", "health", ["GET"])]
-    return Starlette(routes=endpoints, lifespan=lifespan, middleware=[Middleware(BodyLimit, max_bytes=max_body_size)])
+                 route("/health", "health", ["GET"]), route("/frontend/settings", "settings", ["GET"])]
+    if metrics is not None:
+        endpoints.append(Route("/metrics", metrics.endpoint, methods=["GET"]))
+    if web_ui:
+        endpoints += page_routes()
+    middleware = [Middleware(BodyLimit, max_bytes=max_body_size)]
+    if metrics is not None:  # outermost: a body refused by BodyLimit is counted too
+        middleware.insert(0, Middleware(Measured, metrics=metrics))
+    return Starlette(routes=endpoints, lifespan=lifespan, middleware=middleware)
