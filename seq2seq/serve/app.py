@@ -150,7 +150,6 @@ class Server:
         await asyncio.get_running_loop().run_in_executor(
             self.gate.thread, functools.partial(self.gate.admit, key=key, address=address, characters=characters))
 
-
     def check_search(self, model: Model, texts: list[str], search: SearchConfig) -> None:
         """A BadRequest for a search this model or server does not take, or for more sentences than the request
         budget holds at MIN_STEPS_CHARGED each: the count alone, before the tokenizer runs on the event loop, so
@@ -393,8 +392,8 @@ class Server:
                              "charLimit": self.char_limit, "filesTranslation": True,
                              "supportedFilesFormat": list(FORMATS),
                              "maxAlternatives": min(9, self.max_beam_size - 1),
-                             "beamSize": max(1, *(m.search.beam_size for m in self.models.values()
-                                                  if not m.search.sampling))})
+                             "beamSize": max([1, *(m.search.beam_size for m in self.models.values()
+                                                   if not m.search.sampling)])})
 
     async def languages(self, request: Request) -> JSONResponse:
         sources = sorted({source for source, _ in self.models})
