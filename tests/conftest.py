@@ -71,6 +71,7 @@ def an_avx2_machine_by_default(tmp_path_factory: pytest.TempPathFactory):
         patch.setattr("seq2seq.inference.preparation.onednn_linears", pinned_onednn_linears)
         patch.setattr("seq2seq.inference.preparation.one_query_sdpa", lambda device, precision: Verdict(False, "pinned by the tests"))
         patch.setattr("seq2seq.inference.preparation.few_rows_on_torch", lambda device, precision, **shape: 0)
+        patch.setattr("seq2seq.training.machine.compiled_step_pays", pinned_compiled_step)
         yield
 
 
@@ -89,6 +90,11 @@ def sigterm_to_this_process(*_args, **_kwargs) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)
     raise AssertionError("SIGTERM was not handled")
+
+
+def pinned_compiled_step(*args, **kwargs) -> Verdict:
+    """model.compile auto trains eagerly in the tests (timing it compiles; tests/training/test_compiled.py times it)."""
+    return Verdict(False, "pinned by the tests")
 
 
 def pinned_onednn_linears(device, precision: str) -> Verdict:

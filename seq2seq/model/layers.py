@@ -44,7 +44,8 @@ class Dropout(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if x.device.type != "cpu" or self.p == 1.0:
+        # Under torch.compile, F.dropout: inductor draws the mask inside the fused kernel (random_ is not traced)
+        if x.device.type != "cpu" or self.p == 1.0 or torch.compiler.is_compiling():
             return F.dropout(x, self.p, training=True)
         words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
         uniform16 = words.view(torch.int16)[: x.numel()].view(x.shape)  # uniform on [-32768, 32767]

@@ -242,6 +242,10 @@ class Transformer(nn.Module):
             if isinstance(module, MultiHeadAttention):
                 module.fp32_under_autocast = enabled
 
+    def attention_in_fp32(self) -> bool:
+        """Whether attention runs in float32 under autocast (as attention_in_fp32_under_autocast set it)."""
+        return any(module.fp32_under_autocast for module in self.modules() if isinstance(module, MultiHeadAttention))
+
     def fuse_self_attention(self) -> "Transformer":
         """For inference, in place: every self-attention's projections in one matmul
         (MultiHeadAttention.fuse_projections; cross-attention projects queries and keys from different inputs).

@@ -16,6 +16,8 @@ and (V, D) gradients (the idea of Liger-Kernel's fused linear cross-entropy). No
 the two gradient matmuls move from the backward pass into the forward pass.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,13 +44,15 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, *, smoothing: float, pad_
 
 
 def training_loss(
-    model: Transformer, *, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, smoothing: float
+    model: Transformer, *, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, smoothing: float,
+    hidden_states: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One teacher-forced batch: summed (label-smoothed loss, NLL) over its target tokens, and their count.
 
-    Only the non-pad positions are projected to the vocabulary, fused with the loss.
+    Only the non-pad positions are projected to the vocabulary, fused with the loss. `hidden_states`: the
+    model's own, compiled (training/compiled.py); model.hidden_states by default.
     """
-    hidden = model.hidden_states(src, tgt_in)  # (B, T, D)
+    hidden = (hidden_states or model.hidden_states)(src, tgt_in)  # (B, T, D)
     is_real = tgt_out != model.config.pad_id  # (B, T)
     loss, nll = linear_label_smoothed_nll(
         hidden[is_real], model.output_projection.weight, tgt_out[is_real], bias=model.output_projection.bias,

@@ -1,6 +1,7 @@
 """The run tuned to the machine it is on, as training starts (MachineTuning, which TranslationModule adds
 through configure_callbacks): denormal floats flushed, a warning for bf16 given where bf16 is slow,
-and the precision of attention under autocast, which rank 0 decides and every rank follows."""
+and the precision of attention under autocast, which rank 0 decides and every rank follows; and whether
+the training step is compiled (choose_compiled_step, which TranslationModule.setup asks), decided alike."""
 
 import os
 
@@ -10,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from seq2seq.model import Transformer
 from seq2seq.precision import AUTO_TRAINING_PRECISION_ENV, bf16_attention, bf16_matmuls
+from seq2seq.training.compiled import compiled_step_pays
 
 
 class MachineTuning(L.Callback):
@@ -54,3 +56,19 @@ def choose_attention_precision(trainer: L.Trainer, model: Transformer) -> None:
     if verdict is not None:
         low_name = "bf16" if precision.startswith("bf16") else "fp16"
         rank_zero_info(f"attention under {precision}: {low_name if low else 'float32'} ({verdict.why})")
+
+
+def choose_compiled_step(trainer: L.Trainer, model: Transformer, *, setting: bool | str, max_tokens: int) -> bool:
+    """Whether to train through the compiled encoder and decoder: as `setting` says (model.compile), or for "auto"
+    as rank 0 times it here (training/compiled.py; once per machine, model shape and precision) and every rank
+    follows, so that all compute alike."""
+    if setting != "auto":
+        return bool(setting)
+    verdict = None
+    if trainer.is_global_zero:
+        verdict = compiled_step_pays(model.config, trainer.strategy.root_device, precision=str(trainer.precision),
+                                     max_tokens=max_tokens, fp32_attention=model.attention_in_fp32())
+    compiled = bool(trainer.strategy.broadcast(verdict is not None and verdict.pays))
+    if verdict is not None:
+        rank_zero_info(f"training step: {'compiled' if compiled else 'eager'} ({verdict.why})")
+    return compiled

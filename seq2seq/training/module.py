@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import lightning as L
 import sacrebleu
@@ -40,8 +40,9 @@ from seq2seq.decoding.search import decode
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
 from seq2seq.text.tokenizer import Tokenizer
+from seq2seq.training.compiled import HiddenStates, compile_hidden_states
 from seq2seq.training.loss import label_smoothed_nll, training_loss
-from seq2seq.training.machine import MachineTuning
+from seq2seq.training.machine import MachineTuning, choose_compiled_step
 from seq2seq.training.pretrained import fine_tuning_config, load_pretrained
 from seq2seq.training.resume import RNG_KEY, gather_rng_states, restore_rng_state
 from seq2seq.training.schedule import LinearBudget, LinearToZero, LrSchedule, multiplier
@@ -104,6 +105,7 @@ class TranslationModule(L.LightningModule):
         adam_eps: float = 1e-9,
         val_search: SearchConfig = VAL_SEARCH,
         init_from: str | None = None,
+        compile: bool | Literal["auto"] = "auto",
     ):
         """
         Args:
@@ -125,8 +127,13 @@ class TranslationModule(L.LightningModule):
                 `transformer` must be its config but for the dropouts and max_positions (training/pretrained.py;
                 python -m seq2seq.fit fills in what the YAML leaves out).
                 The data module takes the tokenizer from it (fit.py links data.init_from to it).
+            compile: train through the encoder and decoder under torch.compile (training/compiled.py): true,
+                false, or "auto": where the compiled step is timed to run faster here, once per machine,
+                model shape and precision (the first time costs a compile, tens of seconds on a CPU; kept).
         """
         super().__init__()
+        if compile not in (True, False, "auto"):
+            raise ConfigError("model.compile", f"must be true, false or auto, got {compile!r}")
         check_hyperparameters(val_search=val_search, label_smoothing=label_smoothing,
                               lr=lr, lr_schedule=lr_schedule, warmup_steps=warmup_steps, weight_decay=weight_decay,
                               adam_betas=adam_betas, adam_eps=adam_eps)
@@ -151,6 +158,7 @@ class TranslationModule(L.LightningModule):
         self._step_started = 0.0  # on_train_batch_start's clock, read at the batch's end
         self._step_tokens = 0  # training_step's target tokens, read at the batch's end
         self.lr_multiplier = multiplier(lr_schedule, warmup_steps=warmup_steps)  # LambdaLR's; plain data
+        self._hidden_states: HiddenStates | None = None  # the compiled encoder and decoder, where setup chose them
 
     # ---- wiring -------------------------------------------------------------------------------
 
@@ -172,6 +180,10 @@ class TranslationModule(L.LightningModule):
         # with the tag as the decoder's first token, validation forces each row's: by direction, its tag's id
         self._decoder_tags = ([self.tokenizer.tag_id(tgt) for _, tgt in self.directions]
                               if self.target_tag == "decoder" else None)
+        if stage == "fit":  # after MachineTuning (a callback: set up first) chose attention's precision
+            compiled = choose_compiled_step(self.trainer, self.model, setting=self.hparams["compile"],
+                                            max_tokens=int(getattr(datamodule, "hparams", {}).get("max_tokens", 4096)))
+            self._hidden_states = compile_hidden_states(self.model) if compiled else None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning calls this last, after filling checkpoint["state_dict"] (and after callbacks such as
@@ -249,7 +261,7 @@ class TranslationModule(L.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, nll, tokens = training_loss(
             self.model, src=batch["src"], tgt_in=batch["tgt_in"], tgt_out=batch["tgt_out"],
-            smoothing=self.hparams["label_smoothing"],
+            smoothing=self.hparams["label_smoothing"], hidden_states=self._hidden_states,
         )
         self._step_tokens = int(tokens)
         batch_size = batch["src"].size(0)

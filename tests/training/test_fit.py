@@ -208,7 +208,7 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path):
     probe = tmp_path / "probe"
     env = probe_env()
     command = [
-        sys.executable, "-m", "seq2seq.fit", "--config", str(config),
+        sys.executable, "-m", "seq2seq.fit", "--config", str(config), "--model.compile=false",
         "--trainer.strategy=ddp", "--trainer.devices=2",
         "--trainer.callbacks+=ddp_probe.RankProbe", f"--trainer.callbacks.out_dir={probe}",
     ]
@@ -552,7 +552,7 @@ RESUME_CALLBACKS = """  callbacks:
 def fit_subprocess(config: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**probe_env(), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "seq2seq.fit", "--config", str(config), "--seed_everything=7",
-               "--model.transformer.dropout=0.2", "--trainer.precision=32-true", *extra]
+               "--model.transformer.dropout=0.2", "--trainer.precision=32-true", "--model.compile=false", *extra]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -126,7 +126,8 @@ class OptimizerProbe(L.Callback):
         self.fp32_attention |= {m.fp32_under_autocast for m in pl_module.modules() if isinstance(m, MultiHeadAttention)}
 
 
-def tiny_training(root: Path, **trainer_options) -> tuple[TranslationModule, OptimizerProbe]:
+def tiny_training(root: Path, *, module_options: dict | None = None, **trainer_options
+                  ) -> tuple[TranslationModule, OptimizerProbe]:
     """Two updates of a one-layer model on Multi30k pairs, in this process."""
     write_tiny_run(root, train_pairs=600, val_pairs=4)
     data = TranslationDataModule(src_lang="de", tgt_lang="en", tokenizer_path=str(root / "spm.model"), vocab_size=600,
@@ -134,7 +135,7 @@ def tiny_training(root: Path, **trainer_options) -> tuple[TranslationModule, Opt
                                  max_tokens=256, max_tokens_per_sentence=64, cache_dir=str(root / "cache"))
     module = TranslationModule(transformer=TransformerConfig(vocab_size=600, d_model=16, num_heads=2, d_ff=32,
                                                              num_encoder_layers=1, num_decoder_layers=1),
-                               warmup_steps=1)
+                               warmup_steps=1, **(module_options or {}))
     probe = OptimizerProbe()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -190,6 +191,43 @@ def test_the_attention_verdict_is_applied_under_autocast(bf16_attention: bool, t
     asked.clear()
     _, probe = tiny_training(tmp_path / "fp32", precision="32-true")
     assert asked == [] and probe.fp32_attention == {False}  # no autocast: nothing to decide
+
+
+@pytest.mark.parametrize(("setting", "pays", "compiled"), [("auto", False, False), ("auto", True, True),
+                                                         (False, True, False)])
+def test_the_compiled_step_is_chosen_by_its_verdict(setting, pays: bool, compiled: bool, tmp_path: Path, monkeypatch):
+    """model.compile auto asks whether the compiled step pays here (once, with the run's precision and token budget)
+    and trains through it where it does; false never asks. The compile itself is tested in test_compiled.py."""
+    asked, compiles = [], []
+
+    def verdict(config, device, *, precision, max_tokens, fp32_attention):
+        asked.append((device.type, precision, max_tokens, fp32_attention))
+        return Verdict(pays, "pretended")
+
+    def compile_hidden_states(model):
+        compiles.append(model)
+        return model.hidden_states  # eager, as a stand-in: the training loop runs through what setup chose
+
+    monkeypatch.setattr("seq2seq.training.machine.compiled_step_pays", verdict)
+    monkeypatch.setattr("seq2seq.training.module.compile_hidden_states", compile_hidden_states)
+    module, _ = tiny_training(tmp_path, module_options={"compile": setting})
+    assert asked == ([("cpu", "32-true", 256, False)] if setting == "auto" else [])
+    assert compiles == ([module.model] if compiled else [])
+
+
+@pytest.mark.e2e  # a compile of forward and backward under autocast: ~40 s
+def test_training_through_the_compiled_step(tmp_path: Path):
+    """model.compile true, bf16-mixed: Lightning trains through the compiled encoder and decoder (clipping, the
+    fused AdamW, the divergence check) and the weights stay finite."""
+    module, probe = tiny_training(tmp_path, module_options={"compile": True}, precision="bf16-mixed",
+                                  gradient_clip_val=1.0)
+    assert module._hidden_states is not None and probe.first_moment_norm
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_a_bad_compile_setting_names_the_key():
+    with pytest.raises(ConfigError, match="^model.compile: must be true, false or auto, got 'yes'"):
+        TranslationModule(transformer=SMALL, compile="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("device,fused", [("cpu", True), ("cuda", True), ("mps", False), ("meta", False)])
