@@ -194,6 +194,15 @@ def one_query_sdpa(device: torch.device, precision: str) -> Verdict:
                          candidates=(True, False), baseline="two batched matmuls")
 
 
+def autocast_dtype(trainer_precision: str) -> torch.dtype | None:
+    """The dtype Lightning's precision ("bf16-mixed", "16-mixed", "32-true", ...) autocasts to; None: no autocast."""
+    if trainer_precision.startswith("bf16") and trainer_precision.endswith("mixed"):
+        return torch.bfloat16
+    if trainer_precision.startswith("16") and trainer_precision.endswith("mixed"):
+        return torch.float16
+    return None
+
+
 def resolve_precision(precision: str, device: torch.device) -> Literal["fp32", "bf16", "int8"]:
     """Translation's `auto` made concrete for this device; a ValueError naming the choices for anything else."""
     if precision not in PRECISIONS:

@@ -6,6 +6,7 @@ max_tokens positions. Batches (dicts):
   src      (B, S) long   source ids as the tokenizer encodes them (ours: no BOS/EOS; Marian's: + EOS)
   tgt_in   (B, T) long   BOS + y (BOS: the id the decoder starts from, Marian's pad)
   tgt_out  (B, T) long   y + EOS
+  target_positions  (N,) long   where tgt_out's N real (non-pad) tokens are in tgt_out.flatten(), in order
 padded with the tokenizer's pad id; with text (validation/test) also src_text, ref_text and index (B,), and
 direction (B,) where the data has several.
 """
@@ -178,6 +179,9 @@ def collate(rows: list[dict], *, with_text: bool, bos: int, eos: int, pad: int) 
         "tgt_in": padded([[bos, *r["tgt_ids"]] for r in rows]),  # (B, T)
         "tgt_out": padded([[*r["tgt_ids"], eos] for r in rows]),  # (B, T)
     }
+    # Found here, on the CPU (in a loader worker, when there are workers), so that the training step need not:
+    # selecting them on a GPU (a boolean mask, nonzero) waits for the device to learn how many there are.
+    batch["target_positions"] = (batch["tgt_out"] != pad).flatten().nonzero().squeeze(1)  # (N,)
     if with_text:
         batch["src_text"] = [r["src"] for r in rows]
         batch["ref_text"] = [r["tgt"] for r in rows]

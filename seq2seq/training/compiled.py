@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.model import Transformer, TransformerConfig
-from seq2seq.precision import Verdict, device_name, timed_verdict
+from seq2seq.precision import Verdict, autocast_dtype, device_name, timed_verdict
 from seq2seq.training.loss import training_loss
 
 HiddenStates = Callable[[Tensor, Tensor], Tensor]  # (src (B, S), tgt_in (B, T)) -> (B, T, D)
@@ -83,8 +83,7 @@ def _step_seconds(config: TransformerConfig, device: torch.device, *, precision:
     src = src.masked_fill(positions >= lengths, config.pad_id).to(device)  # (B, L), padded at the end
     tgt = tgt.masked_fill(positions >= lengths, config.pad_id).to(device)
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
-    low = {"bf16": torch.bfloat16, "16-": torch.float16}
-    dtype = next((d for name, d in low.items() if precision.startswith(name)), None)
+    dtype = autocast_dtype(precision)
 
     def step() -> None:
         autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 
 from seq2seq.text.tokenizer import TARGET_TAGS, Tokenizer, TokenizerFileError
 from seq2seq.training.batching import TokenBatchSampler, collate
+from seq2seq.training.budget import CPU_MAX_TOKENS
 from seq2seq.training.corpus import (
     KEPT,
     TOKENIZED,
@@ -117,7 +118,7 @@ class TranslationDataModule(L.LightningDataModule):
         test_files: list[str] | None = None,
         max_tokens_per_sentence: int = 256,
         max_length_ratio: float = 3.0,
-        max_tokens: int = 4096,
+        max_tokens: int | Literal["auto"] = 4096,
         shuffle_window: int = 100_000,
         seed: int = 0,
         num_workers: int = 0,
@@ -155,7 +156,9 @@ class TranslationDataModule(L.LightningDataModule):
                 pairs cut to it.
             max_length_ratio: training pairs whose longer side has more times the tokens of the
                 shorter are dropped.
-            max_tokens: a batch's budget of padded positions, B * max(len(src), len(tgt) + 1).
+            max_tokens: a batch's budget of padded positions, B * max(len(src), len(tgt) + 1), per device; `auto`:
+                on a GPU the largest whose training step fits its memory (measured as training starts, kept by a
+                resume: training/budget.py), on a CPU 4,096.
             shuffle_window: pairs sorted by length together; larger packs tighter, smaller mixes more.
             seed: epoch e's training order comes from (seed, e).
             num_workers: DataLoader worker processes.
@@ -188,7 +191,9 @@ class TranslationDataModule(L.LightningDataModule):
                             "(de, en), or give data.directions for a multilingual model")
         elif src_lang == tgt_lang:
             raise DataError(f"src_lang and tgt_lang are both {src_lang!r}; choose two languages")
-        if max_tokens < max_tokens_per_sentence + 1:
+        if max_tokens != "auto" and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+            raise DataError(f"data.max_tokens must be a number of padded positions or auto, got {max_tokens!r}")
+        if max_tokens != "auto" and max_tokens < max_tokens_per_sentence + 1:
             raise DataError(
                 f"max_tokens={max_tokens} cannot hold one pair of max_tokens_per_sentence="
                 f"{max_tokens_per_sentence} tokens (+1 for BOS/EOS); raise max_tokens or lower the other"
@@ -202,6 +207,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.directions = directions  # None: one direction, src_lang → tgt_lang
         self.target_tag = target_tag
         self.max_tokens_per_sentence = max_tokens_per_sentence
+        self.max_tokens: int | None = None if max_tokens == "auto" else max_tokens  # auto: until use_max_tokens
         self._tokenizer: Tokenizer | None = None
         self.datasets: dict[str, datasets.Dataset] = {}  # "train"/"valid"/"test": tokenised, filtered
         self.sizes: dict[str, np.ndarray] = {}  # (N,) padded positions of each pair in `datasets`
@@ -438,7 +444,7 @@ class TranslationDataModule(L.LightningDataModule):
                                  ) if self.directions is not None and split == "train" else None
         sampler = TokenBatchSampler(
             self.sizes[split],
-            max_tokens=hp["max_tokens"],
+            max_tokens=self.max_tokens or CPU_MAX_TOKENS,
             shuffle=split == "train",
             shuffle_window=hp["shuffle_window"],
             seed=hp["seed"],
@@ -453,6 +459,8 @@ class TranslationDataModule(L.LightningDataModule):
                                   pad=tokenizer.pad_id),
             "num_workers": hp["num_workers"],
             "persistent_workers": hp["num_workers"] > 0,
+            # Page-locked batches copy to a GPU without blocking the host (Lightning's transfer asks for that)
+            "pin_memory": self.trainer is not None and self.trainer.strategy.root_device.type == "cuda",
             # Its own generator: a DataLoader draws its workers' base seed from torch's global RNG at
             # every iter(), which would shift the dropout masks of a resumed run against an unbroken one.
             "generator": torch.Generator().manual_seed(hp["seed"]),
@@ -473,6 +481,12 @@ class TranslationDataModule(L.LightningDataModule):
             batches_done = partial(_loop_progress, self.trainer, "batches")
             return ResumableLoader(self.datasets[split], batches_done=batches_done, **kwargs)
         return DataLoader(self.datasets[split], **kwargs)
+
+    def use_max_tokens(self, max_tokens: int) -> None:
+        """The budget `max_tokens: auto` resolved to (training/budget.py), before any loader is built."""
+        if self.hparams["max_tokens"] != "auto":
+            raise ValueError(f"data.max_tokens is {self.hparams['max_tokens']}: a budget is sized only for auto")
+        self.max_tokens = max_tokens
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -266,6 +266,9 @@ def check_budget(model: TranslationModule, trainer: pl.Trainer) -> None:
     endless = trainer.max_steps == -1 and trainer.max_epochs == -1 and max_time_timer(trainer) is None
     if model.hparams["lr_schedule"] == "linear" and endless:
         raise ConfigError("model.lr_schedule", NO_END)
+    if model.hparams["tokens_per_update"] is not None and trainer.accumulate_grad_batches != 1:
+        raise ConfigError("model.tokens_per_update", f"is given, and so is trainer.accumulate_grad_batches="
+                          f"{trainer.accumulate_grad_batches}: give one (tokens_per_update sets the accumulation)")
 
 
 def check_lengths(model: TranslationModule, data: TranslationDataModule) -> None:

@@ -45,20 +45,23 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, *, smoothing: float, pad_
 
 def training_loss(
     model: Transformer, *, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, smoothing: float,
-    hidden_states: Callable[[Tensor, Tensor], Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    hidden_states: Callable[[Tensor, Tensor], Tensor] | None = None, target_positions: Tensor | None = None,
+) -> tuple[Tensor, Tensor, int]:
     """One teacher-forced batch: summed (label-smoothed loss, NLL) over its target tokens, and their count.
 
     Only the non-pad positions are projected to the vocabulary, fused with the loss. `hidden_states`: the
-    model's own, compiled (training/compiled.py); model.hidden_states by default.
+    model's own, compiled (training/compiled.py); model.hidden_states by default. `target_positions` (N,): where
+    the real target tokens are in tgt_out.flatten() (the batch's, from collate): given, the step never waits on
+    the device to count them; else found from tgt_out here. The same rows either way, in the same order.
     """
     hidden = (hidden_states or model.hidden_states)(src, tgt_in)  # (B, T, D)
-    is_real = tgt_out != model.config.pad_id  # (B, T)
+    if target_positions is None:
+        target_positions = (tgt_out != model.config.pad_id).flatten().nonzero().squeeze(1)  # (N,)
     loss, nll = linear_label_smoothed_nll(
-        hidden[is_real], model.output_projection.weight, tgt_out[is_real], bias=model.output_projection.bias,
-        smoothing=smoothing,
+        hidden.flatten(0, 1).index_select(0, target_positions), model.output_projection.weight,
+        tgt_out.flatten().index_select(0, target_positions), bias=model.output_projection.bias, smoothing=smoothing,
     )
-    return loss, nll, is_real.sum()
+    return loss, nll, target_positions.numel()
 
 
 def linear_label_smoothed_nll(

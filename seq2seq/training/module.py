@@ -19,6 +19,7 @@ Every checkpoint carries what inference needs under the key "seq2seq", written b
 `torch.load(..., weights_only=True)`.
 """
 
+import copy
 import math
 import time
 from dataclasses import asdict, fields, replace
@@ -31,7 +32,7 @@ import sacrebleu
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 from torch import Tensor
 
 from seq2seq.checkpoint import CHECKPOINT_KEY, inference_entry, seal_training_state
@@ -39,7 +40,9 @@ from seq2seq.decoding.config import SearchConfig
 from seq2seq.decoding.search import decode
 from seq2seq.model import ConfigError, Transformer, TransformerConfig
 from seq2seq.model.config import check_range
+from seq2seq.precision import autocast_dtype, device_name
 from seq2seq.text.tokenizer import Tokenizer
+from seq2seq.training.budget import CPU_MAX_TOKENS, accumulation, size_budget
 from seq2seq.training.compiled import HiddenStates, compile_hidden_states
 from seq2seq.training.loss import label_smoothed_nll, training_loss
 from seq2seq.training.machine import MachineTuning, choose_compiled_step
@@ -48,6 +51,7 @@ from seq2seq.training.resume import RNG_KEY, gather_rng_states, restore_rng_stat
 from seq2seq.training.schedule import LinearBudget, LinearToZero, LrSchedule, multiplier
 
 # ((direction, sentence index), hypothesis, reference, summed smoothed loss, summed NLL, target tokens)
+BUDGET_KEY = "seq2seq_max_tokens"  # in a checkpoint: the token budget its run trained with (data.max_tokens auto)
 ValidationRow = tuple[tuple[int, int], str, str, float, float, int]
 VAL_SEARCH = SearchConfig(beam_size=1)  # greedy: fast enough to run at every validation
 
@@ -106,6 +110,7 @@ class TranslationModule(L.LightningModule):
         val_search: SearchConfig = VAL_SEARCH,
         init_from: str | None = None,
         compile: bool | Literal["auto"] = "auto",
+        tokens_per_update: int | None = None,
     ):
         """
         Args:
@@ -130,10 +135,16 @@ class TranslationModule(L.LightningModule):
             compile: train through the encoder and decoder under torch.compile (training/compiled.py): true,
                 false, or "auto": where the compiled step is timed to run faster here, once per machine,
                 model shape and precision (the first time costs a compile, tens of seconds on a CPU; kept).
+            tokens_per_update: padded positions an update sums over all devices: batches are accumulated
+                (trainer.accumulate_grad_batches, then not to be given) until it is reached, with data.max_tokens
+                as resolved (auto: the GPU's largest, which is then capped at this over the devices).
         """
         super().__init__()
         if compile not in (True, False, "auto"):
             raise ConfigError("model.compile", f"must be true, false or auto, got {compile!r}")
+        if tokens_per_update is not None and (isinstance(tokens_per_update, bool) or not isinstance(tokens_per_update, int)
+                                              or tokens_per_update < 1):
+            raise ConfigError("model.tokens_per_update", f"must be a positive number of positions, got {tokens_per_update!r}")
         check_hyperparameters(val_search=val_search, label_smoothing=label_smoothing,
                               lr=lr, lr_schedule=lr_schedule, warmup_steps=warmup_steps, weight_decay=weight_decay,
                               adam_betas=adam_betas, adam_eps=adam_eps)
@@ -155,8 +166,13 @@ class TranslationModule(L.LightningModule):
         self.target_tag = "encoder"  # setup(): the data module's (where a multilingual run's tags go)
         self._decoder_tags: list[int] | None = None
         self._validation_outputs: list[ValidationRow] = []
-        self._step_started = 0.0  # on_train_batch_start's clock, read at the batch's end
-        self._step_tokens = 0  # training_step's target tokens, read at the batch's end
+        # Between two logs: summed (loss, NLL) on the device, target tokens, the clock at the first step
+        self._interval_sums: Tensor | None = None
+        self._interval_tokens = 0
+        self._interval_started: float | None = None
+        self._logged_step = -1
+        self._diverged_at: Tensor | None = None  # the first step with non-finite gradients (-1: none), on the device
+        self._budget: int | None = None  # the batches' token budget as resolved (on_fit_start), or a resume's
         self.lr_multiplier = multiplier(lr_schedule, warmup_steps=warmup_steps)  # LambdaLR's; plain data
         self._hidden_states: HiddenStates | None = None  # the compiled encoder and decoder, where setup chose them
 
@@ -180,12 +196,50 @@ class TranslationModule(L.LightningModule):
         # with the tag as the decoder's first token, validation forces each row's: by direction, its tag's id
         self._decoder_tags = ([self.tokenizer.tag_id(tgt) for _, tgt in self.directions]
                               if self.target_tag == "decoder" else None)
-        if stage == "fit":  # after MachineTuning (a callback: set up first) chose attention's precision
-            compiled = choose_compiled_step(self.trainer, self.model, setting=self.hparams["compile"],
-                                            max_tokens=int(getattr(datamodule, "hparams", {}).get("max_tokens", 4096)))
-            self._hidden_states = compile_hidden_states(self.model) if compiled else None
+
+    def on_fit_start(self) -> None:
+        """On the training device, before the first loader is built: the token budget (data.max_tokens auto: sized
+        to the GPU's memory, training/budget.py; a resumed run's own), the accumulation that makes
+        tokens_per_update, and whether the step is compiled (MachineTuning, a callback, chose attention's precision
+        in its setup)."""
+        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Trainer.fit, not declared
+        world = self.trainer.world_size
+        wanted = self.hparams["tokens_per_update"]
+        max_tokens = getattr(datamodule, "max_tokens", CPU_MAX_TOKENS)
+        if max_tokens is None:  # data.max_tokens: auto
+            max_tokens = self._budget or self._size_budget(datamodule, high=wanted // world if wanted else None)
+            datamodule.use_max_tokens(max_tokens)
+        self._budget = max_tokens
+        if wanted is not None:
+            self.trainer.accumulate_grad_batches = accumulation(tokens_per_update=wanted, max_tokens=max_tokens,
+                                                                world_size=world)
+            rank_zero_info(f"model.tokens_per_update {wanted}: {self.trainer.accumulate_grad_batches} batch(es) of "
+                           f"{max_tokens} padded positions on each of {world} device(s) an update")
+        compiled = choose_compiled_step(self.trainer, self.model, setting=self.hparams["compile"], max_tokens=max_tokens)
+        self._hidden_states = compile_hidden_states(self.model) if compiled else None
+
+    def _size_budget(self, datamodule: Any, *, high: int | None) -> int:
+        """data.max_tokens auto: the GPU's largest budget, sized by rank 0 and followed by all; CPU_MAX_TOKENS on a CPU."""
+        device = self.trainer.strategy.root_device
+        if device.type != "cuda":
+            return CPU_MAX_TOKENS
+        budget = None
+        if self.trainer.is_global_zero:
+            # A copy: the model's own parameters carry DDP's gradient hooks, which a backward on rank 0 alone
+            # would fire
+            probe = copy.deepcopy(self.model)
+            budget = size_budget(probe, length=datamodule.max_tokens_per_sentence + 1, high=high or 2**20,
+                                 dtype=autocast_dtype(str(self.trainer.precision)))
+            del probe
+            torch.cuda.empty_cache()
+        budget = int(self.trainer.strategy.broadcast(budget or 0))
+        rank_zero_info(f"data.max_tokens auto: {budget} padded positions a batch, the largest whose training step "
+                       f"fits {device_name(device)}'s memory (training/budget.py)")
+        return budget
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.stop_if_diverged()  # no checkpoint of weights a diverged step would have made NaN
+        checkpoint[BUDGET_KEY] = self._budget  # a resume trains on the same batches, whatever it would size
         # Lightning calls this last, after filling checkpoint["state_dict"] (and after callbacks such as
         # weight averaging replaced it, keeping the trained weights beside): both checksums see it whole.
         assert self.tokenizer is not None, "setup() takes the tokenizer before any checkpoint is written"
@@ -201,6 +255,7 @@ class TranslationModule(L.LightningModule):
         # restored by Lightning, that makes a resumed run train as if it had never stopped).
         if RNG_KEY in checkpoint:
             restore_rng_state(checkpoint[RNG_KEY], self.device)
+        self._budget = checkpoint.get(BUDGET_KEY)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -256,42 +311,82 @@ class TranslationModule(L.LightningModule):
         return [MachineTuning(), *budget]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
+        if self._interval_started is None:
+            self._interval_started = time.perf_counter()
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, nll, tokens = training_loss(
             self.model, src=batch["src"], tgt_in=batch["tgt_in"], tgt_out=batch["tgt_out"],
             smoothing=self.hparams["label_smoothing"], hidden_states=self._hidden_states,
+            target_positions=batch.get("target_positions"),
         )
-        self._step_tokens = int(tokens)
-        batch_size = batch["src"].size(0)
-        loss, nll = loss / tokens, nll / tokens  # normalised per target token
-        self.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
-        self.log("train_nll", nll, batch_size=batch_size)
-        return loss
+        # Summed on the device until the next log: reading a value every step (.item(), a log Lightning's
+        # progress bar reads) makes the host wait for the device at every step
+        sums = torch.stack([loss.detach(), nll.detach()]).float()  # (2,)
+        self._interval_sums = sums if self._interval_sums is None else self._interval_sums + sums
+        self._interval_tokens += tokens
+        return loss / tokens  # normalised per target token
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Stop a run that diverged before the step makes its weights NaN and a checkpoint saves them.
 
         Here, not on the loss: the gradients are already averaged across DDP ranks, so every rank sees
         the same norm and stops together (a loss check would stop one rank and hang the others), and an
-        infinite gradient under a finite loss is caught too. One device sync per step. Not under fp16,
-        whose loss scaler expects an occasional infinite gradient and skips that step itself.
+        infinite gradient under a finite loss is caught too. The fused AdamW (CPU, GPU) takes the flag as
+        GradScaler hands it one, `found_inf`, and skips the step on the device; the flag is read at the next
+        log, validation or checkpoint (`stop_if_diverged`), so the host never waits for it inside a step. Another
+        optimizer is stopped at once (a wait per step). Not under fp16, whose loss scaler expects an occasional
+        infinite gradient and skips that step itself.
         """
         if "16-mixed" in str(self.trainer.precision) and "bf16" not in str(self.trainer.precision):
             return
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads and not torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()):
+        if not grads:
+            return
+        finite = torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())
+        inner = getattr(optimizer, "_optimizer", optimizer)  # under a LightningOptimizer, torch's
+        if getattr(inner, "_step_supports_amp_scaling", False):  # fused: reads found_inf after the closure
+            inner.found_inf = (~finite).float()  # type: ignore[union-attr]  # GradScaler's protocol
+            if self._diverged_at is None:
+                self._diverged_at = torch.full((), -1, dtype=torch.long, device=finite.device)
+            first = (self._diverged_at < 0) & ~finite
+            self._diverged_at = torch.where(first, self.global_step, self._diverged_at)
+        elif not finite:
+            self._diverged_at = torch.tensor(self.global_step)
+            self.stop_if_diverged()
+
+    def stop_if_diverged(self) -> None:
+        """TrainingDiverged where a step found non-finite gradients (a wait for the device)."""
+        step = int(self._diverged_at) if self._diverged_at is not None else -1
+        if step >= 0:
             raise TrainingDiverged(
-                f"the gradients are NaN or infinite at step {self.global_step}: the run diverged (checkpoints "
+                f"the gradients are NaN or infinite at step {step}: the run diverged (checkpoints "
                 "written before are kept). Start a new run with a lower model.lr or a longer model.warmup_steps: "
                 "a resume would restore the same learning rate and schedule"
             )
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        elapsed = time.perf_counter() - self._step_started
-        # Per process, data loading excluded: multiply by the number of processes for the whole job.
-        self.log("tgt_tokens_per_sec", self._step_tokens / max(elapsed, 1e-9), prog_bar=True, batch_size=1)
+        # (set on the Trainer by Lightning's logger connector, not declared on it)
+        step, every = self.global_step, int(self.trainer.log_every_n_steps)  # type: ignore[attr-defined]
+        if every == 0 or step == self._logged_step or step % every != 0 or self._interval_sums is None:
+            return  # (as Lightning writes its logs: when the update count reaches a multiple of log_every_n_steps)
+        self.stop_if_diverged()
+        elapsed = time.perf_counter() - (self._interval_started or time.perf_counter())
+        loss, nll = self._interval_sums / max(self._interval_tokens, 1)
+        self.log("train_loss", loss, prog_bar=True, batch_size=1)
+        self.log("train_nll", nll, batch_size=1)
+        # Per process, over the updates since the last log, data loading included: multiply by the number of
+        # processes for the whole job.
+        self.log("tgt_tokens_per_sec", self._interval_tokens / max(elapsed, 1e-9), prog_bar=True, batch_size=1)
+        self._logged_step, self._interval_sums, self._interval_tokens = step, None, 0
+        self._interval_started = time.perf_counter()
+
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+            self.stop_if_diverged()
+
+    def on_train_end(self) -> None:
+        self.stop_if_diverged()
 
     # ---- validation ---------------------------------------------------------------------------
 

@@ -71,7 +71,9 @@ def test_batches_hold_shifted_targets_and_raw_text(
         assert tgt_in.tolist() == [BOS_ID, *y] + [PAD_ID] * (len(tgt_in) - len(y) - 1)
         assert tgt_out.tolist() == [*y, EOS_ID] + [PAD_ID] * (len(tgt_out) - len(y) - 1)
     train = next(iter(multi30k.train_dataloader()))
-    assert set(train) == {"src", "tgt_in", "tgt_out"}
+    assert set(train) == {"src", "tgt_in", "tgt_out", "target_positions"}
+    real = (train["tgt_out"] != PAD_ID).flatten()
+    assert torch.equal(train["target_positions"], torch.arange(real.numel())[real])  # in order, the non-pad ones
 
 
 # ---- Lightning --------------------------------------------------------------------------------
@@ -121,13 +123,19 @@ def test_lightning_reshuffles_every_epoch(tmp_path: Path, multi30k_dir: Path, to
     assert module.val_rows == 2 * 1014  # two epochs, no pair lost
 
 
-def test_rank_world_size_and_epoch_come_from_the_trainer(multi30k: TranslationDataModule) -> None:
+@pytest.mark.parametrize(("device", "pinned"), [("cpu", False), ("cuda", True)])
+def test_rank_world_size_and_epoch_come_from_the_trainer(multi30k: TranslationDataModule, device: str,
+                                                         pinned: bool) -> None:
+    """...and whether batches are page-locked: for a GPU's copies, which then do not block the host."""
     progress = SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=3)))
-    multi30k.trainer = SimpleNamespace(global_rank=1, world_size=2, fit_loop=progress)
+    strategy = SimpleNamespace(root_device=torch.device(device))
+    multi30k.trainer = SimpleNamespace(global_rank=1, world_size=2, fit_loop=progress, strategy=strategy)
     try:
-        sampler = multi30k.train_dataloader().batch_sampler
+        loader = multi30k.train_dataloader()
+        sampler = loader.batch_sampler
         # The epoch is set before Lightning's first iter(), which loader workers fetch ahead from.
         assert (sampler.rank, sampler.world_size, sampler.epoch) == (1, 2, 3)
+        assert loader.pin_memory is pinned
     finally:
         multi30k.trainer = None
 

@@ -21,7 +21,7 @@ from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.precision import Verdict
 from seq2seq.training.data import TranslationDataModule
 from seq2seq.training.fit import TranslationCLI
-from seq2seq.training.module import TranslationModule
+from seq2seq.training.module import TrainingDiverged, TranslationModule
 
 SMALL = TransformerConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
                           num_decoder_layers=1)
@@ -137,9 +137,10 @@ def tiny_training(root: Path, *, module_options: dict | None = None, **trainer_o
                                                              num_encoder_layers=1, num_decoder_layers=1),
                                warmup_steps=1, **(module_options or {}))
     probe = OptimizerProbe()
+    callbacks = [probe, *trainer_options.pop("callbacks", [])]
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[probe], default_root_dir=root, **trainer_options)
+                        callbacks=callbacks, default_root_dir=root, **trainer_options)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 2
     return module, probe
@@ -223,6 +224,80 @@ def test_training_through_the_compiled_step(tmp_path: Path):
                                   gradient_clip_val=1.0)
     assert module._hidden_states is not None and probe.first_moment_norm
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+class HostWaits(L.Callback):
+    """The ops of each training step (batch start to batch end: forward, loss, backward, clipping, the optimizer's
+    step) that make a host wait for a GPU: a tensor's value read on the host (.item(), bool, int), or a count of
+    true values (nonzero, a boolean mask's selection), recorded on a CPU through torch's dispatcher."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        waits, ops = self.waits, self.ops = [], []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__
+                ops.append(name)
+                bool_index = name.startswith(("index.", "index_put")) and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []) if i is not None)
+                if name.split(".")[0] in ("_local_scalar_dense", "nonzero", "masked_select", "item") or bool_index:
+                    waits.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode, self.steps = Record(), 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.mode.__exit__(None, None, None)
+        self.steps += 1
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_training_step_never_waits_for_the_device(precision: str, tmp_path: Path):
+    """On a GPU every wait for the device inside a step idles it while the host catches up; the step has none
+    (the target positions come with the batch, the loss and token counts are summed on the device and read at
+    the log, the divergence flag goes to the fused AdamW as found_inf), clipped, under each precision."""
+    waits = HostWaits()
+    write_tiny_run(tmp_path, train_pairs=600, val_pairs=4)
+    data = TranslationDataModule(src_lang="de", tgt_lang="en", tokenizer_path=str(tmp_path / "spm.model"),
+                                 vocab_size=600, train_files=[str(tmp_path / "data/train.de"),
+                                                              str(tmp_path / "data/train.en")],
+                                 max_tokens=256, max_tokens_per_sentence=64, cache_dir=str(tmp_path / "cache"))
+    module = TranslationModule(transformer=TransformerConfig(vocab_size=600, d_model=16, num_heads=2, d_ff=32,
+                                                             num_encoder_layers=1, num_decoder_layers=1),
+                               warmup_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=True, enable_model_summary=False,
+                        callbacks=[waits], default_root_dir=tmp_path, precision=precision, gradient_clip_val=1.0,
+                        log_every_n_steps=50)
+    trainer.fit(module, datamodule=data)
+    assert waits.steps == 4 and "_fused_adamw_.default" in waits.ops  # (the steps were seen)
+    assert waits.waits == []
+
+
+def test_a_diverged_step_is_skipped_on_the_device_and_stops_the_run_at_the_next_read(tmp_path: Path):
+    """Non-finite gradients at the second update: the fused AdamW leaves every weight (and its moments) as they
+    were, and the run stops where the flag is next read (here the end of training), naming that step."""
+
+    class Poison(L.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step == 1:
+                next(pl_module.parameters()).grad[0] = float("nan")
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.before = [p.detach().clone() for p in pl_module.parameters()]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.after = [p.detach().clone() for p in pl_module.parameters()]
+
+    poison = Poison()
+    with pytest.raises(TrainingDiverged, match="^the gradients are NaN or infinite at step 1: the run diverged"):
+        tiny_training(tmp_path, callbacks=[poison])
+    assert all(torch.equal(a, b) for a, b in zip(poison.before, poison.after, strict=True))
 
 
 def test_a_bad_compile_setting_names_the_key():
