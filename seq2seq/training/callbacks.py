@@ -14,6 +14,8 @@ server) use it without being told. Training only says what to tune: decoding is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -34,8 +36,8 @@ class PowerAverage:
     def __init__(self, gamma: float):
         self.gamma = gamma
 
-    def __call__(self, averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
-        t = int(num_averaged) + 1  # this update's number; AveragedModel copies the weights at t = 1 itself
+    def __call__(self, averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor | int) -> None:
+        t = int(num_averaged) + 1  # this update's number; the weights are copied at t = 1 instead
         beta = (1 - 1 / t) ** (self.gamma + 1)
         torch._foreach_lerp_(averaged, current, 1 - beta)
 
@@ -46,7 +48,42 @@ class PowerEMA(WeightAveraging):
         trained weights stay in checkpoints under current_model_state, and a resume continues both."""
         if not gamma > 0:
             raise ValueError(f"PowerEMA: gamma must be > 0, got {gamma}")
-        super().__init__(multi_avg_fn=PowerAverage(gamma))
+        self.power = PowerAverage(gamma)
+        super().__init__(multi_avg_fn=self.power)
+        self._updates = 0  # the average's count, kept on the host (read from the device as training starts)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after a resume restored it: read here, once, not inside a step
+        self._updates = int(self._average_model.n_averaged) if self._average_model is not None else 0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """WeightAveraging's update, without AveragedModel.update_parameters' two reads of its count on the host at
+        every update (`bool(n_averaged == 0)`, `if n_averaged > 0`: each a wait for a GPU): the count is read once
+        a run, as training starts (a resume has restored it on the device), then counted here as well; the arithmetic
+        is the same."""
+        average = self._average_model
+        if average is None or trainer.global_step <= self._latest_update_step or not self.should_update(
+                step_idx=trainer.global_step - 1):
+            return
+        ours = self._use_buffers
+        current = [t.detach() for t in (chain(pl_module.parameters(), pl_module.buffers()) if ours
+                                        else pl_module.parameters())]
+        kept = [t.detach() for t in (chain(average.module.parameters(), average.module.buffers()) if ours
+                                     else average.module.parameters())]
+        if self._updates == 0:
+            torch._foreach_copy_(kept, current)
+        else:
+            groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+            for mine, theirs in zip(kept, current, strict=True):
+                pair = groups.setdefault((mine.device, mine.dtype), ([], []))
+                pair[0].append(mine)
+                pair[1].append(theirs.to(mine.device))
+            for mine_group, theirs_group in groups.values():
+                self.power(mine_group, theirs_group, self._updates)
+        average.n_averaged += 1
+        self._updates += 1
+        self._latest_update_step = trainer.global_step
 
 
 @dataclass(frozen=True)

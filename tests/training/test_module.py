@@ -19,6 +19,7 @@ from seq2seq.decoding.config import SearchConfig
 from seq2seq.model import ConfigError, TransformerConfig
 from seq2seq.model.attention import MultiHeadAttention
 from seq2seq.precision import Verdict
+from seq2seq.training.callbacks import PowerEMA
 from seq2seq.training.data import TranslationDataModule
 from seq2seq.training.fit import TranslationCLI
 from seq2seq.training.module import TrainingDiverged, TranslationModule
@@ -260,7 +261,8 @@ class HostWaits(L.Callback):
 def test_a_training_step_never_waits_for_the_device(precision: str, tmp_path: Path):
     """On a GPU every wait for the device inside a step idles it while the host catches up; the step has none
     (the target positions come with the batch, the loss and token counts are summed on the device and read at
-    the log, the divergence flag goes to the fused AdamW as found_inf), clipped, under each precision."""
+    the log, the divergence flag goes to the fused AdamW as found_inf, PowerEMA counts its updates on the host),
+    clipped, under each precision."""
     waits = HostWaits()
     write_tiny_run(tmp_path, train_pairs=600, val_pairs=4)
     data = TranslationDataModule(src_lang="de", tgt_lang="en", tokenizer_path=str(tmp_path / "spm.model"),
@@ -272,7 +274,8 @@ def test_a_training_step_never_waits_for_the_device(precision: str, tmp_path: Pa
                                warmup_steps=1)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=True, enable_model_summary=False,
-                        callbacks=[waits], default_root_dir=tmp_path, precision=precision, gradient_clip_val=1.0,
+                        callbacks=[PowerEMA(), waits], default_root_dir=tmp_path, precision=precision,
+                        gradient_clip_val=1.0,
                         log_every_n_steps=50)
     trainer.fit(module, datamodule=data)
     assert waits.steps == 4 and "_fused_adamw_.default" in waits.ops  # (the steps were seen)
