@@ -50,7 +50,9 @@ class Dropout(nn.Module):
         words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
         uniform16 = words.view(torch.int16)[: x.numel()].view(x.shape)  # uniform on [-32768, 32767]
         keep = uniform16 >= round(self.p * 65536) - 32768  # P(keep) = 1 - round(p * 65536) / 65536
-        return torch.where(keep, x, 0.0) * (1.0 / (1.0 - self.p))
+        # A product with the mask, not torch.where: a faster pass each way (backward is the same product), the
+        # same values (a dropped position is a zero, signed as x was)
+        return x * keep * (1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
