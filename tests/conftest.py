@@ -93,7 +93,7 @@ def sigterm_to_this_process(*_args, **_kwargs) -> None:
 
 
 def pinned_compiled_step(*args, **kwargs) -> Verdict:
-    """model.compile auto trains eagerly in the tests (timing it compiles; tests/training/test_compiled.py times it)."""
+    """model.compile auto trains eagerly in the tests (timing it compiles; tests/training/test_compiled_training.py times it)."""
     return Verdict(False, "pinned by the tests")
 
 

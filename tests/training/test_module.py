@@ -199,7 +199,7 @@ def test_the_attention_verdict_is_applied_under_autocast(bf16_attention: bool, t
                                                          (False, True, False)])
 def test_the_compiled_step_is_chosen_by_its_verdict(setting, pays: bool, compiled: bool, tmp_path: Path, monkeypatch):
     """model.compile auto asks whether the compiled step pays here (once, with the run's precision and token budget)
-    and trains through it where it does; false never asks. The compile itself is tested in test_compiled.py."""
+    and trains through it where it does; false never asks. The compile itself is tested in test_compiled_training.py."""
     asked, compiles = [], []
 
     def verdict(config, device, *, precision, max_tokens, fp32_attention):
