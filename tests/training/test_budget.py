@@ -163,3 +163,32 @@ def test_tokens_per_update_and_an_accumulation_are_not_both_given(tmp_path: Path
         main(["--config", str(config), "--model.tokens_per_update=8000", "--trainer.accumulate_grad_batches=2"])
     with pytest.raises(ConfigError, match="^model.tokens_per_update: must be a positive number of positions, got 0"):
         TranslationModule(transformer=TransformerConfig(vocab_size=64), tokens_per_update=0)
+
+
+def test_size_budget_runs_its_probes_on_the_model_and_reads_the_gpus_memory(monkeypatch: pytest.MonkeyPatch):
+    """size_budget's own path, as far as a CPU runs it: torch.cuda's memory calls pretended (a 1 GiB GPU, a
+    peak of 64 MiB plus 100 KB a position), the probes real training steps of the model at each budget asked."""
+    import contextlib
+
+    import seq2seq.training.budget as budget_module
+
+    model = Transformer(TransformerConfig(vocab_size=64, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
+                                          num_decoder_layers=1)).eval()
+    probed, real_probe = [], budget_module.probe_step
+
+    def probe(m, *, budget, length, dtype):
+        probed.append((budget, length, m.training))
+        real_probe(m, budget=budget, length=length, dtype=dtype)
+
+    monkeypatch.setattr(budget_module, "probe_step", probe)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 2**30))
+    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 64 * 2**20 + 100_000 * probed[-1][0])
+    monkeypatch.setattr(torch.random, "fork_rng", lambda **kwargs: contextlib.nullcontext())
+    found = budget_module.size_budget(model, length=65, high=2**20, dtype=None)
+    reserved = budget_module.OPTIMIZER_COPIES * sum(p.numel() * 4 for p in model.parameters())
+    allowed = HEADROOM * 2**30 - reserved
+    assert 64 * 2**20 + 100_000 * found <= allowed < 64 * 2**20 + 100_000 * (found + GRANULE)
+    assert [b for b, _, _ in probed][:3] == [65, 2048, 4096] and {(n, t) for _, n, t in probed} == {(65, True)}
+    assert not model.training  # given back as it came
