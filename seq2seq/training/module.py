@@ -368,7 +368,7 @@ class TranslationModule(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # (set on the Trainer by Lightning's logger connector, not declared on it)
         step, every = self.global_step, int(self.trainer.log_every_n_steps)  # type: ignore[attr-defined]
-        if every == 0 or step == self._logged_step or step % every != 0 or self._interval_sums is None:
+        if every == 0 or step == 0 or step == self._logged_step or step % every != 0 or self._interval_sums is None:
             return  # (as Lightning writes its logs: when the update count reaches a multiple of log_every_n_steps)
         self.stop_if_diverged()
         elapsed = time.perf_counter() - (self._interval_started or time.perf_counter())

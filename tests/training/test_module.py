@@ -282,6 +282,26 @@ def test_a_training_step_never_waits_for_the_device(precision: str, tmp_path: Pa
     assert waits.waits == []
 
 
+def test_the_loss_and_speed_are_logged_every_log_every_n_steps(tmp_path: Path):
+    """Summed on the device between logs and logged where Lightning writes its logs: after the 2nd update with
+    log_every_n_steps 2 (the interval's loss per target token, its tokens a second); nothing before it."""
+
+    class Logged(L.Callback):  # (a callback's batch end comes before the module's: it sees the previous batch's logs)
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append(sorted(k for k in trainer.callback_metrics if k.startswith(("train_", "tgt_"))))
+
+    logged = Logged()
+    module, _ = tiny_training(tmp_path, callbacks=[logged], log_every_n_steps=2)
+    metrics = module.trainer.callback_metrics
+    assert logged.seen == [[], []]
+    assert sorted(k for k in metrics if k.startswith(("train_", "tgt_"))) == ["tgt_tokens_per_sec", "train_loss",
+                                                                                "train_nll"]
+    assert all(0 < float(metrics[k]) < 1e9 for k in ("train_loss", "train_nll", "tgt_tokens_per_sec"))
+
+
 def test_a_diverged_step_is_skipped_on_the_device_and_stops_the_run_at_the_next_read(tmp_path: Path):
     """Non-finite gradients at the second update: the fused AdamW leaves every weight (and its moments) as they
     were, and the run stops where the flag is next read (here the end of training), naming that step."""
