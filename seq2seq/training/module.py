@@ -174,7 +174,7 @@ class TranslationModule(L.LightningModule):
         self._diverged_at: Tensor | None = None  # the first step with non-finite gradients (-1: none), on the device
         self._budget: int | None = None  # the batches' token budget as resolved (on_fit_start), or a resume's
         self.lr_multiplier = multiplier(lr_schedule, warmup_steps=warmup_steps)  # LambdaLR's; plain data
-        self._hidden_states: HiddenStates | None = None  # the compiled encoder and decoder, where setup chose them
+        self._hidden_states: HiddenStates | None = None  # the compiled encoder and decoder, where on_fit_start chose them
 
     # ---- wiring -------------------------------------------------------------------------------
 
