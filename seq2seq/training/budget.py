@@ -11,8 +11,8 @@ allocate, is then checked by a step at that budget, and lowered a tenth at a tim
 every rank follows (they train alike). A resumed run keeps the budget it started with: the sampler's position
 in the epoch counts its batches.
 
-On a CPU memory does not bound the batch the same way (the host's memory is large, and speed per token levels off
-well before it fills: docs/results/training-speed.md): `auto` is CPU_MAX_TOKENS there.
+On a CPU the host's memory, not a device's, holds the batch, and nothing here sizes it: `auto` is CPU_MAX_TOKENS
+there.
 """
 
 import math
@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from seq2seq.model import Transformer
-from seq2seq.training.loss import training_loss
+from seq2seq.training.loss import HiddenStates, training_loss
 
 CPU_MAX_TOKENS = 4096
 # The share of the GPU's memory a training step's peak may take: the rest is for the allocator's fragmentation
@@ -82,16 +82,19 @@ def largest_budget(peak_bytes: Callable[[int], int], *, memory: int, reserved: i
     return low
 
 
-def probe_step(model: Transformer, *, budget: int, length: int, dtype: torch.dtype | None) -> None:
+def probe_step(model: Transformer, *, budget: int, length: int, dtype: torch.dtype | None,
+               hidden_states: HiddenStates | None = None) -> None:
     """One training step's forward and backward on `budget // length` rows of `length` tokens each (random ids, no
-    padding: the most a batch of this budget holds), under autocast to `dtype` if given; gradients freed after."""
+    padding: the most a batch of this budget holds), under autocast to `dtype` if given, through `hidden_states`
+    (the model's own by default; training_loss); gradients freed after."""
     device = next(model.parameters()).device
     rows = max(1, budget // length)
     ids = torch.randint(4, model.config.vocab_size, (rows, length), device=device)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
     try:
         with autocast:
-            loss, _, tokens = training_loss(model, src=ids, tgt_in=ids[:, :-1], tgt_out=ids[:, 1:], smoothing=0.1)
+            loss, _, tokens = training_loss(model, src=ids, tgt_in=ids[:, :-1], tgt_out=ids[:, 1:], smoothing=0.1,
+                                            hidden_states=hidden_states)
         (loss / tokens).backward()
     finally:
         model.zero_grad(set_to_none=True)

@@ -22,19 +22,15 @@ between runs of the same kind.
 import hashlib
 import json
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
-from torch import Tensor
 
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.precision import Verdict, autocast_dtype, device_name, timed_verdict
-from seq2seq.training.loss import training_loss
+from seq2seq.training.budget import probe_step
+from seq2seq.training.loss import HiddenStates
 
-HiddenStates = Callable[[Tensor, Tensor], Tensor]  # (src (B, S), tgt_in (B, T)) -> (B, T, D)
-
-# The timing batch's sentences: Multi30k's are 10-20 pieces, WMT's ~30; a mix of lengths pads some rows.
+# The timing batch's sentence length: Multi30k's are 10-20 pieces, WMT's ~30.
 TIMING_LENGTH = 32
 
 
@@ -63,42 +59,25 @@ def compiled_step_pays(config: TransformerConfig, device: torch.device, *, preci
 
 def step_seconds(config: TransformerConfig, device: torch.device, *, precision: str, max_tokens: int,
                  fp32_attention: bool, compiled: bool, repeats: int = 3) -> float:
-    """The fastest of `repeats` training steps (forward, loss, backward; no optimiser) of a fresh model of
-    `config`, after two warm-up steps (which compile, when `compiled`)."""
+    """The fastest of `repeats` training steps (forward, loss, backward: budget.probe_step; no optimiser) of a
+    fresh model of `config` on batches of `max_tokens` positions, after two warm-up steps (which compile, when
+    `compiled`)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # a seeded run's numbers kept
-        return _step_seconds(config, device, precision=precision, max_tokens=max_tokens,
-                             fp32_attention=fp32_attention, compiled=compiled, repeats=repeats)
+        model = Transformer(config).to(device).train()
+        model.attention_in_fp32_under_autocast(enabled=fp32_attention)
+        hidden_states = compile_hidden_states(model) if compiled else model.hidden_states
 
+        def step() -> None:
+            probe_step(model, budget=max_tokens, length=TIMING_LENGTH, dtype=autocast_dtype(precision),
+                       hidden_states=hidden_states)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
-def _step_seconds(config: TransformerConfig, device: torch.device, *, precision: str, max_tokens: int,
-                  fp32_attention: bool, compiled: bool, repeats: int) -> float:
-    model = Transformer(config).to(device).train()
-    model.attention_in_fp32_under_autocast(enabled=fp32_attention)
-    hidden_states = compile_hidden_states(model) if compiled else model.hidden_states
-    rows = max(1, max_tokens // TIMING_LENGTH)
-    generator = torch.Generator().manual_seed(0)
-    src, tgt = (torch.randint(4, config.vocab_size, (rows, TIMING_LENGTH), generator=generator) for _ in range(2))
-    lengths = torch.randint(TIMING_LENGTH // 2, TIMING_LENGTH + 1, (rows, 1), generator=generator)
-    positions = torch.arange(TIMING_LENGTH)
-    src = src.masked_fill(positions >= lengths, config.pad_id).to(device)  # (B, L), padded at the end
-    tgt = tgt.masked_fill(positions >= lengths, config.pad_id).to(device)
-    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
-    dtype = autocast_dtype(precision)
-
-    def step() -> None:
-        autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
-        with autocast:
-            loss, _, _ = training_loss(model, src=src, tgt_in=tgt_in, tgt_out=tgt_out, smoothing=0.1,
-                                       hidden_states=hidden_states)
-        loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(2):  # the first compiles forward and backward; the second meets any recompile
-        step()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best
+        for _ in range(2):  # the first compiles forward and backward; the second meets any recompile
+            step()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            best = min(best, time.perf_counter() - start)
+        return best

@@ -25,6 +25,8 @@ from torch import Tensor
 from seq2seq.model import Transformer
 from seq2seq.model.numerics import exp_
 
+HiddenStates = Callable[[Tensor, Tensor], Tensor]  # (src (B, S), tgt_in (B, T)) -> (B, T, D), as model.hidden_states
+
 # Rows per chunk, as logits per chunk. CPU: 4M floats (16 MB in fp32) fit the L3 cache; at Multi30k
 # sizes a few hundred to a thousand rows per chunk run alike and far fewer run slower (small matmuls). GPUs have no such
 # cache to fit and want large matmuls: 64M floats (256 MB), ~2k rows of a 32k vocabulary.
@@ -45,7 +47,7 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, *, smoothing: float, pad_
 
 def training_loss(
     model: Transformer, *, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, smoothing: float,
-    hidden_states: Callable[[Tensor, Tensor], Tensor] | None = None, target_positions: Tensor | None = None,
+    hidden_states: HiddenStates | None = None, target_positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, int]:
     """One teacher-forced batch: summed (label-smoothed loss, NLL) over its target tokens, and their count.
 

@@ -1,7 +1,7 @@
 """The run tuned to the machine it is on, as training starts (MachineTuning, which TranslationModule adds
 through configure_callbacks): denormal floats flushed, a warning for bf16 given where bf16 is slow,
 and the precision of attention under autocast, which rank 0 decides and every rank follows; and whether
-the training step is compiled (choose_compiled_step, which TranslationModule.setup asks), decided alike."""
+the training step is compiled (choose_compiled_step, which TranslationModule.on_fit_start asks), decided alike."""
 
 import os
 

@@ -43,8 +43,8 @@ from seq2seq.model.config import check_range
 from seq2seq.precision import autocast_dtype, device_name
 from seq2seq.text.tokenizer import Tokenizer
 from seq2seq.training.budget import CPU_MAX_TOKENS, accumulation, size_budget
-from seq2seq.training.compiled import HiddenStates, compile_hidden_states
-from seq2seq.training.loss import label_smoothed_nll, training_loss
+from seq2seq.training.compiled import compile_hidden_states
+from seq2seq.training.loss import HiddenStates, label_smoothed_nll, training_loss
 from seq2seq.training.machine import MachineTuning, choose_compiled_step
 from seq2seq.training.pretrained import fine_tuning_config, load_pretrained
 from seq2seq.training.resume import RNG_KEY, gather_rng_states, restore_rng_state
@@ -338,7 +338,7 @@ class TranslationModule(L.LightningModule):
         optimizer is stopped at once (a wait per step). Not under fp16, whose loss scaler expects an occasional
         infinite gradient and skips that step itself.
         """
-        if "16-mixed" in str(self.trainer.precision) and "bf16" not in str(self.trainer.precision):
+        if autocast_dtype(str(self.trainer.precision)) is torch.float16:
             return
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
