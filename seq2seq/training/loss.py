@@ -83,51 +83,83 @@ def linear_label_smoothed_nll(
 
 
 class _LinearLabelSmoothedNLL(torch.autograd.Function):
+    """The chunked loss and its gradients, computed in forward; backward scales them by the upstream gradient.
+
+    Per chunk of n rows, with numerators e = exp(z - peak) (n, V), their row sums s and r = 1 / s, the gradient
+    with respect to the logits is G = r * e' - ε / V, where e' is e with (1 - ε) * s taken off at each row's target
+    (one entry a row, computed in float32 from the target's logit). So neither G nor the softmax is ever written
+    out: the rows' scale r goes onto the (n, D) side of each gradient matmul, and the uniform ε / V term is a
+    rank-one correction in float32 (through the weight's column mean and the hidden states' sum), as is the
+    logits' mean that smoothing needs. The (n, V) passes left: the three matmuls, the exp with its peak and sum,
+    and under autocast the logits' casts to float32 and back.
+
+    The weight's gradient is accumulated transposed, (D, V) += (r * h)^T @ e': both matmul operands are then
+    row-major (a bf16 GEMM whose left operand is transposed, G^T @ h, runs at half the rate on oneDNN's AMX
+    kernels); one more row of r gives the bias's gradient in the same matmul.
+
+    Under autocast the matmuls run in the autocast dtype and the softmax in float32 (on a CPU, bf16's exp,
+    sum and max run slower than float32's, and a bf16 log-softmax would lose the small probabilities).
+    """
+
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, smoothing: float,
                 chunk_rows: int):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        softmax_dtype = torch.promote_types(dtype, torch.float32)
+        acc_dtype = torch.promote_types(dtype, torch.float32)  # the softmax, the loss, the gradients
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        rows, d_model = hidden.shape
         vocab = weight.size(0)
+        uniform = smoothing / vocab
         with torch.autocast(device, enabled=False):
             hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
-            loss_sum = hidden.new_zeros((), dtype=softmax_dtype)
-            nll_sum = hidden.new_zeros((), dtype=softmax_dtype)
-            grad_hidden = torch.empty_like(hidden_c) if needs_grad else None  # (N, D)
-            grad_weight = torch.zeros_like(weight_c, dtype=softmax_dtype) if needs_grad else None  # (V, D)
-            bias_c = bias.to(softmax_dtype) if bias is not None else None  # (V,)
-            grad_bias = torch.zeros_like(bias_c) if needs_grad and bias_c is not None else None  # (V,)
-            for start in range(0, hidden_c.size(0), chunk_rows):
+            bias_c = bias.to(acc_dtype) if bias is not None else None  # (V,), added in float32
+            # mean_v(z) = h . mean_v(W) + mean(b), in float32, without a pass over the logits
+            weight_mean = weight.to(acc_dtype).mean(dim=0)  # (D,)
+            bias_mean = bias.to(acc_dtype).mean() if bias is not None else 0.0
+            loss_sum = hidden.new_zeros((), dtype=acc_dtype)
+            nll_sum = hidden.new_zeros((), dtype=acc_dtype)
+            grad_hidden = hidden.new_empty((rows, d_model), dtype=acc_dtype) if needs_grad else None  # (N, D)
+            # (D + 1, V): the weight's gradient transposed, then the bias's; the uniform term's share to start with
+            grad_weight_t = None
+            if needs_grad:
+                grad_weight_t = torch.empty((d_model + 1, vocab), dtype=acc_dtype, device=hidden.device)
+                grad_weight_t[:d_model] = (-uniform * hidden.to(acc_dtype).sum(dim=0))[:, None]
+                grad_weight_t[d_model] = -uniform * rows
+            for start in range(0, rows, chunk_rows):
                 h, y = hidden_c[start : start + chunk_rows], target[start : start + chunk_rows]  # (n, D), (n,)
-                logits = (h @ weight_c.T).to(softmax_dtype)  # (n, V)
+                logits = (h @ weight_c.T).to(acc_dtype)  # (n, V)
                 if bias_c is not None:
                     logits += bias_c
                 peak = logits.amax(dim=-1)  # (n,)
-                target_logit, mean_logit = logits.gather(-1, y[:, None]).squeeze(-1), logits.mean(dim=-1)
-                # exp(logits - peak), in place: the softmax's numerators (logsumexp and a second exp
-                # would make two more passes, and hit the slow path exp_ avoids)
+                target_logit = logits.gather(-1, y[:, None]).squeeze(-1)  # (n,)
+                h32 = h.to(acc_dtype)
+                mean_logit = h32 @ weight_mean + bias_mean  # (n,)
+                # exp(logits - peak), in place: the softmax's numerators (exp_ avoids a slow path)
                 numerators = exp_(logits.sub_(peak[:, None]))
-                total = numerators.sum(dim=-1)  # (n,)
+                total = numerators.sum(dim=-1, dtype=acc_dtype)  # (n,)
                 lse = total.log() + peak
                 nll = lse - target_logit
-                uniform = lse - mean_logit
-                loss_sum += ((1 - smoothing) * nll + smoothing * uniform).sum()
+                loss_sum += ((1 - smoothing) * nll + smoothing * (lse - mean_logit)).sum()
                 nll_sum += nll.sum()
-                if grad_hidden is None or grad_weight is None:  # no gradient wanted
+                if grad_hidden is None or grad_weight_t is None:  # no gradient wanted
                     continue
-                # softmax - (1 - ε) onehot - ε / V, built in place in the logits' memory
-                grad = numerators.mul_(total.reciprocal()[:, None]).sub_(smoothing / vocab)
-                grad.scatter_add_(-1, y[:, None], grad.new_full((y.size(0), 1), smoothing - 1))
-                if grad_bias is not None:
-                    grad_bias += grad.sum(dim=0)
-                grad = grad.to(dtype)
-                grad_hidden[start : start + chunk_rows] = grad @ weight_c
-                if grad_weight.dtype == dtype:
-                    grad_weight.addmm_(grad.T, h)
-                else:  # low-precision matmul, float32 accumulation across chunks
-                    grad_weight += grad.T @ h
+                # e' at the targets: exp(z_y - peak) - (1 - ε) s, from the float32 logit (no cancellation in bf16)
+                at_target = exp_(target_logit - peak) - (1 - smoothing) * total
+                numerators.scatter_(-1, y[:, None], at_target[:, None])
+                numerators = numerators.to(dtype)
+                scale = total.reciprocal()[:, None]  # (n, 1)
+                grad_hidden[start : start + chunk_rows] = (numerators @ weight_c).to(acc_dtype).mul_(scale)
+                # (D + 1, n), row-major: the rows' scale on the small side, and once more for the bias
+                scaled_t = torch.cat((h32 * scale, scale), dim=1).T.contiguous().to(dtype)
+                if dtype == acc_dtype:
+                    grad_weight_t.addmm_(scaled_t, numerators)
+                else:  # a low-precision matmul, accumulated across chunks in float32
+                    grad_weight_t += scaled_t @ numerators
+            if grad_hidden is not None:
+                grad_hidden -= smoothing * weight_mean  # the uniform term: (ε / V) * sum_v W_v
+        grad_weight = grad_weight_t[:d_model].T.contiguous() if grad_weight_t is not None else None  # (V, D)
+        grad_bias = grad_weight_t[d_model] if grad_weight_t is not None and bias is not None else None  # (V,)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.mark_non_differentiable(nll_sum)
