@@ -58,10 +58,23 @@ class Dropout(nn.Module):
         return f"p={self.p}"
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm, whose weight meets a bf16 or float16 input under autocast (the residual stream: Embedder; a
+    sandwich norm's sub-layer output) in the input's dtype: torch's fused kernel takes one dtype (LayerNorm's takes
+    a low-precision input with float32 parameters), and its unfused path warns. The statistics are float32 either
+    way; the weight's gradient comes back float32."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight
+        if weight is not None and weight.dtype != x.dtype and x.dtype in (torch.bfloat16, torch.float16):
+            weight = weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 def make_norm(config: TransformerConfig) -> nn.Module:
     if config.norm == "layernorm":
         return nn.LayerNorm(config.d_model, eps=config.norm_eps)
-    return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    return RMSNorm(config.d_model, eps=config.norm_eps)
 
 
 class FeedForward(nn.Module):

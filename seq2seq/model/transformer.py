@@ -57,7 +57,20 @@ def check_length(length: int, *, max_positions: int) -> None:
 
 
 class Embedder(nn.Module):
-    """Token embeddings scaled by √d_model, plus absolute positions when the config uses them."""
+    """Token embeddings scaled by √d_model, plus absolute positions when the config uses them.
+
+    `fp32_under_autocast` False (the default): under bf16 autocast, and where gradients are taken (training),
+    the embeddings are cast to bf16, and with them the residual stream that every layer adds to, the norms'
+    outputs and the gradients that flow back along it. Autocast alone would keep that stream in float32 and cast
+    each linear layer's input to bf16 and its gradient back, two passes over a (B, T, D) tensor per layer and
+    direction; Megatron-LM's bf16 training keeps the stream in bf16 alike. The norms still compute their
+    statistics in float32 (torch's kernels do, from a bf16 input), and the master weights stay float32. Set
+    per model by Transformer.residual_in_fp32_under_autocast (the training option model.fp32_residual). float16
+    autocast keeps a float32 stream (float16's range would overflow it); inference, without gradients, is
+    untouched.
+    """
+
+    fp32_under_autocast = False
 
     def __init__(self, config: TransformerConfig, tokens: nn.Embedding):
         super().__init__()
@@ -77,6 +90,10 @@ class Embedder(nn.Module):
         x = self.tokens(tokens) * self.scale
         if self.positions is not None:
             x = x + self.positions(tokens.size(1), offset=offset)
+        device = x.device.type
+        if (not self.fp32_under_autocast and torch.is_grad_enabled() and torch.is_autocast_enabled(device)
+                and torch.get_autocast_dtype(device) == torch.bfloat16):
+            x = x.to(torch.bfloat16)
         return self.dropout(x)
 
 
@@ -241,6 +258,16 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, MultiHeadAttention):
                 module.fp32_under_autocast = enabled
+
+    def residual_in_fp32_under_autocast(self, *, enabled: bool) -> None:
+        """Whether the residual stream stays float32 under bf16 autocast in training (Embedder.fp32_under_autocast,
+        for the encoder's and the decoder's embeddings; by default it is bf16)."""
+        for embedder in (self.encoder.embed, self.decoder.embed):
+            embedder.fp32_under_autocast = enabled
+
+    def residual_in_fp32(self) -> bool:
+        """Whether the residual stream stays float32 under bf16 autocast (as residual_in_fp32_under_autocast set it)."""
+        return self.encoder.embed.fp32_under_autocast
 
     def attention_in_fp32(self) -> bool:
         """Whether attention runs in float32 under autocast (as attention_in_fp32_under_autocast set it)."""

@@ -40,31 +40,34 @@ def compile_hidden_states(model: Transformer) -> HiddenStates:
 
 
 def compiled_step_pays(config: TransformerConfig, device: torch.device, *, precision: str, max_tokens: int,
-                       fp32_attention: bool) -> Verdict:
+                       fp32_attention: bool, fp32_residual: bool) -> Verdict:
     """Whether the compiled training step (forward, fused loss, backward) runs MARGIN times faster than the eager
     one here, for a model of `config` in Lightning's `precision` ("bf16-mixed", "32-true", ...), with batches of
     `max_tokens` padded positions; timed once per machine and kept."""
     shape = {
         "config": config.to_dict(), "precision": precision, "max_tokens": max_tokens, "fp32_attention": fp32_attention,
+        "fp32_residual": fp32_residual,
         "device": device_name(device) if device.type != "cpu" else "cpu",
     }
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return timed_verdict(
         f"compiled-training-{digest}",
         lambda compiled: step_seconds(config, device, precision=precision, max_tokens=max_tokens,
-                                      fp32_attention=fp32_attention, compiled=compiled),
+                                      fp32_attention=fp32_attention, fp32_residual=fp32_residual,
+                                      compiled=compiled),
         what="the compiled training step", candidates=(True, False), baseline="eager",
     )
 
 
 def step_seconds(config: TransformerConfig, device: torch.device, *, precision: str, max_tokens: int,
-                 fp32_attention: bool, compiled: bool, repeats: int = 3) -> float:
+                 fp32_attention: bool, fp32_residual: bool, compiled: bool, repeats: int = 3) -> float:
     """The fastest of `repeats` training steps (forward, loss, backward: budget.probe_step; no optimiser) of a
     fresh model of `config` on batches of `max_tokens` positions, after two warm-up steps (which compile, when
     `compiled`)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # a seeded run's numbers kept
         model = Transformer(config).to(device).train()
         model.attention_in_fp32_under_autocast(enabled=fp32_attention)
+        model.residual_in_fp32_under_autocast(enabled=fp32_residual)
         hidden_states = compile_hidden_states(model) if compiled else model.hidden_states
 
         def step() -> None:

@@ -67,7 +67,8 @@ def choose_compiled_step(trainer: L.Trainer, model: Transformer, *, setting: boo
     verdict = None
     if trainer.is_global_zero:
         verdict = compiled_step_pays(model.config, trainer.strategy.root_device, precision=str(trainer.precision),
-                                     max_tokens=max_tokens, fp32_attention=model.attention_in_fp32())
+                                     max_tokens=max_tokens, fp32_attention=model.attention_in_fp32(),
+                                     fp32_residual=model.residual_in_fp32())
     compiled = bool(trainer.strategy.broadcast(verdict is not None and verdict.pays))
     if verdict is not None:
         rank_zero_info(f"training step: {'compiled' if compiled else 'eager'} ({verdict.why})")

@@ -111,6 +111,7 @@ class TranslationModule(L.LightningModule):
         init_from: str | None = None,
         compile: bool | Literal["auto"] = "auto",
         tokens_per_update: int | None = None,
+        fp32_residual: bool = False,
     ):
         """
         Args:
@@ -138,6 +139,9 @@ class TranslationModule(L.LightningModule):
             tokens_per_update: padded positions an update sums over all devices: batches are accumulated
                 (trainer.accumulate_grad_batches, then not to be given) until it is reached, with data.max_tokens
                 as resolved (auto: the GPU's largest, which is then capped at this over the devices).
+            fp32_residual: under bf16-mixed precision, keep the residual stream (and the norms' outputs) in float32
+                as autocast alone does, rather than in bf16 (the default: Megatron-LM's choice, and fewer casts;
+                model/transformer.py's Embedder; docs/results/training-speed.md#bf16-residual has what it is worth).
         """
         super().__init__()
         if compile not in (True, False, "auto"):
@@ -145,6 +149,8 @@ class TranslationModule(L.LightningModule):
         if tokens_per_update is not None and (isinstance(tokens_per_update, bool) or not isinstance(tokens_per_update, int)
                                               or tokens_per_update < 1):
             raise ConfigError("model.tokens_per_update", f"must be a positive number of positions, got {tokens_per_update!r}")
+        if not isinstance(fp32_residual, bool):
+            raise ConfigError("model.fp32_residual", f"must be true or false, got {fp32_residual!r}")
         check_hyperparameters(val_search=val_search, label_smoothing=label_smoothing,
                               lr=lr, lr_schedule=lr_schedule, warmup_steps=warmup_steps, weight_decay=weight_decay,
                               adam_betas=adam_betas, adam_eps=adam_eps)
@@ -160,6 +166,7 @@ class TranslationModule(L.LightningModule):
             self.hparams["init_from"] = str(Path(init_from).resolve())
         self.config, self.val_search = transformer, val_search
         self.model = Transformer(transformer)
+        self.model.residual_in_fp32_under_autocast(enabled=fp32_residual)
         if pretrained is not None:
             self.model.load_state_dict(pretrained.weights)  # names and shapes checked against the same shapes
         self.tokenizer: Tokenizer | None = None  # taken from the data module in setup()

@@ -446,6 +446,56 @@ def test_every_combination_trains(placement, positions, activation, norm):
     assert model.encoder.layers[0].ffn.w_in.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("placement,positions,norm", MASK_COMBINATIONS)
+def test_the_residual_stream_under_bf16_autocast(placement, positions, norm):
+    """Under bf16 autocast with gradients (training) the residual stream is bf16 by default (every layer's output, the
+    decoder's last hidden states), float32 with residual_in_fp32_under_autocast. Loss and gradients stay as close to
+    the float64 computation as autocast's own (float32 stream, bf16 matmuls) are, within twice its error and 1% (the
+    same rounding of the same matmuls dominates both). Without gradients (inference), and under float16 autocast,
+    the stream stays float32."""
+    model = tiny_model(norm_placement=placement, positions=positions, norm=norm).train()
+    gen = torch.Generator().manual_seed(5)
+    src = pad_rows(random_tokens(3, 7, generator=gen), [7, 4, 6])
+    tgt_in = pad_rows(random_tokens(3, 6, generator=gen), [6, 3, 5])
+    tgt_out = pad_rows(random_tokens(3, 6, generator=gen), [6, 3, 5])
+    seen: list[torch.dtype] = []
+    hooks = [layer.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+             for layer in (*model.encoder.layers, *model.decoder.layers)]
+
+    def loss_and_grads(dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        with torch.random.fork_rng(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss, _, tokens = training_loss(model, src=src, tgt_in=tgt_in, tgt_out=tgt_out, smoothing=0.1)
+        (loss / tokens).backward()
+        return loss.detach().double(), torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+    errors = {}
+    for fp32_residual in (False, True):
+        model.residual_in_fp32_under_autocast(enabled=fp32_residual)
+        assert model.residual_in_fp32() is fp32_residual
+        errors[fp32_residual] = loss_and_grads(torch.bfloat16)
+        assert seen and set(seen) == {torch.float32 if fp32_residual else torch.bfloat16}
+    model.residual_in_fp32_under_autocast(enabled=False)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        seen.clear()
+        assert model.hidden_states(src, tgt_in).dtype == torch.float32
+        assert set(seen) == {torch.float32}
+    with torch.autocast("cpu", dtype=torch.float16):
+        seen.clear()
+        model.hidden_states(src, tgt_in)
+        assert set(seen) == {torch.float32}
+    for hook in hooks:
+        hook.remove()
+    model.double()
+    ref_loss, ref_grad = loss_and_grads(None)
+    (bf16_loss, bf16_grad), (fp32_loss, fp32_grad) = errors[False], errors[True]
+    for loss, grad in ((bf16_loss, bf16_grad), (fp32_loss, fp32_grad)):
+        torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=0)
+    bf16_error, fp32_error = ((grad - ref_grad).norm() / ref_grad.norm() for grad in (bf16_grad, fp32_grad))
+    assert bf16_error <= fp32_error + 0.1, f"gradient error {bf16_error:.3g} against autocast's {fp32_error:.3g}"
+
+
 def closed_form_parameter_count(*, vocab: int, d: int, d_ff: int, enc: int, dec: int, gated: bool, tie: str) -> int:
     attention = 4 * (d * d + d)
     ffn = d * d_ff * (2 if gated else 1) + d_ff * (2 if gated else 1) + d_ff * d + d

@@ -76,22 +76,26 @@ def test_the_verdict_is_timed_once_per_machine_and_shape_and_kept(monkeypatch: p
     Another precision or token budget is another shape, timed anew."""
     timed = []
 
-    def seconds(config, device, *, precision, max_tokens, fp32_attention, compiled):
-        timed.append((precision, max_tokens, compiled))
+    def seconds(config, device, *, precision, max_tokens, fp32_attention, fp32_residual, compiled):
+        timed.append((precision, max_tokens, fp32_residual, compiled))
         return 1.0 if compiled else 1.5  # 1.5x: over the 1.25x asked
 
     monkeypatch.setattr(compiled_module, "step_seconds", seconds)
     config = TransformerConfig(**TINY)
     cpu = torch.device("cpu")
-    verdict = compiled_step_pays(config, cpu, precision="bf16-mixed", max_tokens=4096, fp32_attention=True)
+    verdict = compiled_step_pays(config, cpu, precision="bf16-mixed", max_tokens=4096, fp32_attention=True,
+                                 fp32_residual=False)
     assert verdict.pays and "1.5x the speed of eager" in verdict.why
-    assert timed == [("bf16-mixed", 4096, True), ("bf16-mixed", 4096, False)]
-    again = compiled_step_pays(config, cpu, precision="bf16-mixed", max_tokens=4096, fp32_attention=True)
+    assert timed == [("bf16-mixed", 4096, False, True), ("bf16-mixed", 4096, False, False)]
+    again = compiled_step_pays(config, cpu, precision="bf16-mixed", max_tokens=4096, fp32_attention=True,
+                               fp32_residual=False)
     assert again == verdict and len(timed) == 2  # kept: not timed again
     kept = verdict.why.rsplit("kept in ", 1)[1]
     assert json.loads(open(kept, encoding="utf-8").read())["bf16"] is True
-    compiled_step_pays(config, cpu, precision="32-true", max_tokens=4096, fp32_attention=False)
+    compiled_step_pays(config, cpu, precision="32-true", max_tokens=4096, fp32_attention=False, fp32_residual=False)
     assert len(timed) == 4
+    compiled_step_pays(config, cpu, precision="bf16-mixed", max_tokens=4096, fp32_attention=True, fp32_residual=True)
+    assert timed[4:] == [("bf16-mixed", 4096, True, True), ("bf16-mixed", 4096, True, False)]  # another step
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.e2e)])
@@ -102,6 +106,6 @@ def test_step_seconds_times_a_real_step(compiled: bool):
     before = torch.rand(3)
     torch.manual_seed(3)
     seconds = compiled_module.step_seconds(config, torch.device("cpu"), precision="32-true", max_tokens=256,
-                                           fp32_attention=False, compiled=compiled, repeats=1)
+                                           fp32_attention=False, fp32_residual=False, compiled=compiled, repeats=1)
     assert 0 < seconds < 60
     assert torch.equal(torch.rand(3), before)

@@ -202,8 +202,8 @@ def test_the_compiled_step_is_chosen_by_its_verdict(setting, pays: bool, compile
     and trains through it where it does; false never asks. The compile itself is tested in test_compiled_training.py."""
     asked, compiles = [], []
 
-    def verdict(config, device, *, precision, max_tokens, fp32_attention):
-        asked.append((device.type, precision, max_tokens, fp32_attention))
+    def verdict(config, device, *, precision, max_tokens, fp32_attention, fp32_residual):
+        asked.append((device.type, precision, max_tokens, fp32_attention, fp32_residual))
         return Verdict(pays, "pretended")
 
     def compile_hidden_states(model):
@@ -213,7 +213,7 @@ def test_the_compiled_step_is_chosen_by_its_verdict(setting, pays: bool, compile
     monkeypatch.setattr("seq2seq.training.machine.compiled_step_pays", verdict)
     monkeypatch.setattr("seq2seq.training.module.compile_hidden_states", compile_hidden_states)
     module, _ = tiny_training(tmp_path, module_options={"compile": setting})
-    assert asked == ([("cpu", "32-true", 256, False)] if setting == "auto" else [])
+    assert asked == ([("cpu", "32-true", 256, False, False)] if setting == "auto" else [])
     assert compiles == ([module.model] if compiled else [])
 
 
@@ -326,6 +326,16 @@ def test_a_diverged_step_is_skipped_on_the_device_and_stops_the_run_at_the_next_
 def test_a_bad_compile_setting_names_the_key():
     with pytest.raises(ConfigError, match="^model.compile: must be true, false or auto, got 'yes'"):
         TranslationModule(transformer=SMALL, compile="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fp32_residual", [False, True])
+def test_the_residual_stream_s_precision_is_the_module_s_option(fp32_residual: bool):
+    """model.fp32_residual reaches the model (bf16 by default under bf16 autocast: tests/model/test_model.py), and is
+    kept in the checkpoint's hyperparameters so that a resume computes alike."""
+    module = TranslationModule(transformer=SMALL, fp32_residual=fp32_residual)
+    assert module.model.residual_in_fp32() is fp32_residual and module.hparams["fp32_residual"] is fp32_residual
+    with pytest.raises(ConfigError, match="^model.fp32_residual: must be true or false, got 'no'"):
+        TranslationModule(transformer=SMALL, fp32_residual="no")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("device,fused", [("cpu", True), ("cuda", True), ("mps", False), ("meta", False)])
