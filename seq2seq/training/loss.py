@@ -94,8 +94,9 @@ class _LinearLabelSmoothedNLL(torch.autograd.Function):
     and under autocast the logits' casts to float32 and back.
 
     The weight's gradient is accumulated transposed, (D, V) += (r * h)^T @ e': both matmul operands are then
-    row-major (a bf16 GEMM whose left operand is transposed, G^T @ h, runs at half the rate on oneDNN's AMX
-    kernels); one more row of r gives the bias's gradient in the same matmul.
+    row-major (oneDNN runs a bf16 GEMM whose left operand is transposed, G^T @ h, well below its rate: it copies
+    that operand into its own layout first; docs/results/training-speed.md#bf16-2026-12-03); one more row of r gives
+    the bias's gradient in the same matmul.
 
     Under autocast the matmuls run in the autocast dtype and the softmax in float32 (on a CPU, bf16's exp,
     sum and max run slower than float32's, and a bf16 log-softmax would lose the small probabilities).

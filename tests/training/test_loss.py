@@ -83,17 +83,29 @@ def test_fused_loss_without_grad_and_without_rows():
     assert loss == 0 and nll == 0 and weight.grad.abs().sum() == 0
 
 
-def test_fused_loss_under_bf16_autocast():
-    """Matmuls in bf16, softmax in float32: close to the float32 result, gradients in the inputs' dtypes."""
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_loss_under_bf16_autocast(with_bias: bool):
+    """Matmuls in bf16, softmax in float32: close to the float32 result (a bias's gradient too, which comes out of
+    the weight's transposed matmul), gradients in the inputs' dtypes."""
     hidden, weight, target = random_problem(300, d_model=64, vocab=500, dtype=torch.float32)
+    bias = torch.randn(500, requires_grad=True) if with_bias else None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, nll = linear_label_smoothed_nll(hidden, weight, target, smoothing=0.1, chunk_rows=64)
+        loss, nll = linear_label_smoothed_nll(hidden, weight, target, bias=bias, smoothing=0.1, chunk_rows=64)
     loss.backward()
-    ref_loss, ref_nll, ref_grad_hidden, ref_grad_weight = reference(hidden, weight, target, 0.1)
+    ref_hidden, ref_weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    ref_bias = bias.detach().requires_grad_() if bias is not None else None
+    logits = ref_hidden @ ref_weight.T + (ref_bias if ref_bias is not None else 0.0)
+    ref_loss = F.cross_entropy(logits, target, label_smoothing=0.1, reduction="sum")
+    ref_nll = F.cross_entropy(logits.detach(), target, reduction="sum")
+    ref_loss.backward()
     assert loss.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.float32
-    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=0)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=2e-2, atol=0)
     torch.testing.assert_close(nll, ref_nll, rtol=2e-2, atol=0)
-    for grad, ref in ((hidden.grad, ref_grad_hidden), (weight.grad, ref_grad_weight)):
+    pairs = [(hidden.grad, ref_hidden.grad), (weight.grad, ref_weight.grad)]
+    if bias is not None:
+        assert bias.grad.dtype == torch.float32
+        pairs.append((bias.grad, ref_bias.grad))
+    for grad, ref in pairs:
         assert (grad - ref).norm() <= 3e-2 * ref.norm()
 
 
