@@ -65,7 +65,7 @@ class RMSNorm(nn.RMSNorm):
     way; the weight's gradient comes back float32."""
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = self.weight
+        weight: Tensor | None = self.weight
         if weight is not None and weight.dtype != x.dtype and x.dtype in (torch.bfloat16, torch.float16):
             weight = weight.to(x.dtype)
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
