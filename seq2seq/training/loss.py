@@ -114,6 +114,7 @@ class _LinearLabelSmoothedNLL(torch.autograd.Function):
         uniform = smoothing / vocab
         with torch.autocast(device, enabled=False):
             hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
+            hidden32 = hidden_c.to(acc_dtype)  # (N, D): the rows the matmuls see, for the float32 side
             bias_c = bias.to(acc_dtype) if bias is not None else None  # (V,), added in float32
             # mean_v(z) = h . mean_v(W) + mean(b), in float32, without a pass over the logits
             weight_mean = weight.to(acc_dtype).mean(dim=0)  # (D,)
@@ -125,7 +126,7 @@ class _LinearLabelSmoothedNLL(torch.autograd.Function):
             grad_weight_t = None
             if needs_grad:
                 grad_weight_t = torch.empty((d_model + 1, vocab), dtype=acc_dtype, device=hidden.device)
-                grad_weight_t[:d_model] = (-uniform * hidden.to(acc_dtype).sum(dim=0))[:, None]
+                grad_weight_t[:d_model] = (-uniform * hidden32.sum(dim=0))[:, None]
                 grad_weight_t[d_model] = -uniform * rows
             for start in range(0, rows, chunk_rows):
                 h, y = hidden_c[start : start + chunk_rows], target[start : start + chunk_rows]  # (n, D), (n,)
@@ -134,7 +135,7 @@ class _LinearLabelSmoothedNLL(torch.autograd.Function):
                     logits += bias_c
                 peak = logits.amax(dim=-1)  # (n,)
                 target_logit = logits.gather(-1, y[:, None]).squeeze(-1)  # (n,)
-                h32 = h.to(acc_dtype)
+                h32 = hidden32[start : start + chunk_rows]  # (n, D)
                 mean_logit = h32 @ weight_mean + bias_mean  # (n,)
                 # exp(logits - peak), in place: the softmax's numerators (exp_ avoids a slow path)
                 numerators = exp_(logits.sub_(peak[:, None]))
