@@ -21,6 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_throughput as tt  # noqa: E402  # (this folder's: the same model and batches)
 
+from seq2seq.model.attention import MultiHeadAttention  # noqa: E402
+from seq2seq.model.layers import Dropout  # noqa: E402
 from seq2seq.precision import tune_process_memory  # noqa: E402
 
 
@@ -43,9 +45,9 @@ def main() -> None:
         model = tt.ours(d_model=256, num_heads=4, d_ff=1024, layers=3, vocab=8000, norm_placement="pre")
         if args.no_dropout:
             for module in model.modules():
-                if hasattr(module, "attention_dropout"):
+                if isinstance(module, MultiHeadAttention):
                     module.attention_dropout = 0.0
-                elif type(module).__name__ == "Dropout":
+                elif isinstance(module, Dropout):
                     module.p = 0.0
         model.attention_in_fp32_under_autocast(enabled=True)  # as `auto` chose on the AMX Xeon measured
         hidden_states = None
