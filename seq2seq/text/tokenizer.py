@@ -323,6 +323,17 @@ class Tokenizer:
             out = [w if w < word else word - 1 for w in out]
         return out
 
+    def is_ordinary(self, i: int) -> bool:
+        """Whether piece `i` is one that text splits into by merges: not a control symbol (a tag, pad, bos, eos),
+        <unk>, an unused piece or a byte of byte fallback. (A joint model's; a Marian pair's pieces: False.)"""
+        sp = self._sp
+        return self._vocabulary is None and not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)
+                                                 or sp.is_byte(i))
+
+    def score(self, i: int) -> float:
+        """Piece `i`'s score in a joint model: for BPE, the earlier its merge was learnt, the higher."""
+        return self._sp.get_score(i)
+
     def pieces(self) -> list[str]:
         """Every piece, in id order (what another engine's vocabulary file lists)."""
         if self._vocabulary is not None:

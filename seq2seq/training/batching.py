@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,6 +38,9 @@ class TokenBatchSampler:
     by repeating its first batches. The batch count may differ slightly between epochs (windows
     pack differently); Lightning reads `len` once, at the first epoch.
 
+    With `epoch_sizes` (BPE-dropout: a pair's pieces, so its size, change by epoch), training batches are planned
+    on epoch e's sizes and yielded as (e, row) keys.
+
     Resumable: `state_dict` is (epoch, batches already trained on this epoch); after
     `load_state_dict` the next iteration yields the rest of that epoch, the same batches in the same
     order as a run that never stopped (ResumableLoader in training/data.py says who counts the batches).
@@ -55,12 +58,15 @@ class TokenBatchSampler:
         world_size: int = 1,
         groups: np.ndarray | None = None,  # (N,) each pair's direction, an index into shares
         shares: np.ndarray | None = None,  # (directions,) each direction's share of an epoch's pairs
+        epoch_sizes: Callable[[int], np.ndarray] | None = None,  # epoch -> (N,) sizes, where pieces change by epoch
     ) -> None:
         if len(sizes) and int(sizes.max()) > max_tokens:
             raise ValueError(f"a pair needs {int(sizes.max())} positions but max_tokens is {max_tokens}")
         if (groups is None) != (shares is None) or (groups is not None and len(groups) != len(sizes)):
             raise ValueError("groups (one a pair) and shares (one a group) go together")
-        self.groups, self.shares = groups, shares
+        if epoch_sizes is not None and not shuffle:
+            raise ValueError("epoch_sizes (pieces that change by epoch) are for training batches (shuffle)")
+        self.groups, self.shares, self.epoch_sizes = groups, shares, epoch_sizes
         self.sizes, self.max_tokens, self.shuffle = np.asarray(sizes), max_tokens, shuffle
         self.shuffle_window, self.seed, self.rank, self.world_size = shuffle_window, seed, rank, world_size
         self.epoch = 0
@@ -77,11 +83,14 @@ class TokenBatchSampler:
         if epoch != self.epoch:
             self.epoch, self._skip = epoch, 0
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[int] | list[tuple[int, int]]]:
+        """Each batch's rows; with epoch_sizes, (epoch, row) keys, which training/resplit.py's dataset reads (the
+        epoch travels with the rows: a loader worker has no other way to learn it)."""
         skip, self._skip = self._skip, 0  # only the first iteration after a resume skips
-        plan = self._plan()  # made here, at the first `next` (a generator)
+        plan, epoch = self._plan(), self.epoch  # made here, at the first `next` (a generator)
         for start, end in zip(plan.starts[skip:].tolist(), plan.ends[skip:].tolist(), strict=True):
-            yield plan.rows[start:end].tolist()
+            rows = plan.rows[start:end].tolist()
+            yield rows if self.epoch_sizes is None else [(epoch, row) for row in rows]
 
     def state_dict(self, *, batches_done: int) -> dict[str, Any]:
         return {"epoch": self.epoch, "batches_done": batches_done, **self._order()}
@@ -92,6 +101,8 @@ class TokenBatchSampler:
                                  "shuffle_window": self.shuffle_window, "pairs": len(self.sizes)}
         if self.shares is not None:
             order["shares"] = [round(float(share), 9) for share in self.shares]
+        if self.epoch_sizes is not None:
+            order["resplit"] = True  # (BPE-dropout on)
         return order
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -123,17 +134,21 @@ class TokenBatchSampler:
             rows = np.argsort(self.sizes, kind="stable")
             starts = _pack(self.sizes[rows], self.max_tokens)
             return Plan(_compact(rows), starts[:-1], starts[1:])
+        sizes = self.sizes if self.epoch_sizes is None else np.asarray(self.epoch_sizes(self.epoch))
+        if self.epoch_sizes is not None and (len(sizes) != len(self.sizes) or int(sizes.max(initial=0)) > self.max_tokens):
+            raise ValueError(f"epoch {self.epoch}'s sizes: {len(sizes)} pairs (of {len(self.sizes)}), the largest "
+                             f"{int(sizes.max(initial=0))} positions (max_tokens {self.max_tokens})")
         rng = np.random.default_rng([self.seed, self.epoch])
         if self.groups is None or self.shares is None:
-            order = rng.permutation(len(self.sizes))
+            order = rng.permutation(len(sizes))
         else:
             order = epoch_rows(self.groups, shares=self.shares, rng=rng)
         windows, cuts = [], []
         for start in range(0, len(order), self.shuffle_window):
             window = order[start : start + self.shuffle_window]
-            window = window[np.argsort(self.sizes[window], kind="stable")]
+            window = window[np.argsort(sizes[window], kind="stable")]
             windows.append(window)
-            cuts.append(start + _pack(self.sizes[window], self.max_tokens))
+            cuts.append(start + _pack(sizes[window], self.max_tokens))
         rows = np.concatenate(windows) if windows else order
         starts = np.concatenate([c[:-1] for c in cuts]) if cuts else np.zeros(0, dtype=np.int64)
         ends = np.concatenate([c[1:] for c in cuts]) if cuts else np.zeros(0, dtype=np.int64)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from seq2seq.text.bpe_dropout import Resegmenter
 from seq2seq.text.tokenizer import TARGET_TAGS, Tokenizer, TokenizerFileError
 from seq2seq.training.batching import TokenBatchSampler, collate
 from seq2seq.training.budget import CPU_MAX_TOKENS
@@ -60,6 +61,7 @@ from seq2seq.training.corpus import (
 )
 from seq2seq.training.directions import Direction, check_directions, sampling_shares, shares_report
 from seq2seq.training.pretrained import load_pretrained
+from seq2seq.training.resplit import ResplitPairs
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ class TranslationDataModule(L.LightningDataModule):
         max_tokens_per_sentence: int = 256,
         max_length_ratio: float = 3.0,
         max_tokens: int | Literal["auto"] = 4096,
+        bpe_dropout: float = 0.0,
         shuffle_window: int = 100_000,
         seed: int = 0,
         num_workers: int = 0,
@@ -159,6 +162,9 @@ class TranslationDataModule(L.LightningDataModule):
             max_tokens: a batch's budget of padded positions, B * max(len(src), len(tgt) + 1), per device; `auto`:
                 on a GPU the largest whose training step fits its memory (measured as training starts, kept by a
                 resume: training/budget.py), on a CPU 4,096.
+            bpe_dropout: BPE-dropout's probability (Provilkov et al. 2020; 0.1 in the paper): each epoch splits the
+                training pairs' words into smaller pieces of the vocabulary, each merge skipped with this probability
+                (text/bpe_dropout.py); 0, the default: the tokenizer's own pieces. Needs a BPE tokenizer trained here.
             shuffle_window: pairs sorted by length together; larger packs tighter, smaller mixes more.
             seed: epoch e's training order comes from (seed, e).
             num_workers: DataLoader worker processes.
@@ -198,6 +204,9 @@ class TranslationDataModule(L.LightningDataModule):
                 f"max_tokens={max_tokens} cannot hold one pair of max_tokens_per_sentence="
                 f"{max_tokens_per_sentence} tokens (+1 for BOS/EOS); raise max_tokens or lower the other"
             )
+        if isinstance(bpe_dropout, bool) or not isinstance(bpe_dropout, int | float) or not 0 <= bpe_dropout < 1:
+            raise DataError(f"data.bpe_dropout is {bpe_dropout!r}: give a probability from 0 (off) up to, not "
+                            "including, 1; 0.1 is the paper's")
         # Every argument, by name, in self.hparams (and so in checkpoints): the methods read them there.
         # Copied to attributes only where other code reads them so: module.py (the languages), fit.py.
         self.save_hyperparameters(ignore=["directions"])
@@ -212,6 +221,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.datasets: dict[str, datasets.Dataset] = {}  # "train"/"valid"/"test": tokenised, filtered
         self.sizes: dict[str, np.ndarray] = {}  # (N,) padded positions of each pair in `datasets`
         self.groups: dict[str, np.ndarray] = {}  # (N,) each pair's index in `directions` (several directions)
+        self.resplit: ResplitPairs | None = None  # the training pairs' pieces by epoch, under BPE-dropout
         self.reported: set[str] = set()  # splits whose counts were shown (prepare_data, then setup, build each)
 
     # ---- the tokenizer --------------------------------------------------------------------------
@@ -427,6 +437,22 @@ class TranslationDataModule(L.LightningDataModule):
         for split in {"fit": fit, "validate": ["valid"], "test": ["test"]}.get(stage, []):
             if split not in self.datasets:
                 self.datasets[split], self.sizes[split], self.groups[split] = self._build(split)
+        if stage == "fit" and self.hparams["bpe_dropout"] > 0 and self.resplit is None:
+            self.resplit = self._resplit()
+
+    def _resplit(self) -> ResplitPairs:
+        """The training pairs' BPE-dropout pieces (pools drawn once per run: seconds on Multi30k)."""
+        started, tokenizer, train = time.perf_counter(), self.load_tokenizer(), self.datasets["train"]
+        common = {"tokenizer": tokenizer, "p": self.hparams["bpe_dropout"], "max_len": self.max_tokens_per_sentence}
+        try:
+            src = Resegmenter(train["src_ids"], seed=self.hparams["seed"], **common)
+            tgt = Resegmenter(train["tgt_ids"], seed=self.hparams["seed"] + 1, **common)
+        except ValueError as error:
+            raise DataError(f"data.bpe_dropout: {error}") from None
+        info(f"BPE-dropout {self.hparams['bpe_dropout']}: {src.word_types} source and {tgt.word_types} target word "
+             f"types, {src.pool_entries + tgt.pool_entries} segmentations drawn in "
+             f"{time.perf_counter() - started:.1f} s")
+        return ResplitPairs(src=src, tgt=tgt)
 
     # ---- loaders --------------------------------------------------------------------------------
 
@@ -442,6 +468,8 @@ class TranslationDataModule(L.LightningDataModule):
         shares = sampling_shares(np.bincount(self.groups[split], minlength=len(self.directions)).tolist(),
                                  weights=[d.weight for d in self.directions], temperature=hp["temperature"],
                                  ) if self.directions is not None and split == "train" else None
+        # (under BPE-dropout the training pairs are read by epoch: the sampler yields (epoch, row) keys for them)
+        pairs = self.resplit if split == "train" and self.resplit is not None else self.datasets[split]
         sampler = TokenBatchSampler(
             self.sizes[split],
             max_tokens=self.max_tokens or CPU_MAX_TOKENS,
@@ -452,6 +480,7 @@ class TranslationDataModule(L.LightningDataModule):
             world_size=world_size,
             groups=self.groups[split] if shares is not None else None,
             shares=shares,
+            epoch_sizes=pairs.sizes if isinstance(pairs, ResplitPairs) else None,
         )
         kwargs: dict[str, Any] = {
             "batch_sampler": sampler,
@@ -479,8 +508,8 @@ class TranslationDataModule(L.LightningDataModule):
             # worker processes start fetching at iter(), before Lightning calls set_epoch.
             sampler.set_epoch(_loop_progress(self.trainer, "epochs"))
             batches_done = partial(_loop_progress, self.trainer, "batches")
-            return ResumableLoader(self.datasets[split], batches_done=batches_done, **kwargs)
-        return DataLoader(self.datasets[split], **kwargs)
+            return ResumableLoader(pairs, batches_done=batches_done, **kwargs)
+        return DataLoader(pairs, **kwargs)
 
     def use_max_tokens(self, max_tokens: int) -> None:
         """The budget `max_tokens: auto` resolved to (training/budget.py), before any loader is built."""
