@@ -70,8 +70,12 @@ class Resegmenter:
         self.p, self.seed, self.max_len = p, seed, max_len
         pieces = tokenizer.pieces()
         ordinary = np.array([tokenizer.is_ordinary(i) for i in range(len(pieces))])
-        # Merge ranks from the scores: sentencepiece scores BPE pieces by training order, the first merge highest.
+        # Merge ranks from the scores: sentencepiece scores a BPE model's pieces -0, -1, -2, ... in the order they
+        # were learnt, the first merge highest; a unigram model's are log-probabilities.
         scores = [tokenizer.score(i) for i in range(len(pieces))]
+        if not all(float(scores[i]).is_integer() for i in range(len(pieces)) if ordinary[i]):
+            raise ValueError("the tokenizer's pieces are not scored in BPE's merge order (a unigram model?): "
+                             "BPE-dropout needs a BPE tokenizer (tokenizer_model_type: bpe)")
         order = sorted((i for i in range(len(pieces)) if ordinary[i] and len(pieces[i]) > 1), key=lambda i: -scores[i])
         ranks = {pieces[i]: rank for rank, i in enumerate(order)}
         index = {pieces[i]: i for i in range(len(pieces)) if ordinary[i]}
@@ -122,6 +126,7 @@ class Resegmenter:
         if types and differing > len(types) // 2:
             raise ValueError(f"{differing} of {len(types)} word types do not split into the tokenizer's own pieces "
                              "by BPE merges: BPE-dropout needs a BPE tokenizer (tokenizer_model_type: bpe)")
+        self.mismatched = differing  # word types the merges split otherwise than the tokenizer: kept whole
         self.pool_ids = np.array(pool_ids, dtype=np.int64)
         self.pool_starts, self.pool_lens = np.array(pool_starts, np.int64), np.array(pool_lens, np.int64)
         self.word_types = len(types)

@@ -107,7 +107,9 @@ class TokenBatchSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` left off; a finished epoch continues with the next one."""
-        changed = [f"{key} {state.get(key)} -> {value}" for key, value in self._order().items() if state.get(key) != value]
+        order = self._order()
+        keys = [*order, *(key for key in state if key not in order and key not in ("epoch", "batches_done"))]
+        changed = [f"{key} {state.get(key)} -> {order.get(key)}" for key in keys if state.get(key) != order.get(key)]
         if changed:
             warnings.warn(f"the data order changed since the checkpoint ({', '.join(changed)}): training goes on, "
                           "but not on the batches the first run would have seen", stacklevel=2)

@@ -573,12 +573,14 @@ def batch_log(root: Path) -> list[dict]:
 
 
 @pytest.mark.e2e  # (make e2e: three runs, one killed; make test: test_resume_continues_step_and_schedule)
-def test_a_run_killed_and_resumed_trains_exactly_as_one_that_never_stopped(tmp_path: Path):
+@pytest.mark.parametrize("options", [(), ("--data.bpe_dropout=0.1",)], ids=["plain", "bpe-dropout"])
+def test_a_run_killed_and_resumed_trains_exactly_as_one_that_never_stopped(tmp_path: Path, options: tuple[str, ...]):
     """kill -9 mid-epoch, and again right after an epoch ended; `--ckpt_path last` each time. The batches
-    (which and in what order), the dropout masks, optimiser, schedule and EMA weights all continue: the
-    final weights are bitwise equal to those of a run that never stopped (one thread in both)."""
+    (which and in what order, and under BPE-dropout in which pieces), the dropout masks, optimiser, schedule and
+    EMA weights all continue: the final weights are bitwise equal to those of a run that never stopped (one
+    thread in both)."""
     whole = tmp_path / "whole"
-    result = fit_subprocess(resume_run(whole))
+    result = fit_subprocess(resume_run(whole), *options)
     assert result.returncode == 0, result.stderr[-3000:]
     unbroken = batch_log(whole)
     epoch_ends = [r["step"] for r, after in zip(unbroken, unbroken[1:], strict=False) if after["epoch"] != r["epoch"]]
@@ -589,18 +591,19 @@ def test_a_run_killed_and_resumed_trains_exactly_as_one_that_never_stopped(tmp_p
     # workers fetch ahead from iter() on, before Lightning sets the epoch.
     broken, first_epoch = tmp_path / "broken", epoch_ends[0] + 1
     config = resume_run(broken, every=first_epoch, tokenizer=whole / "spm.model")
-    result = fit_subprocess(config, "--trainer.callbacks+=resume_probe.KillAt", f"--trainer.callbacks.step={first_epoch + 2}")
+    result = fit_subprocess(config, *options, "--trainer.callbacks+=resume_probe.KillAt",
+                            f"--trainer.callbacks.step={first_epoch + 2}")
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     config = resume_run(broken, every=4)
     mid_epoch = 4 * (first_epoch // 4 + 2)
     assert mid_epoch not in (first_epoch, 2 * first_epoch) and mid_epoch < 28
     # Returns once nothing holds its output pipes: a loader worker that outlived the killed run (a fork
     # server's child, which torch's parent watchdog does not see die) held them until the timeout.
-    result = fit_subprocess(config, "--ckpt_path", "last", "--data.num_workers=1",
+    result = fit_subprocess(config, *options, "--ckpt_path", "last", "--data.num_workers=1",
                             "--trainer.callbacks+=resume_probe.KillAt", f"--trainer.callbacks.step={mid_epoch + 2}",
                             timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
-    result = fit_subprocess(config, "--ckpt_path", "last", "--data.num_workers=1")
+    result = fit_subprocess(config, *options, "--ckpt_path", "last", "--data.num_workers=1")
     assert result.returncode == 0, result.stderr[-3000:]
 
     # What each update trained on: the last record of each step (a killed run's later ones were redone).
