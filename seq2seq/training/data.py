@@ -503,6 +503,13 @@ class TranslationDataModule(L.LightningDataModule):
             # run left its workers and the fork server running for good. Workers persist, so the
             # start (imports, the dataset pickled) is paid once per run.
             kwargs["multiprocessing_context"] = "spawn"
+        if isinstance(pairs, ResplitPairs) and self.trainer is not None and \
+                getattr(self.trainer, "reload_dataloaders_every_n_epochs", 0) != 1:  # (set by Lightning, untyped)
+            # (Lightning reads a loader's length once per build: it validates after batch len(loader) of an
+            # epoch and ends the epoch there, but under BPE-dropout the epochs differ in length)
+            raise DataError("data.bpe_dropout needs the training loader built each epoch, whose number of batches "
+                            "is its own: give the Trainer reload_dataloaders_every_n_epochs=1 (python -m seq2seq.fit "
+                            "does)")
         if split == "train" and self.trainer is not None:
             # The epoch the loop will train next (restored on a resume), before Lightning's first iter():
             # worker processes start fetching at iter(), before Lightning calls set_epoch.

@@ -159,6 +159,12 @@ class TranslationCLI(LightningCLI):
             check_fine_tuning_data(self.config["data"], init_from=self.config["model"]["init_from"],
                                    given_fields=self.given_fields["data"])
         check_accelerator(self.config["trainer"]["accelerator"])
+        if (self.config["data"].get("bpe_dropout") or 0) > 0 and not self.config["trainer"].get(
+                "reload_dataloaders_every_n_epochs"):
+            # Under BPE-dropout each epoch has its own number of batches, and Lightning reads a loader's length
+            # once: it would validate only after an epoch as long as the first, and cut longer ones short.
+            # Building the training loader each epoch makes it read each epoch's length.
+            self.config["trainer"]["reload_dataloaders_every_n_epochs"] = 1
 
 
 def check_model_section(model: Any, *, given_fields: Collection[str]) -> None:

@@ -3,6 +3,7 @@
 from collections import Counter
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -26,9 +27,11 @@ def test_the_sampler_plans_each_epoch_on_its_sizes_and_resumes_the_same_batches(
     for epoch in (0, 1):
         whole.set_epoch(epoch)
         batches = list(whole)
-        assert {e for batch in batches for e, _ in batch} == {epoch}
-        assert Counter(row for batch in batches for _, row in batch) == Counter(range(500))  # every pair once
-        for batch in batches:
+        keys = [[key for key in batch if isinstance(key, tuple)] for batch in batches]
+        assert [len(k) for k in keys] == [len(b) for b in batches]  # (epoch, row) keys
+        assert {e for batch in keys for e, _ in batch} == {epoch}
+        assert Counter(row for batch in keys for _, row in batch) == Counter(range(500))  # every pair once
+        for batch in keys:
             assert len(batch) * max(sizes(epoch)[row] for _, row in batch) <= 256  # the epoch's sizes, not base
     whole.set_epoch(1)
     unbroken = list(whole)
@@ -66,6 +69,7 @@ def module(pairs: dict, tokenizer_path: str, **kwargs) -> TranslationDataModule:
 
 def epoch_batches(dm: TranslationDataModule, epoch: int, limit: int | None = None) -> list[dict]:
     loader = dm.train_dataloader()
+    assert isinstance(loader.batch_sampler, TokenBatchSampler)
     loader.batch_sampler.set_epoch(epoch)
     out = []
     for batch in loader:
@@ -119,3 +123,60 @@ def test_bpe_dropout_options_are_checked(pairs: dict, tokenizer_path: str, tmp_p
     Tokenizer.train(texts, vocab_size=600, model_type="unigram").save(unigram)
     with pytest.raises(DataError, match="data.bpe_dropout: .* needs a BPE tokenizer"):
         module(pairs, str(unigram), bpe_dropout=0.1).setup("fit")
+
+
+class Counting(L.LightningModule):
+    """Records each epoch's training batches (their rows' pieces) and the epochs validation ran after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+        self.trained: dict[int, int] = Counter()
+        self.pieces: dict[int, int] = Counter()
+        self.validated: list[int] = []
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.trained[self.current_epoch] += len(batch["src"])
+        self.pieces[self.current_epoch] += int((batch["src"] != 0).sum())
+        return (self.w * batch["src"].float().mean()).sum()
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.validated.append(self.current_epoch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_under_lightning_every_epoch_trains_every_pair_and_is_validated(
+    pairs: dict, tokenizer_path: str, multi30k_dir: Path
+) -> None:
+    """Epochs of other lengths (Lightning reads a loader's length once per build: without a build each epoch it
+    validated only after epochs as long as the first and cut longer ones short)."""
+    val = [str(multi30k_dir / "val.de.gz"), str(multi30k_dir / "val.en.gz")]
+
+    def fit(reload: int) -> tuple[Counting, TranslationDataModule]:
+        dm = TranslationDataModule(src_lang="de", tgt_lang="en", tokenizer_path=tokenizer_path,
+                                   train_files=pairs["train_files"], valid_files=val, max_tokens=512,
+                                   cache_dir=str(pairs["root"] / "cache"), bpe_dropout=0.3)
+        module = Counting()
+        trainer = L.Trainer(max_epochs=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            use_distributed_sampler=False, reload_dataloaders_every_n_epochs=reload,
+                            limit_val_batches=1)
+        trainer.fit(module, datamodule=dm)
+        return module, dm
+
+    module, dm = fit(1)
+    assert module.validated == list(range(6))
+    assert dict(module.trained) == {epoch: 1500 for epoch in range(6)}
+    assert dm.resplit is not None
+    counts = set()
+    for epoch in range(6):
+        sampler = TokenBatchSampler(dm.sizes["train"], max_tokens=512, shuffle=True, epoch_sizes=dm.resplit.sizes)
+        sampler.set_epoch(epoch)
+        counts.add(len(sampler))
+    assert len(counts) > 1  # (the case: epochs of different lengths)
+    assert len(set(module.pieces.values())) == 6  # new pieces every epoch
+    with pytest.raises(DataError, match="reload_dataloaders_every_n_epochs=1"):
+        fit(0)
