@@ -7,9 +7,9 @@ whose merged piece came earliest in training (the highest score). BPE-dropout sk
 probability p at each step, and stops when a step has none left.
 
 Why not sentencepiece's own sampling (`enable_sampling=True, alpha=p`): in sentencepiece 0.2.x its draws ignore
-`set_random_generator_seed`, so two processes split the same text differently (seen with 0.2.3). Training needs an epoch's pieces to be a function of (seed, epoch, pair): every
-loader worker and DDP rank must agree with the batch plan made from their lengths, and a resumed run must train on
-what an unbroken run would have.
+`set_random_generator_seed`, so two processes split the same text differently (seen with 0.2.3). Training needs an
+epoch's pieces to be a function of (seed, epoch, pair): every loader worker and DDP rank must agree with the batch
+plan made from their lengths, and a resumed run must train on what an unbroken run would have.
 
 How, cheaply enough to redo every epoch: the pairs' deterministic pieces are cut into words (a piece starting with
 "▁" begins one); each word type gets, once, a pool of segmentations drawn with dropout (`max_samples` of them, fewer
@@ -20,8 +20,9 @@ stands in for fresh draws per occurrence (a split that happens in fewer than ~1/
 
 A word keeps its deterministic pieces whenever dropout does not apply to it: it holds a piece that is not an
 ordinary one (a language tag, a byte of byte fallback, <unk>), or the merges, with no dropout, do not give the
-tokenizer's own pieces for it (which is how a unigram model shows: `Resegmenter` refuses one where most words
-differ). A pair whose resplit side would exceed `max_len` pieces keeps its deterministic pieces that epoch.
+tokenizer's own pieces for it (none on Multi30k; `Resegmenter` refuses a tokenizer where most words differ, and a
+unigram model before that, by its scores). A side whose resplit would exceed `max_len` pieces keeps its
+deterministic pieces that epoch.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Resegmenter:
         if tokenizer.kind != "joint":
             raise ValueError("BPE-dropout needs a tokenizer trained here (one joint sentencepiece BPE model); an "
                              "imported Marian model's tokenizer is not one")
-        self.p, self.seed, self.max_len = p, seed, max_len
+        self.seed, self.max_len = seed, max_len
         pieces = tokenizer.pieces()
         ordinary = np.array([tokenizer.is_ordinary(i) for i in range(len(pieces))])
         # Merge ranks from the scores: sentencepiece scores a BPE model's pieces -0, -1, -2, ... in the order they
