@@ -83,10 +83,11 @@ def largest_budget(peak_bytes: Callable[[int], int], *, memory: int, reserved: i
 
 
 def probe_step(model: Transformer, *, budget: int, length: int, dtype: torch.dtype | None,
-               hidden_states: HiddenStates | None = None) -> None:
+               hidden_states: HiddenStates | None = None, rdrop_alpha: float = 0.0) -> None:
     """One training step's forward and backward on `budget // length` rows of `length` tokens each (random ids, no
     padding: the most a batch of this budget holds), under autocast to `dtype` if given, through `hidden_states`
-    (the model's own by default; training_loss); gradients freed after."""
+    (the model's own by default; training_loss), with R-Drop's two passes where `rdrop_alpha` > 0; gradients freed
+    after."""
     device = next(model.parameters()).device
     rows = max(1, budget // length)
     ids = torch.randint(4, model.config.vocab_size, (rows, length), device=device)
@@ -94,14 +95,16 @@ def probe_step(model: Transformer, *, budget: int, length: int, dtype: torch.dty
     try:
         with autocast:
             loss, _, tokens = training_loss(model, src=ids, tgt_in=ids[:, :-1], tgt_out=ids[:, 1:], smoothing=0.1,
-                                            hidden_states=hidden_states)
+                                            hidden_states=hidden_states, rdrop_alpha=rdrop_alpha)
         (loss / tokens).backward()
     finally:
         model.zero_grad(set_to_none=True)
 
 
-def size_budget(model: Transformer, *, length: int, high: int, dtype: torch.dtype | None) -> int:
-    """The largest budget of padded positions whose training step fits this CUDA device's memory (module docstring)."""
+def size_budget(model: Transformer, *, length: int, high: int, dtype: torch.dtype | None,
+                rdrop_alpha: float = 0.0) -> int:
+    """The largest budget of padded positions whose training step fits this CUDA device's memory (module docstring);
+    under R-Drop (`rdrop_alpha` > 0) a step runs each batch twice over."""
     device = next(model.parameters()).device
     _, memory = torch.cuda.mem_get_info(device)
     reserved = OPTIMIZER_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
@@ -113,7 +116,7 @@ def size_budget(model: Transformer, *, length: int, high: int, dtype: torch.dtyp
         torch.cuda.reset_peak_memory_stats(device)
         try:
             with torch.random.fork_rng(devices=[device]):  # the run's dropout masks as if unprobed
-                probe_step(model, budget=budget, length=length, dtype=dtype)
+                probe_step(model, budget=budget, length=length, dtype=dtype, rdrop_alpha=rdrop_alpha)
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device)
         finally:

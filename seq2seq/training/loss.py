@@ -47,7 +47,7 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, *, smoothing: float, pad_
 
 def training_loss(
     model: Transformer, *, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, smoothing: float,
-    hidden_states: HiddenStates | None = None, target_positions: Tensor | None = None,
+    hidden_states: HiddenStates | None = None, target_positions: Tensor | None = None, rdrop_alpha: float = 0.0,
 ) -> tuple[Tensor, Tensor, int]:
     """One teacher-forced batch: summed (label-smoothed loss, NLL) over its target tokens, and their count.
 
@@ -55,10 +55,26 @@ def training_loss(
     model's own, compiled (training/compiled.py); model.hidden_states by default. `target_positions` (N,): where
     the real target tokens are in tgt_out.flatten() (the batch's, from collate): given, the step never waits on
     the device to count them; else found from tgt_out here. The same rows either way, in the same order.
+
+    `rdrop_alpha` > 0: R-Drop. The batch goes through the model twice (as one batch of twice the rows, each copy
+    with its own dropout masks) and the loss is both passes' plus alpha/2 times their symmetric KL divergence
+    (linear_rdrop_loss); the NLL is both passes' and the count is 2N, so loss / count is per position trained.
     """
-    hidden = (hidden_states or model.hidden_states)(src, tgt_in)  # (B, T, D)
+    positions = tgt_out.numel()
+    if rdrop_alpha > 0:  # rows b and B + b: one sentence pair, two passes
+        src, tgt_in, tgt_out = torch.cat((src, src)), torch.cat((tgt_in, tgt_in)), torch.cat((tgt_out, tgt_out))
+    hidden = (hidden_states or model.hidden_states)(src, tgt_in)  # (B, T, D), or (2B, T, D)
     if target_positions is None:
-        target_positions = (tgt_out != model.config.pad_id).flatten().nonzero().squeeze(1)  # (N,)
+        target_positions = (tgt_out[: tgt_out.size(0) // 2] if rdrop_alpha > 0 else tgt_out)
+        target_positions = (target_positions != model.config.pad_id).flatten().nonzero().squeeze(1)  # (N,)
+    if rdrop_alpha > 0:
+        both = torch.cat((target_positions, target_positions + positions))  # (2N,): the first pass's, the second's
+        loss, nll = linear_rdrop_loss(
+            hidden.flatten(0, 1).index_select(0, both), model.output_projection.weight,
+            tgt_out.flatten().index_select(0, target_positions), bias=model.output_projection.bias,
+            smoothing=smoothing, alpha=rdrop_alpha,
+        )
+        return loss, nll, 2 * target_positions.numel()
     loss, nll = linear_label_smoothed_nll(
         hidden.flatten(0, 1).index_select(0, target_positions), model.output_projection.weight,
         tgt_out.flatten().index_select(0, target_positions), bias=model.output_projection.bias, smoothing=smoothing,
@@ -174,3 +190,112 @@ class _LinearLabelSmoothedNLL(torch.autograd.Function):
         bias_grad = (grad_bias * grad_loss).to(bias_dtype) if grad_bias is not None else None
         return ((grad_hidden * grad_loss).to(hidden_dtype), (grad_weight * grad_loss).to(weight_dtype), bias_grad,
                 None, None, None)
+
+
+def linear_rdrop_loss(
+    hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None, smoothing: float, alpha: float,
+    chunk_rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """R-Drop's loss (Liang et al. 2021) over two passes' states, its logits never held whole.
+
+    hidden: (2N, D), rows i and N + i the states of one target position in two passes (their own dropout masks);
+    target: (N,) the positions' ids; weight (V, D), bias (V,) or None as linear_label_smoothed_nll's. Returns the
+    summed loss, label-smoothed cross-entropy of both passes plus alpha / 2 * (KL(p1 || p2) + KL(p2 || p1)) at
+    each position (as fairseq's R-Drop criterion sums it), and both passes' summed NLL (for logging).
+    """
+    if chunk_rows is None:  # a chunk holds about seven (n, V) tensors, where the one-pass loss holds one
+        chunk_elements = CPU_CHUNK_ELEMENTS if hidden.device.type == "cpu" else GPU_CHUNK_ELEMENTS
+        chunk_rows = max(1, chunk_elements // (4 * weight.size(0)))
+    if hidden.size(0) != 2 * target.size(0):
+        raise ValueError(f"R-Drop takes two passes' states for each target: {hidden.size(0)} rows for "
+                         f"{target.size(0)} targets")
+    return _LinearRDropLoss.apply(hidden, weight, bias, target, smoothing, alpha, chunk_rows)
+
+
+class _LinearRDropLoss(torch.autograd.Function):
+    """The two passes' losses and gradients, chunk by chunk in forward; backward scales them by the upstream gradient.
+
+    Per position, with log-probabilities l1, l2 and probabilities p1, p2 of the two passes, d = l1 - l2 and
+    a = alpha / 2, the gradients with respect to the two passes' logits are
+
+        G1 = p1 - (1 - ε) onehot(y) - ε / V + a * (p1 * (d - KL(p1 || p2)) + p1 - p2)
+        G2 = p2 - (1 - ε) onehot(y) - ε / V + a * (p2 * (-d - KL(p2 || p1)) + p2 - p1)
+
+    (the first three terms are the smoothed cross-entropy's, as in _LinearLabelSmoothedNLL; the last, the symmetric
+    KL's, ties each pass to the other). As there, the uniform ε / V term and the logits' mean are rank-one
+    corrections in float32, off the (n, V) passes; the rest of each G is written out per chunk: R-Drop doubles the
+    model's work anyway, and these passes are a small share of it. Softmax and gradients in float32; under autocast
+    the matmuls in the autocast dtype, the weight's gradient accumulated transposed and row-major (the one-pass
+    loss says why).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, smoothing: float,
+                alpha: float, chunk_rows: int):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        acc_dtype = torch.promote_types(dtype, torch.float32)
+        pairs, d_model = target.size(0), hidden.size(1)
+        vocab, half = weight.size(0), alpha / 2
+        with torch.autocast(device, enabled=False):
+            hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
+            hidden32 = hidden_c.to(acc_dtype)  # (2N, D): the rows the matmuls see, for the float32 side
+            bias_c = bias.to(acc_dtype) if bias is not None else None
+            weight_mean = weight.to(acc_dtype).mean(dim=0)  # (D,): mean_v(z) = h . mean_v(W) + mean(b)
+            bias_mean = bias.to(acc_dtype).mean() if bias is not None else 0.0
+            loss_sum = hidden.new_zeros((), dtype=acc_dtype)
+            nll_sum = hidden.new_zeros((), dtype=acc_dtype)
+            grad_hidden = hidden.new_empty((2 * pairs, d_model), dtype=acc_dtype)  # (2N, D)
+            # (D + 1, V): the weight's gradient transposed, then the bias's; the uniform term's share to start with
+            grad_weight_t = torch.empty((d_model + 1, vocab), dtype=acc_dtype, device=hidden.device)
+            grad_weight_t[:d_model] = (-smoothing / vocab * hidden32.sum(dim=0))[:, None]
+            grad_weight_t[d_model] = -smoothing / vocab * 2 * pairs
+            for start in range(0, pairs, chunk_rows):
+                end = min(start + chunk_rows, pairs)
+                y = target[start:end, None]  # (n, 1)
+                rows = (slice(start, end), slice(pairs + start, pairs + end))  # the first pass's rows, the second's
+                log_probs, probs = [], []
+                for part in rows:  # each pass: its log-probabilities and probabilities, (n, V) in float32
+                    logits = (hidden_c[part] @ weight_c.T).to(acc_dtype)
+                    if bias_c is not None:
+                        logits += bias_c
+                    peak = logits.amax(dim=-1, keepdim=True)  # (n, 1)
+                    p = exp_(logits - peak)  # exp_ avoids a slow path (model/numerics.py)
+                    total = p.sum(dim=-1, keepdim=True)
+                    lse = total.log() + peak
+                    nll = lse - logits.gather(-1, y)  # (n, 1)
+                    mean_logit = hidden32[part] @ weight_mean + bias_mean  # (n,)
+                    loss_sum += ((1 - smoothing) * nll.sum() + smoothing * (lse.squeeze(1) - mean_logit).sum())
+                    nll_sum += nll.sum()
+                    log_probs.append(logits.sub_(lse))
+                    probs.append(p.div_(total))
+                (l1, l2), (p1, p2) = log_probs, probs
+                d = l1.sub_(l2)  # (n, V): l1 is not needed again
+                kl_12, kl_21 = torch.linalg.vecdot(p1, d)[:, None], -torch.linalg.vecdot(p2, d)[:, None]  # (n, 1)
+                loss_sum += half * (kl_12 + kl_21).sum()
+                # G1 + ε / V = p1 * (1 + a - a KL12 + a d) - a p2 (into l2's memory), G2 + ε / V likewise (into d's)
+                grads = (torch.add(1 + half - half * kl_12, d, alpha=half, out=l2).mul_(p1).add_(p2, alpha=-half),
+                         torch.add(1 + half - half * kl_21, d, alpha=-half, out=d).mul_(p2).add_(p1, alpha=-half))
+                for part, grad in zip(rows, grads, strict=True):  # the target's share, then the two matmuls a pass
+                    grad = grad.scatter_add_(-1, y, y.new_full(y.shape, smoothing - 1, dtype=acc_dtype)).to(dtype)
+                    grad_hidden[part] = (grad @ weight_c).to(acc_dtype)
+                    with_bias = torch.cat((hidden32[part], hidden32.new_ones(y.size(0), 1)), dim=1).T.contiguous()
+                    if dtype == acc_dtype:  # (D + 1, n) @ (n, V)
+                        grad_weight_t.addmm_(with_bias, grad)
+                    else:  # a low-precision matmul, accumulated across chunks in float32
+                        grad_weight_t += with_bias.to(dtype) @ grad
+            grad_hidden -= smoothing * weight_mean  # the uniform term: (ε / V) * sum_v W_v
+        grad_weight = grad_weight_t[:d_model].T.contiguous()  # (V, D)
+        grad_bias = grad_weight_t[d_model] if bias is not None else None
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.mark_non_differentiable(nll_sum)
+        return loss_sum, nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, grad_nll: Tensor):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        bias_grad = (grad_bias * grad_loss).to(bias_dtype) if grad_bias is not None else None
+        return ((grad_hidden * grad_loss).to(hidden_dtype), (grad_weight * grad_loss).to(weight_dtype), bias_grad,
+                None, None, None, None)

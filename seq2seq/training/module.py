@@ -112,6 +112,7 @@ class TranslationModule(L.LightningModule):
         compile: bool | Literal["auto"] = "auto",
         tokens_per_update: int | None = None,
         fp32_residual: bool = False,
+        rdrop_alpha: float = 0.0,
     ):
         """
         Args:
@@ -142,6 +143,10 @@ class TranslationModule(L.LightningModule):
             fp32_residual: under bf16-mixed precision, keep the residual stream (and the norms' outputs) in float32
                 as autocast alone does, rather than in bf16 (the default: Megatron-LM's choice, and fewer casts;
                 model/transformer.py's Embedder; docs/results/training-speed.md#bf16-residual has what it is worth).
+            rdrop_alpha: R-Drop (Liang et al. 2021) when > 0: each batch goes through the model twice with their own
+                dropout masks, and the loss adds alpha / 2 times the two passes' symmetric KL divergence (training/loss.py).
+                Twice the work a step; 5 is the paper's for translation. The logged train_loss is that objective per
+                position trained; train_nll is both passes' NLL.
         """
         super().__init__()
         if compile not in (True, False, "auto"):
@@ -149,6 +154,8 @@ class TranslationModule(L.LightningModule):
         if tokens_per_update is not None and (isinstance(tokens_per_update, bool) or not isinstance(tokens_per_update, int)
                                               or tokens_per_update < 1):
             raise ConfigError("model.tokens_per_update", f"must be a positive number of positions, got {tokens_per_update!r}")
+        if isinstance(rdrop_alpha, bool) or not isinstance(rdrop_alpha, int | float) or not 0 <= rdrop_alpha < math.inf:
+            raise ConfigError("model.rdrop_alpha", f"must be a number >= 0 (0: no R-Drop), got {rdrop_alpha!r}")
         if not isinstance(fp32_residual, bool):
             raise ConfigError("model.fp32_residual", f"must be true or false, got {fp32_residual!r}")
         check_hyperparameters(val_search=val_search, label_smoothing=label_smoothing,
@@ -222,7 +229,10 @@ class TranslationModule(L.LightningModule):
                                                                 world_size=world)
             rank_zero_info(f"model.tokens_per_update {wanted}: {self.trainer.accumulate_grad_batches} batch(es) of "
                            f"{max_tokens} padded positions on each of {world} device(s) an update")
-        compiled = choose_compiled_step(self.trainer, self.model, setting=self.hparams["compile"], max_tokens=max_tokens)
+        # under R-Drop the encoder and decoder run on the batch twice over: timed at that size
+        passes = 2 if self.hparams.get("rdrop_alpha", 0.0) > 0 else 1
+        compiled = choose_compiled_step(self.trainer, self.model, setting=self.hparams["compile"],
+                                        max_tokens=passes * max_tokens)
         self._hidden_states = compile_hidden_states(self.model) if compiled else None
 
     def _size_budget(self, datamodule: Any, *, high: int | None) -> int:
@@ -236,7 +246,8 @@ class TranslationModule(L.LightningModule):
             # would fire
             probe = copy.deepcopy(self.model)
             budget = size_budget(probe, length=datamodule.max_tokens_per_sentence + 1, high=high or 2**20,
-                                 dtype=autocast_dtype(str(self.trainer.precision)))
+                                 dtype=autocast_dtype(str(self.trainer.precision)),
+                                 rdrop_alpha=self.hparams.get("rdrop_alpha", 0.0))
             del probe
             torch.cuda.empty_cache()
         budget = int(self.trainer.strategy.broadcast(budget or 0))
@@ -325,7 +336,7 @@ class TranslationModule(L.LightningModule):
         loss, nll, tokens = training_loss(
             self.model, src=batch["src"], tgt_in=batch["tgt_in"], tgt_out=batch["tgt_out"],
             smoothing=self.hparams["label_smoothing"], hidden_states=self._hidden_states,
-            target_positions=batch.get("target_positions"),
+            target_positions=batch.get("target_positions"), rdrop_alpha=self.hparams.get("rdrop_alpha", 0.0),
         )
         # Summed on the device until the next log: reading a value every step (.item(), a log Lightning's
         # progress bar reads) makes the host wait for the device at every step

@@ -88,6 +88,8 @@ def test_the_probe_step_runs_the_training_step_at_the_budget_and_frees_its_gradi
     probe_step(model, budget=1000, length=33, dtype=torch.bfloat16)
     assert seen == [((30, 33), torch.long)]  # 1000 // 33 rows of the longest length
     assert all(p.grad is None for p in model.parameters()) and len(grads) == len(list(model.parameters()))
+    probe_step(model, budget=1000, length=33, dtype=torch.bfloat16, rdrop_alpha=5.0)
+    assert seen[1:] == [((60, 33), torch.long)]  # R-Drop: the rows twice over, in one pass of the model
 
 
 def tiny_data(root: Path, **options) -> TranslationDataModule:
@@ -165,7 +167,9 @@ def test_tokens_per_update_and_an_accumulation_are_not_both_given(tmp_path: Path
         TranslationModule(transformer=TransformerConfig(vocab_size=64), tokens_per_update=0)
 
 
-def test_size_budget_runs_its_probes_on_the_model_and_reads_the_gpus_memory(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("rdrop_alpha", [0.0, 5.0])
+def test_size_budget_runs_its_probes_on_the_model_and_reads_the_gpus_memory(rdrop_alpha: float,
+                                                                            monkeypatch: pytest.MonkeyPatch):
     """size_budget's own path, as far as a CPU runs it: torch.cuda's memory calls pretended (a 1 GiB GPU, a
     peak of 64 MiB plus 100 KB a position), the probes real training steps of the model at each budget asked."""
     import contextlib
@@ -176,9 +180,9 @@ def test_size_budget_runs_its_probes_on_the_model_and_reads_the_gpus_memory(monk
                                           num_decoder_layers=1)).eval()
     probed, real_probe = [], budget_module.probe_step
 
-    def probe(m, *, budget, length, dtype):
-        probed.append((budget, length, m.training))
-        real_probe(m, budget=budget, length=length, dtype=dtype)
+    def probe(m, *, budget, length, dtype, rdrop_alpha):
+        probed.append((budget, length, m.training, rdrop_alpha))
+        real_probe(m, budget=budget, length=length, dtype=dtype, rdrop_alpha=rdrop_alpha)
 
     monkeypatch.setattr(budget_module, "probe_step", probe)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 2**30))
@@ -186,9 +190,10 @@ def test_size_budget_runs_its_probes_on_the_model_and_reads_the_gpus_memory(monk
         monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 64 * 2**20 + 100_000 * probed[-1][0])
     monkeypatch.setattr(torch.random, "fork_rng", lambda **kwargs: contextlib.nullcontext())
-    found = budget_module.size_budget(model, length=65, high=2**20, dtype=None)
+    found = budget_module.size_budget(model, length=65, high=2**20, dtype=None, rdrop_alpha=rdrop_alpha)
     reserved = budget_module.OPTIMIZER_COPIES * sum(p.numel() * 4 for p in model.parameters())
     allowed = HEADROOM * 2**30 - reserved
     assert 64 * 2**20 + 100_000 * found <= allowed < 64 * 2**20 + 100_000 * (found + GRANULE)
-    assert [b for b, _, _ in probed][:3] == [65, 2048, 4096] and {(n, t) for _, n, t in probed} == {(65, True)}
+    assert [b for b, _, _, _ in probed][:3] == [65, 2048, 4096]
+    assert {(n, t, alpha) for _, n, t, alpha in probed} == {(65, True, rdrop_alpha)}  # R-Drop's step is the one probed
     assert not model.training  # given back as it came

@@ -6,7 +6,12 @@ import torch.nn.functional as F
 
 from seq2seq.model import Transformer, TransformerConfig
 from seq2seq.text.tokenizer import PAD_ID
-from seq2seq.training.loss import label_smoothed_nll, linear_label_smoothed_nll, training_loss
+from seq2seq.training.loss import (
+    label_smoothed_nll,
+    linear_label_smoothed_nll,
+    linear_rdrop_loss,
+    training_loss,
+)
 
 
 def test_label_smoothed_loss_matches_cross_entropy():
@@ -169,3 +174,94 @@ def test_chunks_fit_a_cpu_cache_and_are_large_on_other_devices(device: str, rows
     linear_label_smoothed_nll(torch.empty(10, 8, device=device), torch.empty(1000, 8, device=device),
                               torch.zeros(10, dtype=torch.long, device=device), smoothing=0.1)
     assert seen == [rows]
+
+
+def rdrop_reference(hidden, weight, bias, target, smoothing, alpha):
+    """Full logits of both passes, F.cross_entropy and F.kl_div: R-Drop's summed loss, NLL and the loss's gradients."""
+    hidden, weight, bias = (t.detach().requires_grad_() for t in (hidden, weight, bias))
+    logits = hidden @ weight.T + bias  # (2N, V)
+    pairs = target.size(0)
+    both = torch.cat((target, target))
+    log_p1, log_p2 = F.log_softmax(logits[:pairs], dim=-1), F.log_softmax(logits[pairs:], dim=-1)
+    kl = (F.kl_div(log_p2, log_p1, log_target=True, reduction="sum")  # KL(p1 || p2)
+          + F.kl_div(log_p1, log_p2, log_target=True, reduction="sum"))
+    loss = F.cross_entropy(logits, both, label_smoothing=smoothing, reduction="sum") + alpha / 2 * kl
+    nll = F.cross_entropy(logits.detach(), both, reduction="sum")
+    loss.backward()
+    return loss.detach(), nll, hidden.grad, weight.grad, bias.grad
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 25, 1000])
+@pytest.mark.parametrize("smoothing,alpha", [(0.0, 5.0), (0.1, 5.0), (0.1, 0.5), (0.2, 0.0)])
+def test_rdrop_loss_matches_full_logits(chunk_rows: int, smoothing: float, alpha: float):
+    hidden, weight, target = random_problem(50, seed=1)
+    pairs = 25
+    target = target[:pairs]
+    bias = torch.randn(weight.size(0), dtype=torch.float64, requires_grad=True)
+    loss, nll = linear_rdrop_loss(hidden, weight, target, bias=bias, smoothing=smoothing, alpha=alpha,
+                                  chunk_rows=chunk_rows)
+    (loss * 0.37).backward()
+    ref_loss, ref_nll, ref_hidden, ref_weight, ref_bias = rdrop_reference(hidden, weight, bias, target, smoothing, alpha)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(nll, ref_nll)
+    torch.testing.assert_close(hidden.grad, 0.37 * ref_hidden)
+    torch.testing.assert_close(weight.grad, 0.37 * ref_weight)
+    torch.testing.assert_close(bias.grad, 0.37 * ref_bias)
+    assert not nll.requires_grad
+
+
+def test_rdrop_loss_gradcheck_and_refusal():
+    hidden, weight, target = random_problem(8, d_model=4, vocab=6, seed=2)
+    assert torch.autograd.gradcheck(
+        lambda h, w: linear_rdrop_loss(h, w, target[:4], smoothing=0.1, alpha=3.0, chunk_rows=3)[0], (hidden, weight)
+    )
+    with pytest.raises(ValueError, match="two passes' states"):
+        linear_rdrop_loss(hidden, weight, target, smoothing=0.1, alpha=1.0)
+
+
+def test_rdrop_loss_under_bf16_autocast_is_close_to_float32():
+    """The matmuls in bf16, the softmax, KL and gradients in float32: near the float32 result."""
+    hidden, weight, target = random_problem(64, d_model=32, vocab=200, dtype=torch.float32, seed=3)
+    exact, _ = linear_rdrop_loss(hidden, weight, target[:32], smoothing=0.1, alpha=5.0)
+    exact.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, _ = linear_rdrop_loss(hidden, weight, target[:32], smoothing=0.1, alpha=5.0)
+    low.backward()
+    assert low.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.float32
+    torch.testing.assert_close(low, exact, rtol=2e-2, atol=0)
+    for got, want in zip((hidden.grad, weight.grad), grads, strict=True):
+        assert (got - want).norm() < 0.05 * want.norm()
+
+
+def test_training_loss_rdrop_without_dropout_is_twice_one_pass():
+    """No dropout: both passes alike, the KL term 0, so R-Drop's loss, NLL, count and gradients are twice one pass's;
+    with dropout the passes differ and the KL term adds to the loss."""
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=31, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
+                               num_decoder_layers=1, dropout=0.0, attention_dropout=0.0)
+    model = Transformer(config).double()
+    src, tgt = torch.randint(4, 31, (3, 7)), torch.randint(4, 31, (3, 6))
+    tgt[0, 3:] = PAD_ID
+    data = dict(src=src, tgt_in=tgt[:, :-1], tgt_out=tgt[:, 1:], smoothing=0.1)
+    one, one_nll, one_tokens = training_loss(model, **data)
+    one.backward()
+    one_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    positions = (tgt[:, 1:] != PAD_ID).flatten().nonzero().squeeze(1)  # as collate gives them
+    two, two_nll, two_tokens = training_loss(model, **data, rdrop_alpha=5.0, target_positions=positions)
+    two.backward()
+    assert two_tokens == 2 * one_tokens == 2 * 12
+    torch.testing.assert_close(two, 2 * one)
+    torch.testing.assert_close(two_nll, 2 * one_nll)
+    for got, want in zip((p.grad for p in model.parameters()), one_grads, strict=True):
+        torch.testing.assert_close(got, 2 * want)
+    noisy = Transformer(TransformerConfig.from_dict({**config.to_dict(), "dropout": 0.3})).double()
+    noisy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.manual_seed(1)
+        regularised, nll, _ = training_loss(noisy, **data, rdrop_alpha=5.0)
+        torch.manual_seed(1)
+        unregularised, nll_again, _ = training_loss(noisy, **data, rdrop_alpha=1e-12)
+    assert regularised > unregularised and nll == nll_again  # the same two passes; the KL term > 0

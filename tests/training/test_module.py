@@ -74,6 +74,8 @@ def test_a_typo_in_the_model_section_is_an_error(override: str, capsys: pytest.C
         ({"weight_decay": -0.1}, "model.weight_decay: must be >= 0, got -0.1"),
         ({"adam_betas": (0.9, 1.0)}, "model.adam_betas[1]: must be >= 0 and < 1, got 1.0"),
         ({"adam_eps": 0.0}, "model.adam_eps: must be > 0, got 0.0"),
+        ({"rdrop_alpha": -1.0}, "model.rdrop_alpha: must be a number >= 0 (0: no R-Drop), got -1.0"),
+        ({"rdrop_alpha": math.inf}, "model.rdrop_alpha: must be a number >= 0 (0: no R-Drop), got inf"),
         ({"val_search": SearchConfig(sampling=True)}, "model.val_search.sampling: validation BLEU needs a deterministic"),
     ],
 )
@@ -195,11 +197,14 @@ def test_the_attention_verdict_is_applied_under_autocast(bf16_attention: bool, t
     assert asked == [] and probe.fp32_attention == {False}  # no autocast: nothing to decide
 
 
-@pytest.mark.parametrize(("setting", "pays", "compiled"), [("auto", False, False), ("auto", True, True),
-                                                         (False, True, False)])
-def test_the_compiled_step_is_chosen_by_its_verdict(setting, pays: bool, compiled: bool, tmp_path: Path, monkeypatch):
-    """model.compile auto asks whether the compiled step pays here (once, with the run's precision and token budget)
-    and trains through it where it does; false never asks. The compile itself is tested in test_compiled_training.py."""
+@pytest.mark.parametrize(("setting", "pays", "compiled", "rdrop_alpha"),
+                         [("auto", False, False, 0.0), ("auto", True, True, 0.0), (False, True, False, 0.0),
+                          ("auto", True, True, 5.0)])
+def test_the_compiled_step_is_chosen_by_its_verdict(setting, pays: bool, compiled: bool, rdrop_alpha: float,
+                                                    tmp_path: Path, monkeypatch):
+    """model.compile auto asks whether the compiled step pays here (once, with the run's precision and token budget,
+    twice the budget under R-Drop, whose step runs the batch twice over) and trains through it where it does; false
+    never asks. The compile itself is tested in test_compiled_training.py."""
     asked, compiles = [], []
 
     def verdict(config, device, *, precision, max_tokens, fp32_attention, fp32_residual):
@@ -212,8 +217,9 @@ def test_the_compiled_step_is_chosen_by_its_verdict(setting, pays: bool, compile
 
     monkeypatch.setattr("seq2seq.training.machine.compiled_step_pays", verdict)
     monkeypatch.setattr("seq2seq.training.module.compile_hidden_states", compile_hidden_states)
-    module, _ = tiny_training(tmp_path, module_options={"compile": setting})
-    assert asked == ([("cpu", "32-true", 256, False, False)] if setting == "auto" else [])
+    module, _ = tiny_training(tmp_path, module_options={"compile": setting, "rdrop_alpha": rdrop_alpha})
+    budget = 512 if rdrop_alpha else 256
+    assert asked == ([("cpu", "32-true", budget, False, False)] if setting == "auto" else [])
     assert compiles == ([module.model] if compiled else [])
 
 
@@ -257,12 +263,12 @@ class HostWaits(L.Callback):
         self.steps += 1
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_a_training_step_never_waits_for_the_device(precision: str, tmp_path: Path):
+@pytest.mark.parametrize("precision,rdrop_alpha", [("32-true", 0.0), ("bf16-mixed", 0.0), ("bf16-mixed", 5.0)])
+def test_a_training_step_never_waits_for_the_device(precision: str, rdrop_alpha: float, tmp_path: Path):
     """On a GPU every wait for the device inside a step idles it while the host catches up; the step has none
     (the target positions come with the batch, the loss and token counts are summed on the device and read at
     the log, the divergence flag goes to the fused AdamW as found_inf, PowerEMA counts its updates on the host),
-    clipped, under each precision."""
+    clipped, under each precision, and under R-Drop (its batch doubled on the device)."""
     waits = HostWaits()
     write_tiny_run(tmp_path, train_pairs=600, val_pairs=4)
     data = TranslationDataModule(src_lang="de", tgt_lang="en", tokenizer_path=str(tmp_path / "spm.model"),
@@ -271,7 +277,7 @@ def test_a_training_step_never_waits_for_the_device(precision: str, tmp_path: Pa
                                  max_tokens=256, max_tokens_per_sentence=64, cache_dir=str(tmp_path / "cache"))
     module = TranslationModule(transformer=TransformerConfig(vocab_size=600, d_model=16, num_heads=2, d_ff=32,
                                                              num_encoder_layers=1, num_decoder_layers=1),
-                               warmup_steps=1)
+                               warmup_steps=1, rdrop_alpha=rdrop_alpha)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=True, enable_model_summary=False,
                         callbacks=[PowerEMA(), waits], default_root_dir=tmp_path, precision=precision,
@@ -280,6 +286,7 @@ def test_a_training_step_never_waits_for_the_device(precision: str, tmp_path: Pa
     trainer.fit(module, datamodule=data)
     assert waits.steps == 4 and "_fused_adamw_.default" in waits.ops  # (the steps were seen)
     assert waits.waits == []
+    assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
 def test_the_loss_and_speed_are_logged_every_log_every_n_steps(tmp_path: Path):
