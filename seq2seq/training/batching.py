@@ -36,7 +36,7 @@ class TokenBatchSampler:
     Evaluation: the whole split sorted by size, the same batches in the same order every time.
     Each rank then takes every world_size-th batch of the list, padded to a multiple of world_size
     by repeating its first batches. The batch count may differ slightly between epochs (windows
-    pack differently); Lightning reads `len` once, at the first epoch.
+    pack differently); Lightning reads `len` once per loader, so the data module has it build one each epoch.
 
     With `epoch_sizes` (BPE-dropout: a pair's pieces, so its size, change by epoch), training batches are planned
     on epoch e's sizes and yielded as (e, row) keys.

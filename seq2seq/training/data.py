@@ -503,13 +503,20 @@ class TranslationDataModule(L.LightningDataModule):
             # run left its workers and the fork server running for good. Workers persist, so the
             # start (imports, the dataset pickled) is paid once per run.
             kwargs["multiprocessing_context"] = "spawn"
-        if isinstance(pairs, ResplitPairs) and self.trainer is not None and \
+        # Why an epoch's batch count is its own, where it is: the pairs' sizes or the pairs themselves change by
+        # epoch, or the length-sorted windows hold other pairs each epoch (a single window packs the same sizes alike)
+        varies = [why for why, applies in (
+            ("data.bpe_dropout", isinstance(pairs, ResplitPairs)),
+            ("several directions drawn in shares", shares is not None),
+            (f"more pairs than data.shuffle_window={hp['shuffle_window']}", len(self.sizes[split]) > hp["shuffle_window"]),
+        ) if applies and split == "train"]
+        if varies and self.trainer is not None and \
                 getattr(self.trainer, "reload_dataloaders_every_n_epochs", 0) != 1:  # (set by Lightning, untyped)
             # (Lightning reads a loader's length once per build: it validates after batch len(loader) of an
-            # epoch and ends the epoch there, but under BPE-dropout the epochs differ in length)
-            raise DataError("data.bpe_dropout needs the training loader built each epoch, whose number of batches "
-                            "is its own: give the Trainer reload_dataloaders_every_n_epochs=1 (python -m seq2seq.fit "
-                            "does)")
+            # epoch and ends the epoch there, so shorter epochs went unvalidated and longer ones lost their last batches)
+            raise DataError(f"the training epochs pack their own number of batches here ({', '.join(varies)}), so the "
+                            "training loader must be built each epoch: give the Trainer "
+                            "reload_dataloaders_every_n_epochs=1 (python -m seq2seq.fit does)")
         if split == "train" and self.trainer is not None:
             # The epoch the loop will train next (restored on a resume), before Lightning's first iter():
             # worker processes start fetching at iter(), before Lightning calls set_epoch.

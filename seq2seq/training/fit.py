@@ -159,11 +159,11 @@ class TranslationCLI(LightningCLI):
             check_fine_tuning_data(self.config["data"], init_from=self.config["model"]["init_from"],
                                    given_fields=self.given_fields["data"])
         check_accelerator(self.config["trainer"]["accelerator"])
-        if (self.config["data"].get("bpe_dropout") or 0) > 0 and not self.config["trainer"].get(
-                "reload_dataloaders_every_n_epochs"):
-            # Under BPE-dropout each epoch has its own number of batches, and Lightning reads a loader's length
-            # once: it would validate only after an epoch as long as the first, and cut longer ones short.
-            # Building the training loader each epoch makes it read each epoch's length.
+        if not self.config["trainer"].get("reload_dataloaders_every_n_epochs"):
+            # Each epoch can pack its own number of batches (BPE-dropout, more pairs than one shuffle window, several
+            # directions' shares: training/data.py), and Lightning reads a loader's length once per build: it would
+            # validate only after epochs as long as the first and cut longer ones short. Building the loaders each
+            # epoch makes it read each epoch's length (on a CPU, milliseconds; worker processes restart).
             self.config["trainer"]["reload_dataloaders_every_n_epochs"] = 1
 
 

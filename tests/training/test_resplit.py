@@ -1,4 +1,5 @@
-"""BPE-dropout in training: the sampler planning on an epoch's sizes, the (epoch, row) keys, the data module."""
+"""BPE-dropout in training: the sampler planning on an epoch's sizes, the (epoch, row) keys, the data module; epochs of
+other lengths under Lightning."""
 
 from collections import Counter
 from pathlib import Path
@@ -148,17 +149,20 @@ class Counting(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+@pytest.mark.parametrize("case", ["bpe_dropout", "shuffle_windows"])
 def test_under_lightning_every_epoch_trains_every_pair_and_is_validated(
-    pairs: dict, tokenizer_path: str, multi30k_dir: Path
+    case: str, pairs: dict, tokenizer_path: str, multi30k_dir: Path
 ) -> None:
-    """Epochs of other lengths (Lightning reads a loader's length once per build: without a build each epoch it
-    validated only after epochs as long as the first and cut longer ones short)."""
+    """Epochs of other lengths: BPE-dropout's, or more pairs than one shuffle window (its windows hold other pairs each
+    epoch, so pack into other counts). Lightning reads a loader's length once per build: without a build each epoch
+    it validated only after epochs as long as the first and cut longer ones short."""
     val = [str(multi30k_dir / "val.de.gz"), str(multi30k_dir / "val.en.gz")]
+    options = {"bpe_dropout": 0.3} if case == "bpe_dropout" else {"shuffle_window": 300}
 
     def fit(reload: int) -> tuple[Counting, TranslationDataModule]:
         dm = TranslationDataModule(src_lang="de", tgt_lang="en", tokenizer_path=tokenizer_path,
                                    train_files=pairs["train_files"], valid_files=val, max_tokens=512,
-                                   cache_dir=str(pairs["root"] / "cache"), bpe_dropout=0.3)
+                                   cache_dir=str(pairs["root"] / "cache"), **options)
         module = Counting()
         trainer = L.Trainer(max_epochs=6, accelerator="cpu", logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -170,13 +174,17 @@ def test_under_lightning_every_epoch_trains_every_pair_and_is_validated(
     module, dm = fit(1)
     assert module.validated == list(range(6))
     assert dict(module.trained) == {epoch: 1500 for epoch in range(6)}
-    assert dm.resplit is not None
+    assert (dm.resplit is not None) == (case == "bpe_dropout")
     counts = set()
     for epoch in range(6):
-        sampler = TokenBatchSampler(dm.sizes["train"], max_tokens=512, shuffle=True, epoch_sizes=dm.resplit.sizes)
+        sampler = TokenBatchSampler(dm.sizes["train"], max_tokens=512, shuffle=True,
+                                    shuffle_window=options.get("shuffle_window", 100_000),
+                                    epoch_sizes=dm.resplit.sizes if dm.resplit is not None else None)
         sampler.set_epoch(epoch)
         counts.add(len(sampler))
     assert len(counts) > 1  # (the case: epochs of different lengths)
-    assert len(set(module.pieces.values())) == 6  # new pieces every epoch
-    with pytest.raises(DataError, match="reload_dataloaders_every_n_epochs=1"):
+    # new pieces every epoch under BPE-dropout; the same pieces, in other batches, otherwise
+    assert len(set(module.pieces.values())) == (6 if case == "bpe_dropout" else 1)
+    why = "data.bpe_dropout" if case == "bpe_dropout" else "more pairs than data.shuffle_window=300"
+    with pytest.raises(DataError, match=f"\\({why}\\).*reload_dataloaders_every_n_epochs=1"):
         fit(0)
