@@ -223,8 +223,8 @@ class _LinearRDropLoss(torch.autograd.Function):
 
     (the first three terms are the smoothed cross-entropy's, as in _LinearLabelSmoothedNLL; the last, the symmetric
     KL's, ties each pass to the other). As there, the uniform ε / V term and the logits' mean are rank-one
-    corrections in float32, off the (n, V) passes; the rest of each G is written out per chunk: R-Drop doubles the
-    model's work anyway, and these passes are a small share of it. Softmax and gradients in float32; under autocast
+    corrections in float32, off the (n, V) passes; the rest of each G is written out per chunk (about twice the
+    one-pass loss's (n, V) passes per row, where R-Drop doubles the model's work in any case). Softmax and gradients in float32; under autocast
     the matmuls in the autocast dtype, the weight's gradient accumulated transposed and row-major (the one-pass
     loss says why).
     """
